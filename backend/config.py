@@ -1,0 +1,109 @@
+"""Typed configuration read once from config.toml and passed down.
+
+config.toml at the project root holds every default. A user file (``--config``) is merged over
+it key by key, so it only needs the keys it changes.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config.toml"
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = (
+            _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        )
+    return out
+
+
+def load_toml(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """The packaged defaults, with the user's file (if any) merged over them."""
+    with open(DEFAULT_CONFIG_PATH, "rb") as f:
+        data = tomllib.load(f)
+    if path is not None:
+        with open(path, "rb") as f:
+            data = _merge(data, tomllib.load(f))
+    return data
+
+
+def _section(cls: type, raw: dict[str, Any], name: str) -> Any:
+    known = {f.name for f in fields(cls)}
+    unknown = set(raw) - known
+    if unknown:
+        raise ValueError(f"config [{name}]: unknown keys {sorted(unknown)}")
+    return cls(**raw)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Settings of the built-in engine (config.toml [engine])."""
+
+    model: str
+    load_format: str
+    device: str
+    dtype: str
+    block_size: int
+    kv_cache_tokens: int
+    kv_cache_bytes: int
+    gpu_memory_utilization: float
+    enable_prefix_caching: bool
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enforce_eager: bool
+    cache_dir: str
+    seed: int
+
+    def __post_init__(self) -> None:
+        checks = {
+            "load_format": self.load_format in ("auto", "gguf", "safetensors", "dummy"),
+            "device": self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+            "dtype": self.dtype in ("auto", "float32", "bfloat16", "float16"),
+            "block_size": self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
+            "kv_cache_tokens": self.kv_cache_tokens >= 0,
+            "kv_cache_bytes": self.kv_cache_bytes > 0,
+            "gpu_memory_utilization": 0 < self.gpu_memory_utilization <= 1,
+            "max_model_len": self.max_model_len >= 0,
+            "max_num_seqs": self.max_num_seqs > 0,
+            "max_num_batched_tokens": self.max_num_batched_tokens > 0,
+        }
+        bad = [k for k, ok in checks.items() if not ok]
+        if bad:
+            raise ValueError(
+                f"invalid engine config value(s): {', '.join(f'{k}={getattr(self, k)!r}' for k in bad)}"
+            )
+
+    @property
+    def resolved_cache_dir(self) -> Path:
+        return Path(os.environ.get("CACHEGW_CACHE_DIR") or self.cache_dir).expanduser()
+
+    def with_overrides(self, **overrides: Any) -> EngineConfig:
+        """A copy with the given fields changed; None values keep the configured default."""
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+@dataclass(frozen=True)
+class BackendServerConfig:
+    """Settings of `cachegw backend` (config.toml [backend_server])."""
+
+    host: str
+    port: int
+    served_model_name: str
+    max_request_bytes: int
+
+
+def load_engine_config(path: str | os.PathLike[str] | None = None, **overrides: Any) -> EngineConfig:
+    cfg = _section(EngineConfig, load_toml(path)["engine"], "engine")
+    return cfg.with_overrides(**overrides)
+
+
+def load_backend_server_config(path: str | os.PathLike[str] | None = None) -> BackendServerConfig:
+    return _section(BackendServerConfig, load_toml(path)["backend_server"], "backend_server")

@@ -1,0 +1,253 @@
+"""The engine loop: add requests, step, collect outputs.
+
+A step is: schedule (which sequences, how many tokens each) -> run the model on the flat batch
+-> mark the computed blocks findable for prefix caching -> sample one token for each sequence
+that reached its end -> detokenize and check stop conditions -> free finished sequences.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from backend.block_manager import BlockManager, cdiv
+from backend.config import EngineConfig
+from backend.detokenizer import IncrementalDetokenizer
+from backend.model_loader import resolve_model_dir
+from backend.model_runner import ModelRunner
+from backend.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from backend.platform import resolve_device, resolve_dtype
+from backend.sampler import sample
+from backend.sampling_params import InvalidParameter, SamplingParams
+from backend.scheduler import Scheduler
+from backend.sequence import Sequence, SequenceStatus
+
+log = logging.getLogger("cachegw.backend")
+
+
+class ContextLengthExceeded(InvalidParameter):
+    """The prompt (plus max_tokens) does not fit the model's context or the KV cache."""
+
+    code = "context_length_exceeded"
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+        start = time.perf_counter()
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model_dir = resolve_model_dir(config.model, config.resolved_cache_dir)
+        hf_config = AutoConfig.from_pretrained(str(self.model_dir))
+        limit = hf_config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len, limit) if config.max_model_len else limit
+        has_tokenizer = any((self.model_dir / f).exists() for f in ("tokenizer.json", "tokenizer.model"))
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir)) if has_tokenizer else None
+        self.runner = ModelRunner(
+            config, hf_config, self.model_dir, self.device, self.dtype, self.max_model_len
+        )
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.eos_token_ids = self._eos_ids(hf_config, GenerationConfig)
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.requests: dict[str, Sequence] = {}
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        log.info(
+            "engine ready in %.1f s: %s on %s/%s, %d KV blocks x %d tokens (%.0f MiB)",
+            time.perf_counter() - start,
+            self.model_dir.name,
+            self.device,
+            self.dtype,
+            self.runner.num_blocks,
+            config.block_size,
+            self.kv_cache_bytes / 2**20,
+        )
+
+    def _eos_ids(self, hf_config, generation_config_cls) -> set[int]:
+        ids: set[int] = set()
+        try:
+            gen = generation_config_cls.from_pretrained(str(self.model_dir))
+            eos = gen.eos_token_id
+        except OSError:
+            eos = getattr(hf_config, "eos_token_id", None)
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.runner.num_blocks * self.config.block_size * self.runner.kv_bytes_per_token
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        return self.runner.num_blocks * self.config.block_size
+
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidParameter("prompt", "this model has no tokenizer: send token ids")
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> Sequence:
+        """Queue a request; raises InvalidParameter (or ContextLengthExceeded) if it can never run."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        vocab = self.runner.spec.vocab_size
+        if not ids:
+            raise InvalidParameter("prompt", "the prompt is empty")
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
+            raise InvalidParameter("prompt", f"token ids must be integers in [0, {vocab})")
+        n, limit = len(ids), self.max_model_len
+        if n >= limit or n + params.max_tokens > limit:
+            raise ContextLengthExceeded(
+                "max_tokens" if n < limit else "prompt",
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} for the "
+                "completion). Please reduce the prompt or max_tokens.",
+            )
+        if cdiv(n + params.max_tokens, self.config.block_size) > self.block_manager.num_blocks:
+            raise ContextLengthExceeded(
+                "max_tokens",
+                f"The request needs {n + params.max_tokens} tokens of KV cache but the engine holds "
+                f"{self.kv_cache_tokens}. Please reduce the prompt or max_tokens.",
+            )
+        seq = Sequence(
+            request_id, ids, params, cache_salt, arrival_time, prompt if isinstance(prompt, str) else None
+        )
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks; False if it was unknown or already done."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq)
+        seq.finish_reason = "abort"
+        seq.finish_time = time.time()
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns the outputs of the sequences that got a token (or finished)."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        logits, rows = self.runner.execute(batch)
+        for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                self.prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+            seq.num_computed_tokens += n
+            self.block_manager.cache_computed_blocks(seq)
+        sampled = [batch.seqs[i] for i in rows]
+        if not sampled:
+            return []
+        result = sample(logits, sampled, self.generator)
+        now = time.time()
+        outputs = []
+        for seq, token, logprob in zip(sampled, result.token_ids, result.logprobs, strict=True):
+            seq.token_ids.append(token)
+            self.generation_tokens += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if logprob is not None:
+                seq.logprobs.append(logprob)
+            self._check_stop(seq, token)
+            if seq.finish_reason is not None:
+                seq.finish_time = now
+                seq.detokenizer.flush()
+                self.scheduler.finish(seq)
+                del self.requests[seq.request_id]
+            outputs.append(self.make_output(seq))
+        return outputs
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        p = seq.params
+        if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
+            seq.finish_reason, seq.stop_reason = "stop", (None if token in self.eos_token_ids else token)
+            return
+        stop = seq.detokenizer.add(token)
+        if stop is not None:
+            seq.finish_reason, seq.stop_reason = "stop", stop
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+
+    def make_output(self, seq: Sequence) -> RequestOutput:
+        finished = seq.finish_reason is not None
+        completion = CompletionOutput(
+            index=0,
+            text=seq.detokenizer.visible_text(finished),
+            token_ids=seq.output_token_ids,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+        )
+        metrics = RequestMetrics(
+            seq.arrival_time,
+            seq.first_scheduled_time,
+            seq.first_token_time,
+            seq.finish_time,
+            seq.num_preemptions,
+        )
+        return RequestOutput(
+            seq.request_id,
+            seq.prompt,
+            seq.token_ids[: seq.num_prompt_tokens],
+            max(seq.num_cached_tokens, 0),
+            [completion],
+            finished,
+            metrics,
+        )
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=bm.usage,
+            num_blocks=bm.num_blocks,
+            prefix_cache_queries=bm.prefix_queries,
+            prefix_cache_hits=bm.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+        )
+
+    def is_running(self, request_id: str) -> bool:
+        seq = self.requests.get(request_id)
+        return seq is not None and seq.status is SequenceStatus.RUNNING

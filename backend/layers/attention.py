@@ -1,0 +1,125 @@
+"""Paged attention: write new K/V into the block cache, then attend over it.
+
+One step of the engine carries a flat batch of tokens from several sequences. Sequences are
+ordered decodes first (one query token each), then prefill chunks. For sequence ``s`` the
+query tokens ``q[query_start_loc[s]:query_start_loc[s+1]]`` sit at the last positions of its
+context of ``seq_lens[s]`` tokens, and each attends causally to every cached key at or before
+its own position. The same contract holds for the torch path below (every machine) and the
+Triton kernels in ``triton_attention.py`` (CUDA).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens go in the KV cache and which cached keys each one sees."""
+
+    slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset of each new token
+    query_start_loc: torch.Tensor  # [S + 1] int32: cumulative query lengths
+    seq_lens: torch.Tensor  # [S] int32: context length of each sequence after this step
+    block_tables: torch.Tensor  # [S, max_blocks] int32, padded with 0
+    max_query_len: int
+    max_seq_len: int
+    num_decodes: int  # the first num_decodes sequences have exactly one query token
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+
+def store_kv_torch(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Scatter K/V of shape [T, KVH, D] into caches of shape [num_blocks, block_size, KVH, D]."""
+    kvh, d = key.shape[1], key.shape[2]
+    k_cache.view(-1, kvh, d).index_copy_(0, slots, key)
+    v_cache.view(-1, kvh, d).index_copy_(0, slots, value)
+
+
+def paged_attention_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    new_k: torch.Tensor | None = None,
+    new_v: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention for every query token of the step; q is [T, H, D], returns [T, H, D].
+
+    Decodes are done in one batched call over the gathered blocks; each prefill chunk is done on
+    its own. A prefill with nothing cached before it uses ``new_k``/``new_v`` directly and skips
+    the gather.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // kv_heads
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    if nd:
+        max_blocks = (max(meta.seq_lens_cpu[:nd]) + block_size - 1) // block_size
+        tables = meta.block_tables[:nd, :max_blocks]
+        length = max_blocks * block_size
+        keys = k_cache[tables].view(nd, length, kv_heads, head_dim).transpose(1, 2)
+        values = v_cache[tables].view(nd, length, kv_heads, head_dim).transpose(1, 2)
+        positions = torch.arange(length, device=q.device)
+        mask = (positions[None, :] < meta.seq_lens[:nd, None]).view(nd, 1, 1, length)
+        # The query heads of one KV group act as that group's query rows: no K/V repeat needed.
+        queries = q[:nd].view(nd, kv_heads, group, head_dim)
+        out[:nd] = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale).reshape(
+            nd, num_heads, head_dim
+        )
+    starts = meta.query_start_loc.tolist() if len(meta.query_lens_cpu) > nd else []
+    for s in range(nd, len(meta.query_lens_cpu)):
+        q_len, ctx = meta.query_lens_cpu[s], meta.seq_lens_cpu[s]
+        lo = starts[s]
+        queries = q[lo : lo + q_len].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+        if ctx == q_len and new_k is not None and new_v is not None:
+            keys = new_k[lo : lo + q_len].transpose(0, 1).unsqueeze(0)
+            values = new_v[lo : lo + q_len].transpose(0, 1).unsqueeze(0)
+            mask = None
+        else:
+            nblocks = (ctx + block_size - 1) // block_size
+            table = meta.block_tables[s, :nblocks]
+            keys = k_cache[table].view(-1, kv_heads, head_dim)[:ctx].transpose(0, 1).unsqueeze(0)
+            values = v_cache[table].view(-1, kv_heads, head_dim)[:ctx].transpose(0, 1).unsqueeze(0)
+            q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
+            mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
+        res = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=group > 1
+        )
+        out[lo : lo + q_len] = res[0].transpose(0, 1)
+    return out
+
+
+class PagedAttention(torch.nn.Module):
+    """Stores this step's K/V in the layer's cache, then attends; the runner assigns the caches.
+
+    CUDA caches use the Triton kernels; every other device uses the torch path above.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = (
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            scale,
+        )
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        if self.k_cache.is_cuda:
+            from backend.layers import triton_attention
+
+            triton_attention.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            return triton_attention.paged_attention_triton(q, self.k_cache, self.v_cache, meta, self.scale)
+        store_kv_torch(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        return paged_attention_torch(q, self.k_cache, self.v_cache, meta, self.scale, new_k=k, new_v=v)

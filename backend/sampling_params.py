@@ -1,0 +1,69 @@
+"""What a request asks of generation, validated once on arrival."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class InvalidParameter(ValueError):
+    """A bad request value; ``param`` names it so the server can answer in OpenAI's error shape."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    """Sampling settings of one request. temperature 0 is greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: off
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; 0: the chosen token's; k: plus the k most likely
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        checks = [
+            (
+                "max_tokens",
+                isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+                "must be an integer >= 1",
+            ),
+            ("temperature", 0.0 <= self.temperature <= 2.0, "must be between 0 and 2"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
+            ("top_k", isinstance(self.top_k, int) and self.top_k >= -1, "must be -1 (off) or >= 0"),
+            ("seed", self.seed is None or isinstance(self.seed, int), "must be an integer"),
+            (
+                "stop",
+                len(self.stop) <= 16 and all(isinstance(s, str) and s for s in self.stop),
+                "must be at most 16 non-empty strings",
+            ),
+            (
+                "stop_token_ids",
+                all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                "must be non-negative integers",
+            ),
+            (
+                "logprobs",
+                self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+                "must be between 0 and 20",
+            ),
+            ("n", self.n == 1, "only n=1 is supported"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise InvalidParameter(name, f"{name}={getattr(self, name)!r} is invalid: {why}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,112 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Every step has a token budget (``max_num_batched_tokens``). Running sequences go first, in
+arrival order: a decode takes one token, an unfinished prompt takes the next chunk. When blocks
+run out, the newest running sequence is preempted (its blocks freed, to be recomputed later,
+likely from the prefix cache) until the older one fits. Waiting sequences then join in arrival
+order while budget, ``max_num_seqs`` and blocks allow. A sequence is always in exactly one of
+``waiting`` or ``running`` until it finishes, so none is lost or run twice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from backend.block_manager import BlockManager
+from backend.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """Sequences of one step, those with a single query token first, and their token counts."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    num_preempted: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        picked: list[tuple[Sequence, int]] = []
+        preempted = 0
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.can_append(seq, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted += 1
+                if victim is seq:
+                    break
+            else:
+                self.block_manager.append_slots(seq, n)
+                picked.append((seq, n))
+                budget -= n
+                i += 1
+                continue
+            break  # seq itself was preempted: nothing after it is left running
+        if not preempted:
+            self._admit_waiting(picked, budget)
+        picked.sort(key=lambda p: p[1] != 1)  # single-token queries first (stable)
+        return ScheduledBatch([s for s, _ in picked], [n for _, n in picked], preempted)
+
+    def _admit_waiting(self, picked: list[tuple[Sequence, int]], budget: int) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached = bm.find_cached_prefix(seq)
+            n = min(seq.num_tokens - len(cached) * bm.block_size, budget)
+            if not bm.can_allocate(seq, cached, n):
+                break
+            bm.allocate(seq, cached, n)
+            if seq.num_cached_tokens < 0:  # first time: this is the request's prefix-cache hit
+                seq.num_cached_tokens = seq.num_computed_tokens
+                seq.first_scheduled_time = time.time()
+                bm.prefix_queries += seq.num_prompt_tokens
+                bm.prefix_hits += seq.num_computed_tokens
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            picked.append((seq, n))
+            budget -= n
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free_blocks(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence wherever it is and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free_blocks(seq)
+        seq.status = SequenceStatus.FINISHED

@@ -1,0 +1,1 @@
+"""cachegw's gateway: the HTTP app, proxy, cache flow, admin and command line."""

@@ -1,0 +1,62 @@
+"""The `cachegw` command line: one subcommand per job, each importing only what it needs."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def _add_backend_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="config file merged over the packaged config.toml")
+    p.add_argument("--model", help="a .gguf file or a local Hugging Face folder (default: embedded SmolLM2)")
+    p.add_argument("--host", help="address to listen on (default from config)")
+    p.add_argument("--port", type=int, help="port to listen on (default from config)")
+
+
+def _cmd_backend(args: argparse.Namespace) -> int:
+    from backend.server import run_backend
+
+    run_backend(args.config, args.host, args.port, args.model)
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    # The caching gateway (issue: the caching gateway) will sit in front of the built-in backend;
+    # until it lands, `serve` runs the built-in backend on the gateway's port.
+    from backend.server import run_backend
+
+    logging.getLogger("cachegw").warning("the caching gateway is not built yet: serving the built-in backend")
+    run_backend(args.config, args.host, args.port or 8000, args.model)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cachegw", description="OpenAI-compatible caching gateway for LLMs")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("serve", help="start the gateway with the built-in backend")
+    _add_backend_args(p)
+    p.set_defaults(func=_cmd_serve)
+    p = sub.add_parser("backend", help="start the built-in inference engine's OpenAI-compatible server")
+    _add_backend_args(p)
+    p.set_defaults(func=_cmd_backend)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except (FileNotFoundError, ValueError, RuntimeError) as err:
+        print(f"cachegw: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
