@@ -38,9 +38,9 @@ format: install
 	$(BIN)/ruff check --fix .
 
 bench: install
-	$(BIN)/python bench/engine_throughput.py
-	$(BIN)/python bench/prefix_cache_ttft.py
-	$(BIN)/python bench/kv_memory.py
+	$(BIN)/python -m bench.engine_throughput
+	$(BIN)/python -m bench.prefix_cache_ttft
+	$(BIN)/python -m bench.kv_memory
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

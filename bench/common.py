@@ -1,0 +1,51 @@
+"""Helpers every benchmark shares: machine facts, result files, progress lines."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+SHARED_DATA = ROOT.parent / "shared" / "data"
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def machine() -> dict:
+    import torch
+
+    info = {
+        "date": date.today().isoformat(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+        "device": "cpu",
+    }
+    if torch.cuda.is_available():
+        info["device"] = torch.cuda.get_device_name()
+    return info
+
+
+def save(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({"machine": machine(), **payload}, indent=2) + "\n")
+    say(f"wrote {path.relative_to(ROOT)}")
+    return path
+
+
+def say(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]

@@ -1,0 +1,132 @@
+"""GPU: decode speed of a Llama-3-8B-shaped model (dummy bf16 weights) against the memory bound.
+
+1. Batch-1 decode tokens/s as a fraction of the bandwidth limit: every decode step reads all
+   weights once, so the limit is HBM bandwidth / weight bytes. Bandwidth is measured here with a
+   large device-to-device copy (the achievable figure, below the datasheet's).
+2. Throughput at 64 concurrent requests against Hugging Face `generate` (one static batch of 64,
+   its best case) on the same GPU, side by side in one run.
+
+Needs CUDA and triton; exits with a message (and writes nothing) elsewhere.
+
+    .venv/bin/python -m bench.gpu_decode [--concurrency 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import save, say
+
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "vocab_size": 128256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+    "rope_parameters": {"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16",
+}  # fmt: skip
+
+
+def measured_bandwidth() -> float:
+    """Bytes/s of a 4 GiB device-to-device copy (each byte read once and written once)."""
+    src = torch.empty(2**30, dtype=torch.float32, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 2 * src.nbytes * 10 / (time.perf_counter() - start)
+
+
+def decode_rate(llm, prompt_len: int, new_tokens: int, batch: int) -> float:
+    """Output tokens/s of the decode phase (after every first token)."""
+    from backend import SamplingParams
+
+    rng = random.Random(batch)
+    prompts = [[rng.randrange(1000, 100000) for _ in range(prompt_len)] for _ in range(batch)]
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
+    outs = llm.generate(prompts, params)
+    first = max(o.metrics.first_token_time for o in outs)
+    last = max(o.metrics.finish_time for o in outs)
+    total = sum(len(o.outputs[0].token_ids) - 1 for o in outs)
+    return total / (last - first)
+
+
+def end_to_end(llm, prompts: list[list[int]], new_tokens: int) -> float:
+    from backend import SamplingParams
+
+    start = time.perf_counter()
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
+    return len(prompts) * new_tokens / (time.perf_counter() - start)
+
+
+def hf_end_to_end(model_dir: Path, prompts: list[list[int]], new_tokens: int) -> float:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    ids = torch.tensor(prompts, device="cuda")
+    with torch.no_grad():
+        model.generate(ids[:1, :16], max_new_tokens=4, do_sample=False, pad_token_id=0)  # warm-up
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)  # fmt: skip
+        torch.cuda.synchronize()
+    return len(prompts) * new_tokens / (time.perf_counter() - start)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        say("no CUDA device: this benchmark runs only on a GPU machine; nothing written")
+        return
+    from backend import LLM
+
+    tmp = Path(tempfile.mkdtemp(prefix="cachegw-llama3-8b-"))
+    (tmp / "config.json").write_text(json.dumps(LLAMA3_8B))
+    say("building a Llama-3-8B-shaped engine with dummy bf16 weights")
+    llm = LLM(model=str(tmp), load_format="dummy", dtype="bfloat16", max_num_seqs=args.concurrency,
+              max_model_len=4096, gpu_memory_utilization=0.45)  # fmt: skip
+    weight_bytes = sum(p.nbytes for p in llm.engine.runner.model.parameters())
+    bandwidth = measured_bandwidth()
+    say(f"weights {weight_bytes / 1e9:.2f} GB, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    bound = bandwidth / weight_bytes
+    rate1 = decode_rate(llm, 128, 256, 1)
+    say(f"batch-1 decode {rate1:.1f} tok/s = {rate1 / bound:.0%} of the {bound:.0f} tok/s bound")
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000, 100000) for _ in range(args.prompt_len)] for _ in range(args.concurrency)]
+    ours = end_to_end(llm, prompts, args.new_tokens)
+    say(f"ours at {args.concurrency} concurrent: {ours:.0f} tok/s")
+    del llm
+    torch.cuda.empty_cache()
+    hf = hf_end_to_end(tmp, prompts, args.new_tokens)
+    say(f"HF generate, static batch {args.concurrency}: {hf:.0f} tok/s")
+    save("gpu_decode", {
+        "model": "Llama-3-8B shape, dummy weights, bfloat16", "weight_bytes": weight_bytes,
+        "copy_bandwidth_bytes_per_s": bandwidth, "bound_tok_per_s": round(bound, 1),
+        "batch1_decode_tok_per_s": round(rate1, 1), "fraction_of_bound": round(rate1 / bound, 3),
+        "concurrency": args.concurrency, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+        "ours_tok_per_s": round(ours, 1), "hf_tok_per_s": round(hf, 1), "speedup": round(ours / hf, 2),
+        "targets": {"fraction_of_bound": ">= 0.70", "speedup": ">= 5x"},
+    })  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
