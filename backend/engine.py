@@ -136,7 +136,7 @@ class LLMEngine:
             )
         if cdiv(n + params.max_tokens, self.config.block_size) > self.block_manager.num_blocks:
             raise ContextLengthExceeded(
-                "max_tokens",
+                "max_tokens" if n < self.kv_cache_tokens else "prompt",
                 f"The request needs {n + params.max_tokens} tokens of KV cache but the engine holds "
                 f"{self.kv_cache_tokens}. Please reduce the prompt or max_tokens.",
             )

@@ -32,6 +32,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_verifier(argv: list[str]) -> int:
+    from policies.verifier import main_train
+
+    return main_train(argv)
+
+
+# Subcommands that parse their own arguments: everything after the name goes to them.
+PASSTHROUGH = {"train-verifier": _train_verifier}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cachegw", description="OpenAI-compatible caching gateway for LLMs")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -41,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("backend", help="start the built-in inference engine's OpenAI-compatible server")
     _add_backend_args(p)
     p.set_defaults(func=_cmd_backend)
+    sub.add_parser("train-verifier", help="fit the semantic-cache verifier (--pairs FILE.csv)")
     return parser
 
 
@@ -48,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in PASSTHROUGH:
+        return PASSTHROUGH[argv[0]](argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -1,0 +1,441 @@
+"""The OpenAI-compatible HTTP server in front of the engine (`cachegw backend`).
+
+Every answer that is not a success is OpenAI's error JSON with a 4xx/5xx status: bad input is
+rejected before a stream starts (the engine validates on add), and an engine failure fails only
+the requests it hit. A client that goes away, streaming or not, aborts its request so its KV
+blocks are freed at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from backend.async_engine import AsyncEngine, EngineDeadError, EngineError, RequestStream
+from backend.config import load_backend_server_config, load_engine_config
+from backend.metrics import ServerMetrics
+from backend.model_loader import EMBEDDED_GGUF
+from backend.outputs import RequestOutput
+from backend.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+    error_body,
+    parse_request,
+    usage,
+)
+from backend.sampling_params import InvalidParameter, SamplingParams
+
+log = logging.getLogger("cachegw.backend")
+
+DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
+T = TypeVar("T")
+
+
+class _ClientGone(Exception):
+    """The client of a non-streaming request disconnected; its request was aborted."""
+
+
+class _EventStream(StreamingResponse):
+    """SSE response that closes the request's stream however the response ends.
+
+    Starlette cancels the body on disconnect but never closes the generator, so the abort must
+    not depend on garbage collection.
+    """
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def _own_tokenizer(engine: AsyncEngine) -> Any:
+    """A tokenizer the engine thread never touches: a copy, else a fresh load of the same files."""
+    shared = engine.engine.tokenizer
+    if shared is None:
+        return None
+    try:
+        return copy.deepcopy(shared)
+    except Exception:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(engine.engine.model_dir))
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def _last_output(stream: RequestStream) -> RequestOutput:
+    last: RequestOutput | None = None
+    async for out in stream:
+        last = out
+    if last is None:
+        raise EngineError("the request ended without output")
+    return last
+
+
+class _Server:
+    """Endpoint handlers and the state they share."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str, max_request_bytes: int) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.max_request_bytes = max_request_bytes
+        self.created = int(time.time())
+        # The engine thread owns the engine's tokenizer (fast tokenizers are not safe to share
+        # across threads), so the HTTP side works on its own copy, in one worker thread so that
+        # long prompts never block the event loop.
+        self.tokenizer = _own_tokenizer(engine)
+        self.tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cachegw-tokenizer")
+        self.texts = TokenTexts(self.tokenizer)
+        self.metrics = ServerMetrics(engine.stats)
+        engine.add_finish_listener(self.metrics.observe_finished)
+
+    # --- request plumbing ----------------------------------------------------------------------
+
+    async def read_body(self, request: Request) -> bytes:
+        """The raw body, refused with 413 as soon as it is known to exceed the limit."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_request_bytes:
+            raise self._too_large()
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_request_bytes:
+                raise self._too_large()
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _too_large(self) -> ApiError:
+        return ApiError(
+            413,
+            f"The request body exceeds the limit of {self.max_request_bytes} bytes.",
+            code="request_too_large",
+        )
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(
+                404, f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
+                param="model", code="model_not_found",
+            )  # fmt: skip
+
+    async def in_tokenizer_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
+
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ApiError(400, "This model has no tokenizer: send the prompt as token ids.", param="prompt")
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def chat_ids(self, req: ChatCompletionRequest) -> list[int]:
+        if self.tokenizer is None:
+            raise ApiError(400, "This model has no tokenizer and cannot chat.", param="messages")
+        conversation = [m.template_dict() for m in req.messages]
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        except Exception as exc:  # template errors are the request's fault (roles, order...)
+            raise ApiError(400, f"The chat template rejected the messages: {exc}", param="messages") from None
+        return list(ids)
+
+    @staticmethod
+    def sampling_params(
+        req: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None
+    ) -> SamplingParams:
+        try:
+            return req.sampling_params(max_tokens, logprobs)
+        except InvalidParameter as exc:
+            raise ApiError.from_invalid_parameter(exc) from None
+
+    async def start(
+        self, request_id: str, prompt: list[int], params: SamplingParams, salt: str | None
+    ) -> RequestStream:
+        try:
+            return await self.engine.add_request(request_id, prompt, params, salt)
+        except InvalidParameter as exc:
+            raise ApiError.from_invalid_parameter(exc) from None
+        except EngineDeadError as exc:
+            raise ApiError(503, str(exc), type="server_error", code="engine_unavailable") from None
+
+    async def final_output(self, request: Request, stream: RequestStream) -> RequestOutput:
+        """Wait for the last output, aborting the request if the client disconnects meanwhile."""
+        task = asyncio.ensure_future(_last_output(stream))
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    raise _ClientGone
+        except EngineError as exc:
+            raise ApiError(500, str(exc), type="server_error", code="engine_error") from None
+        finally:
+            task.cancel()
+            stream.close()
+
+    def event_stream(self, stream: RequestStream, events: AsyncIterator[dict[str, Any]]) -> _EventStream:
+        async def body() -> AsyncIterator[str]:
+            try:
+                async for event in events:
+                    yield _sse(event)
+            except EngineError as exc:
+                yield _sse(error_body(str(exc), "server_error", None, "engine_error"))
+            except Exception as exc:
+                log.exception("stream failed")
+                yield _sse(error_body(f"internal error: {type(exc).__name__}", "server_error"))
+            yield "data: [DONE]\n\n"
+
+        return _EventStream(body(), stream.close)
+
+    # --- endpoints -----------------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        req = parse_request(CompletionRequest, await self.read_body(request))
+        self.check_model(req.model)
+        prompt = req.prompt_input()
+        ids = await self.in_tokenizer_thread(self.encode, prompt) if isinstance(prompt, str) else prompt
+        params = self.sampling_params(req, req.resolved_max_tokens(), req.logprobs)
+        shaper = _CompletionShaper(f"cmpl-{uuid.uuid4().hex}", self.model_name, self.texts, req.include_usage)
+        stream = await self.start(shaper.id, ids, params, req.cache_salt)
+        if req.stream:
+            return self.event_stream(stream, shaper.chunks(stream))
+        return JSONResponse(shaper.response(await self.final_output(request, stream)))
+
+    async def chat_completions(self, request: Request) -> Response:
+        req = parse_request(ChatCompletionRequest, await self.read_body(request))
+        self.check_model(req.model)
+        top = req.logprobs_k()
+        ids = await self.in_tokenizer_thread(self.chat_ids, req)
+        room = min(self.engine.max_model_len, self.engine.kv_cache_tokens) - len(ids)
+        params = self.sampling_params(req, req.resolved_max_tokens(room), top)
+        shaper = _ChatShaper(
+            f"chatcmpl-{uuid.uuid4().hex}", self.model_name, self.texts, req.include_usage, top
+        )
+        stream = await self.start(shaper.id, ids, params, req.cache_salt)
+        if req.stream:
+            return self.event_stream(stream, shaper.chunks(stream))
+        return JSONResponse(shaper.response(await self.final_output(request, stream)))
+
+    def model_card(self) -> dict[str, Any]:
+        return {
+            "id": self.model_name, "object": "model", "created": self.created, "owned_by": "cachegw",
+            "max_model_len": self.engine.max_model_len,
+        }  # fmt: skip
+
+    async def list_models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self.model_card()]}
+
+    async def get_model(self, model: str) -> dict[str, Any]:
+        self.check_model(model)
+        return self.model_card()
+
+    async def health(self) -> Response:
+        if not self.engine.is_alive:
+            return JSONResponse(error_body("The engine is not running.", "server_error"), status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def metrics_text(self) -> Response:
+        content, content_type = self.metrics.render()
+        return Response(content, media_type=content_type)
+
+
+class _Shaper:
+    """Turns a request's outputs into one OpenAI response or its stream of chunks."""
+
+    object_name = ""
+
+    def __init__(self, request_id: str, model: str, texts: TokenTexts, include_usage: bool) -> None:
+        self.id, self.model, self.texts, self.include_usage = request_id, model, texts, include_usage
+        self.created = int(time.time())
+
+    def envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        body = self.envelope(self.object_name, [choice])
+        if self.include_usage:
+            body["usage"] = None  # as OpenAI: every chunk but the last carries a null usage
+        return body
+
+    def usage_chunk(self, out: RequestOutput) -> dict[str, Any]:
+        return {**self.envelope(self.object_name, []), "usage": usage(out)}
+
+
+class _ChatShaper(_Shaper):
+    object_name = "chat.completion.chunk"
+
+    def __init__(self, request_id: str, model: str, texts: TokenTexts, include_usage: bool, top: int | None):
+        super().__init__(request_id, model, texts, include_usage)
+        self.top = top  # None: no logprobs
+
+    def logprobs(self, entries: list[dict] | None) -> dict[str, Any] | None:
+        return None if self.top is None or entries is None else chat_logprobs(entries, self.texts, self.top)
+
+    def response(self, out: RequestOutput) -> dict[str, Any]:
+        c = out.outputs[0]
+        choice = {
+            "index": 0, "message": {"role": "assistant", "content": c.text, "refusal": None},
+            "logprobs": self.logprobs(c.logprobs), "finish_reason": c.finish_reason,
+        }  # fmt: skip
+        return {**self.envelope("chat.completion", [choice]), "usage": usage(out)}
+
+    def choice(self, delta: dict[str, Any], logprobs: dict | None = None, finish: str | None = None) -> dict:
+        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+    async def chunks(self, stream: RequestStream) -> AsyncIterator[dict[str, Any]]:
+        yield self.chunk(self.choice({"role": "assistant", "content": ""}))
+        sent_chars = sent_tokens = 0
+        async for out in stream:
+            c = out.outputs[0]
+            delta, sent_chars = c.text[sent_chars:], max(sent_chars, len(c.text))
+            entries = c.logprobs[sent_tokens:] if c.logprobs is not None else None
+            sent_tokens = len(c.token_ids)
+            if delta or entries:
+                yield self.chunk(self.choice({"content": delta}, self.logprobs(entries)))
+            if out.finished:
+                yield self.chunk(self.choice({}, finish=c.finish_reason))
+                if self.include_usage:
+                    yield self.usage_chunk(out)
+
+
+class _CompletionShaper(_Shaper):
+    object_name = "text_completion"
+
+    def response(self, out: RequestOutput) -> dict[str, Any]:
+        c = out.outputs[0]
+        logprobs = None if c.logprobs is None else completion_logprobs(c.logprobs, self.texts, 0)[0]
+        choice = {"index": 0, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+        return {**self.envelope("text_completion", [choice]), "usage": usage(out)}
+
+    async def chunks(self, stream: RequestStream) -> AsyncIterator[dict[str, Any]]:
+        sent_chars = sent_tokens = offset = 0
+        async for out in stream:
+            c = out.outputs[0]
+            delta, sent_chars = c.text[sent_chars:], max(sent_chars, len(c.text))
+            logprobs = None
+            if c.logprobs is not None and len(c.logprobs) > sent_tokens:
+                logprobs, offset = completion_logprobs(c.logprobs[sent_tokens:], self.texts, offset)
+            sent_tokens = len(c.token_ids)
+            if delta or logprobs:
+                yield self.chunk({"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": None})
+            if out.finished:
+                yield self.chunk({"index": 0, "text": "", "logprobs": None, "finish_reason": c.finish_reason})
+                if self.include_usage:
+                    yield self.usage_chunk(out)
+
+
+# --- app -------------------------------------------------------------------------------------
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every error leaves as OpenAI's error JSON, never FastAPI's ``{"detail": ...}``."""
+
+    async def api_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        if exc.status_code == 404:
+            message = f"Invalid URL ({request.method} {request.url.path})"
+        else:
+            message = str(exc.detail)
+        return JSONResponse(error_body(message), status_code=exc.status_code, headers=exc.headers)
+
+    async def invalid_request(_: Request, exc: Exception) -> Response:
+        return JSONResponse(error_body(str(exc)), status_code=400)
+
+    async def client_gone(_: Request, __: Exception) -> Response:
+        return Response(status_code=499)  # nobody reads it: the request was aborted
+
+    async def internal(request: Request, exc: Exception) -> Response:
+        log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        body = error_body(
+            f"Internal server error: {type(exc).__name__}", "server_error", None, "internal_error"
+        )
+        return JSONResponse(body, status_code=500)
+
+    app.add_exception_handler(ApiError, api_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(RequestValidationError, invalid_request)
+    app.add_exception_handler(_ClientGone, client_gone)
+    app.add_exception_handler(Exception, internal)
+
+
+def build_app(engine: AsyncEngine, served_model_name: str, max_request_bytes: int) -> FastAPI:
+    """The HTTP app over a running AsyncEngine (the caller owns the engine and shuts it down)."""
+    app = FastAPI(title="cachegw backend", docs_url=None, redoc_url=None, openapi_url=None)
+    server = _Server(engine, served_model_name, max_request_bytes)
+    app.state.server = server
+    _install_error_handlers(app)
+    app.add_api_route("/v1/completions", server.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/models", server.list_models, methods=["GET"])
+    app.add_api_route("/v1/models/{model:path}", server.get_model, methods=["GET"])
+    app.add_api_route("/health", server.health, methods=["GET"])
+    app.add_api_route("/metrics", server.metrics_text, methods=["GET"])
+    return app
+
+
+def default_served_name(model: str) -> str:
+    """'SmolLM2-135M-Instruct' for the embedded model; else the file or folder name, minus a quant tag."""
+    name = Path(model or EMBEDDED_GGUF).name.removesuffix(".gguf")
+    return re.sub(r"[.-](I?Q\d\w*|BF16|F16|F32)$", "", name, flags=re.IGNORECASE) or name
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def run_backend(
+    config_path: str | None = None, host: str | None = None, port: int | None = None, model: str | None = None
+) -> None:
+    """Load the config and the engine, then serve until interrupted (the `cachegw backend` command)."""
+    from backend.engine import LLMEngine
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server_cfg = load_backend_server_config(config_path)
+    engine_cfg = load_engine_config(config_path, model=model)
+    engine = AsyncEngine(LLMEngine(engine_cfg))
+    name = server_cfg.served_model_name or default_served_name(engine_cfg.model)
+    app = build_app(engine, name, server_cfg.max_request_bytes)
+    host = host or server_cfg.host
+    port = server_cfg.port if port is None else port
+    log.info("serving %s at %s/v1 (health %s/health, metrics %s/metrics)", name, *[_url(host, port)] * 3)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="info")
+    finally:
+        engine.shutdown()

@@ -1,0 +1,5 @@
+"""Sentence embeddings for the semantic cache (all-MiniLM-L6-v2, CPU, offline)."""
+
+from embeddings.encoder import Encoder
+
+__all__ = ["Encoder"]

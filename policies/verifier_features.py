@@ -1,0 +1,265 @@
+"""Pair features and hard guards for the semantic-cache verifier (numpy + stdlib only).
+
+Cosine similarity of MiniLM embeddings is blind to the few tokens that change an answer: a number,
+a negation, a named entity. The guards veto those pairs outright; the lexical features let the learned
+classifier weigh softer differences (question word, unshared content words, character overlap).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from difflib import SequenceMatcher
+from functools import lru_cache
+
+import numpy as np
+
+_WORD_RE = re.compile(r"[a-z0-9]+(?:'[a-z]+)?")
+_RAW_WORD_RE = re.compile(r"[A-Za-z][A-Za-z0-9'&.-]*[A-Za-z0-9]|[A-Za-z]")
+_NUMBER_RE = re.compile(r"\d+(?:[.,]\d+)*")
+# Idioms that contain a negation word without negating the question ("why or why not?", "not only").
+_NEUTRAL_NEG_RE = re.compile(r"\b(?:or (?:why )?not|if not|not only|no matter|no doubt|not sure)\b")
+_ARITH_RE = re.compile(r"\d\s*([-+*/^x×÷%=])\s*\d")
+_NEGATION_RE = re.compile(
+    r"\b(?:not|no|never|nobody|nothing|none|neither|nor|nowhere|without|cannot|cant|dont|doesnt|"
+    r"didnt|isnt|arent|wasnt|werent|wont|wouldnt|shouldnt|couldnt|hasnt|havent|hadnt|aint)\b|n't\b"
+)
+
+# "one" is left out on purpose: it is mostly a pronoun ("which one", "no one", "one of the").
+_NUMBER_WORDS: dict[str, int] = {
+    w: i
+    for i, w in enumerate(
+        "zero _ two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
+        "sixteen seventeen eighteen nineteen twenty".split()
+    )
+    if w != "_"
+}
+_NUMBER_WORDS.update({"thirty": 30, "forty": 40, "fifty": 50, "sixty": 60, "seventy": 70, "eighty": 80})
+_NUMBER_WORDS.update({"ninety": 90, "hundred": 100, "thousand": 1000, "million": 10**6, "billion": 10**9})
+_NUMBER_WORDS.update({"first": 1, "second": 2, "third": 3, "fourth": 4, "fifth": 5, "tenth": 10})
+
+_WH_WORDS = ("what", "how", "why", "which", "who", "whom", "whose", "when", "where")
+_WH_SLOTS = ("what", "how", "why", "which", "who", "when", "where", "")
+# Grammatical person: QQP annotators treat "how often do you exercise" and "... should I" as different.
+_PERSONS = (
+    frozenset({"i", "me", "my", "mine", "myself", "i'm", "i've", "i'd", "i'll"}),
+    frozenset({"you", "your", "yours", "yourself", "you're", "you've", "you'd", "you'll"}),
+    frozenset({"we", "us", "our", "ours", "ourselves", "we're", "we've"}),
+)
+
+STOPWORDS = frozenset(
+    """a an the of to in on at for from by with about as into over under and or but if then than so
+    is are was were be been being am do does did doing have has had having will would shall should can
+    could may might must i me my mine we us our you your he him his she her it its they them their this
+    that these those there here what how why which who whom whose when where some any all each every
+    very much many more most also just only really ever get got make best good way ways one someone
+    thing things quora""".split()
+)
+
+# Opposite pairs seen among QQP hard negatives; one side present without the other flips the question.
+_ANTONYMS: tuple[tuple[str, str], ...] = (
+    ("best", "worst"),
+    ("advantages", "disadvantages"),
+    ("pros", "cons"),
+    ("before", "after"),
+    ("increase", "decrease"),
+    ("buy", "sell"),
+    ("male", "female"),
+    ("men", "women"),
+    ("boy", "girl"),
+    ("boys", "girls"),
+    ("husband", "wife"),
+    ("boyfriend", "girlfriend"),
+    ("he", "she"),
+    ("start", "stop"),
+    ("win", "lose"),
+    ("rich", "poor"),
+    ("positive", "negative"),
+    ("import", "export"),
+    ("upload", "download"),
+    ("love", "hate"),
+    ("gain", "lose"),
+    ("legal", "illegal"),
+    ("possible", "impossible"),
+    ("good", "bad"),
+)
+
+
+@dataclass(frozen=True)
+class ParsedQuery:
+    """Everything the features need from one query, computed once per text."""
+
+    tokens: tuple[str, ...]
+    token_set: frozenset[str]
+    content: frozenset[str]
+    numbers: tuple[str, ...]
+    arith_ops: frozenset[str]
+    negated: bool
+    wh: str
+    entities: frozenset[str]
+    trigrams: frozenset[str]
+    n_chars: int
+    persons: tuple[bool, ...]
+    n_questions: int
+
+
+_IS_CONTRACTION_RE = re.compile(r"\b(what|how|who|where|when|why|which|that|there|it|he|she)'s\b")
+
+
+def _norm(text: str) -> str:
+    """Lowercase, straight apostrophes, and "what's" -> "what is" so question words line up."""
+    lower = text.lower().replace("\u2019", "'").replace("`", "'")
+    return _IS_CONTRACTION_RE.sub(r"\1 is", lower)
+
+
+def _numbers(lower: str, tokens: tuple[str, ...]) -> tuple[str, ...]:
+    """Numbers as canonical strings: digits with separators dropped, plus spelled-out number words."""
+    vals = [m.replace(",", "").rstrip(".").lstrip("0") or "0" for m in _NUMBER_RE.findall(lower)]
+    vals += [str(_NUMBER_WORDS[t]) for t in tokens if t in _NUMBER_WORDS]
+    return tuple(sorted(vals))
+
+
+def _entities(text: str) -> frozenset[str]:
+    """Capitalized or all-caps words past the first word: a cheap proxy for named entities."""
+    words = _RAW_WORD_RE.findall(text)
+    out = set()
+    for i, w in enumerate(words):
+        if i == 0 or w == "I" or w.lower() in STOPWORDS:
+            continue
+        if w[0].isupper() or (len(w) > 1 and w.isupper()):
+            out.add(w.lower().strip(".'"))
+    return frozenset(out)
+
+
+@lru_cache(maxsize=65536)
+def parse(text: str) -> ParsedQuery:
+    """Tokenize and extract the guard-relevant facts of one query (cached: stored queries repeat)."""
+    lower = _norm(text)
+    tokens = tuple(_WORD_RE.findall(lower))
+    squashed = " ".join(tokens)
+    first_wh = next((t for t in tokens if t in _WH_WORDS), "")
+    return ParsedQuery(
+        tokens=tokens,
+        token_set=frozenset(tokens),
+        content=frozenset(t for t in tokens if t not in STOPWORDS),
+        numbers=_numbers(lower, tokens),
+        arith_ops=frozenset(_ARITH_RE.findall(lower)),
+        negated=bool(_NEGATION_RE.search(_NEUTRAL_NEG_RE.sub(" ", lower))),
+        wh=first_wh,
+        entities=_entities(text.replace("\u2019", "'")),
+        trigrams=frozenset(squashed[i : i + 3] for i in range(max(len(squashed) - 2, 1))),
+        n_chars=len(squashed),
+        persons=tuple(bool(p & set(tokens)) for p in _PERSONS),
+        n_questions=text.count("?"),
+    )
+
+
+def _entity_mismatch(a: ParsedQuery, b: ParsedQuery) -> int:
+    """Entities of one side that the other side does not mention at all (any casing)."""
+    return len(a.entities - b.token_set) + len(b.entities - a.token_set)
+
+
+def _antonym_flip(a: ParsedQuery, b: ParsedQuery) -> bool:
+    for x, y in _ANTONYMS:
+        if (x in a.token_set and y in b.token_set and x not in b.token_set and y not in a.token_set) or (
+            y in a.token_set and x in b.token_set and y not in b.token_set and x not in a.token_set
+        ):
+            return True
+    return False
+
+
+GUARD_NAMES: tuple[str, ...] = ("numbers", "negation", "antonym")
+
+
+def guard_reason(q_a: str, q_b: str) -> str | None:
+    """Name of the first hard guard the pair violates, or None when no guard vetoes it."""
+    a, b = parse(q_a), parse(q_b)
+    if a.numbers != b.numbers or a.arith_ops != b.arith_ops:
+        return "numbers"
+    if a.negated != b.negated:
+        return "negation"
+    if _antonym_flip(a, b):
+        return "antonym"
+    return None
+
+
+def _order_agreement(a: ParsedQuery, b: ParsedQuery) -> float:
+    """Fraction of shared content-word pairs in the same order: low for "cats fear tigers" vs the swap."""
+    first_b: dict[str, int] = {}
+    for i, t in enumerate(b.tokens):
+        first_b.setdefault(t, i)
+    pos = [first_b[t] for t in dict.fromkeys(a.tokens) if t in b.content and t in a.content]
+    n = len(pos)
+    if n < 2:
+        return 1.0
+    concordant = sum(pos[i] < pos[j] for i in range(n) for j in range(i + 1, n))
+    return concordant / (n * (n - 1) / 2)
+
+
+def _jaccard(x: frozenset[str], y: frozenset[str]) -> float:
+    union = len(x | y)
+    return len(x & y) / union if union else 1.0
+
+
+LEXICAL_NAMES: tuple[str, ...] = (
+    "cosine",
+    "token_jaccard",
+    "content_jaccard",
+    "content_overlap_min",
+    "trigram_jaccard",
+    "seq_ratio",
+    "len_ratio",
+    "content_only_min",
+    "content_only_max",
+    "same_wh",
+    "wh_missing",
+    "entity_mismatch",
+    "entity_any",
+    "has_numbers",
+    "exact_tokens",
+    "order_agreement",
+    "person_i_differs",
+    "person_you_differs",
+    "person_we_differs",
+    "question_marks_diff",
+    *(f"wh_{w or 'none'}" for w in _WH_SLOTS),
+)
+
+
+def lexical_features(q_a: str, q_b: str, cosine: float) -> list[float]:
+    """Symmetric hand-made features of one pair, in the order of ``LEXICAL_NAMES``."""
+    a, b = parse(q_a), parse(q_b)
+    only_a, only_b = len(a.content - b.content), len(b.content - a.content)
+    inter = len(a.content & b.content)
+    ent = _entity_mismatch(a, b)
+    return [
+        cosine,
+        _jaccard(a.token_set, b.token_set),
+        _jaccard(a.content, b.content),
+        inter / max(min(len(a.content), len(b.content)), 1),
+        _jaccard(a.trigrams, b.trigrams),
+        SequenceMatcher(None, a.tokens, b.tokens, autojunk=False).ratio(),
+        min(a.n_chars, b.n_chars) / max(a.n_chars, b.n_chars, 1),
+        np.log1p(min(only_a, only_b)),
+        np.log1p(max(only_a, only_b)),
+        float(a.wh == b.wh),
+        float((a.wh == "") != (b.wh == "")),
+        np.log1p(ent),
+        float(bool(a.entities or b.entities)),
+        float(bool(a.numbers or b.numbers)),
+        float(a.tokens == b.tokens),
+        _order_agreement(a, b),
+        *(float(x != y) for x, y in zip(a.persons, b.persons, strict=True)),
+        float(min(abs(a.n_questions - b.n_questions), 3)),
+        *(float(a.wh == w) + float(b.wh == w) for w in _WH_SLOTS),
+    ]
+
+
+def pair_features(q_new: list[str], q_old: list[str], emb_new: np.ndarray, emb_old: np.ndarray) -> np.ndarray:
+    """Feature matrix [n, len(LEXICAL_NAMES) + 2*dim]: lexical features, then |u - v| and u * v."""
+    u = np.asarray(emb_new, dtype=np.float32).reshape(len(q_new), -1)
+    v = np.asarray(emb_old, dtype=np.float32).reshape(len(q_old), -1)
+    cos = np.einsum("ij,ij->i", u, v)
+    rows = [lexical_features(a, b, float(c)) for a, b, c in zip(q_new, q_old, cos, strict=True)]
+    lex = np.array(rows, dtype=np.float32)
+    return np.hstack([lex.reshape(len(q_new), len(LEXICAL_NAMES)), np.abs(u - v), u * v]).astype(np.float32)

