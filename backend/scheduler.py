@@ -72,7 +72,9 @@ class Scheduler:
             break  # seq itself was preempted: nothing after it is left running
         if not preempted:
             self._admit_waiting(picked, budget)
-        picked.sort(key=lambda p: p[1] != 1)  # single-token queries first (stable)
+        # Single-token queries first, shortest context first: attention pads each group of them
+        # to its longest context, so neighbours of similar length waste the least.
+        picked.sort(key=lambda p: (p[1] != 1, p[0].num_computed_tokens if p[1] == 1 else 0))
         return ScheduledBatch([s for s, _ in picked], [n for _, n in picked], preempted)
 
     def _admit_waiting(self, picked: list[tuple[Sequence, int]], budget: int) -> None:

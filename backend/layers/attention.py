@@ -10,6 +10,7 @@ Triton kernels in ``triton_attention.py`` (CUDA).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,7 @@ class AttentionMetadata:
     num_decodes: int  # the first num_decodes sequences have exactly one query token
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    decode_groups: list[tuple[int, int]] | None = None  # torch path: set on first use in a step
 
 
 def store_kv_torch(
@@ -38,6 +40,40 @@ def store_kv_torch(
     kvh, d = key.shape[1], key.shape[2]
     k_cache.view(-1, kvh, d).index_copy_(0, slots, key)
     v_cache.view(-1, kvh, d).index_copy_(0, slots, value)
+
+
+# Decodes are padded to the longest context of their group; a new group starts when a context is
+# shorter than this fraction of the group's longest, which bounds the padding read to about 25%.
+_GROUP_FILL = 0.75
+_scratch = threading.local()
+
+
+def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, slot: str) -> torch.Tensor:
+    """cache[tables] into a reused per-thread buffer: a fresh multi-MB tensor each layer costs page faults."""
+    n = tables.numel()
+    key = (slot, cache.dtype, cache.device, cache.shape[1:], torch.is_inference_mode_enabled())
+    buf = getattr(_scratch, "bufs", {}).get(key)
+    if buf is None or buf.shape[0] < n:
+        buf = torch.empty((max(n, 64),) + tuple(cache.shape[1:]), dtype=cache.dtype, device=cache.device)
+        _scratch.__dict__.setdefault("bufs", {})[key] = buf
+    out = buf[:n]
+    torch.index_select(cache, 0, tables.reshape(-1), out=out)
+    return out.view(tables.shape + cache.shape[1:])
+
+
+def decode_groups(seq_lens: list[int]) -> list[tuple[int, int]]:
+    """Split decodes into [lo, hi) groups of similar context length (any order is correct; the
+    scheduler sorts decodes by length so that the groups are few and dense)."""
+    groups: list[tuple[int, int]] = []
+    lo, low, high = 0, 0, 0
+    for i, n in enumerate(seq_lens):
+        if i > lo and min(low, n) < _GROUP_FILL * max(high, n):
+            groups.append((lo, i))
+            lo = i
+        low, high = (n, n) if i == lo else (min(low, n), max(high, n))
+    if seq_lens:
+        groups.append((lo, len(seq_lens)))
+    return groups
 
 
 def paged_attention_torch(
@@ -51,28 +87,31 @@ def paged_attention_torch(
 ) -> torch.Tensor:
     """Attention for every query token of the step; q is [T, H, D], returns [T, H, D].
 
-    Decodes are done in one batched call over the gathered blocks; each prefill chunk is done on
-    its own. A prefill with nothing cached before it uses ``new_k``/``new_v`` directly and skips
-    the gather.
+    Decodes are done in batched calls over their gathered blocks, one call per group of similar
+    context length; each prefill chunk is done on its own. A prefill with nothing cached before
+    it uses ``new_k``/``new_v`` directly and skips the gather.
     """
     num_tokens, num_heads, head_dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // kv_heads
     out = torch.empty_like(q)
     nd = meta.num_decodes
-    if nd:
-        max_blocks = (max(meta.seq_lens_cpu[:nd]) + block_size - 1) // block_size
-        tables = meta.block_tables[:nd, :max_blocks]
+    if nd and meta.decode_groups is None:
+        meta.decode_groups = decode_groups(meta.seq_lens_cpu[:nd])
+    for lo, hi in meta.decode_groups or []:
+        n = hi - lo
+        max_blocks = (max(meta.seq_lens_cpu[lo:hi]) + block_size - 1) // block_size
+        tables = meta.block_tables[lo:hi, :max_blocks]
         length = max_blocks * block_size
-        keys = k_cache[tables].view(nd, length, kv_heads, head_dim).transpose(1, 2)
-        values = v_cache[tables].view(nd, length, kv_heads, head_dim).transpose(1, 2)
+        keys = _gather_blocks(k_cache, tables, "k").view(n, length, kv_heads, head_dim).transpose(1, 2)
+        values = _gather_blocks(v_cache, tables, "v").view(n, length, kv_heads, head_dim).transpose(1, 2)
         positions = torch.arange(length, device=q.device)
-        mask = (positions[None, :] < meta.seq_lens[:nd, None]).view(nd, 1, 1, length)
+        mask = (positions[None, :] < meta.seq_lens[lo:hi, None]).view(n, 1, 1, length)
         # The query heads of one KV group act as that group's query rows: no K/V repeat needed.
-        queries = q[:nd].view(nd, kv_heads, group, head_dim)
-        out[:nd] = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale).reshape(
-            nd, num_heads, head_dim
-        )
+        queries = q[lo:hi].view(n, kv_heads, group, head_dim)
+        out[lo:hi] = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=mask, scale=scale
+        ).reshape(n, num_heads, head_dim)
     starts = meta.query_start_loc.tolist() if len(meta.query_lens_cpu) > nd else []
     for s in range(nd, len(meta.query_lens_cpu)):
         q_len, ctx = meta.query_lens_cpu[s], meta.seq_lens_cpu[s]
@@ -100,7 +139,10 @@ class PagedAttention(torch.nn.Module):
     """Stores this step's K/V in the layer's cache, then attends; the runner assigns the caches.
 
     CUDA caches use the Triton kernels; every other device uses the torch path above.
+    ``use_triton`` forces the choice (tests run the Triton path on CPU in Triton's interpreter).
     """
+
+    use_triton: bool | None = None
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__()
@@ -116,7 +158,7 @@ class PagedAttention(torch.nn.Module):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        if self.k_cache.is_cuda:
+        if self.k_cache.is_cuda if self.use_triton is None else self.use_triton:
             from backend.layers import triton_attention
 
             triton_attention.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
