@@ -63,11 +63,32 @@ class ModelRunner:
         else:
             model.load_weights(iter_safetensors(model_dir))
         self.model = model.eval()
+        self.attention_backend = self._choose_attention_backend()
         self.num_blocks = self._num_kv_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        if device.type == "cuda" and not config.enforce_eager:
-            self._capture_decode_graphs()
+        if self.attention_backend == "triton" and not config.enforce_eager:
+            try:
+                self._capture_decode_graphs()
+            except Exception:  # a driver or capture problem must not keep the engine from serving
+                log.exception("CUDA graph capture failed: running decode eagerly")
+                self.graphs = {}
+
+    def _choose_attention_backend(self) -> str:
+        """ "triton" on CUDA when the kernels pass a self-check against the torch path, else "torch"."""
+        use = False
+        if self.device.type == "cuda":
+            from backend.layers.triton_attention import self_check, triton_available
+
+            try:
+                use = triton_available() and self_check(self.device, self.dtype, self.spec, self.block_size)
+            except Exception:
+                log.exception("Triton attention failed its self-check")
+            if not use:
+                log.warning("using the torch attention path on CUDA (slower; no CUDA graphs)")
+        for layer in self.model.layers:
+            layer.self_attn.attn.use_triton = use
+        return "triton" if use else "torch"
 
     @property
     def kv_bytes_per_token(self) -> int:

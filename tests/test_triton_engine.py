@@ -26,11 +26,13 @@ SCRIPT = textwrap.dedent(
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     prompts = [list(range(100, 140)), list(range(100, 120)) + list(range(300, 310))]
     torch_out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, cache_salt="torch")]
+    from backend.layers.triton_attention import self_check
+    checked = self_check(torch.device("cpu"), torch.float32, llm.engine.runner.spec, 16)
     for layer in llm.engine.runner.model.layers:
         layer.self_attn.attn.use_triton = True
     cold = llm.generate(prompts, params, cache_salt="triton")  # plain prefill, then decode
     warm = llm.generate(prompts, params, cache_salt="triton")  # over the cached prefix
-    print(json.dumps({"torch": torch_out, "cold": [o.outputs[0].token_ids for o in cold],
+    print(json.dumps({"self_check": checked, "torch": torch_out, "cold": [o.outputs[0].token_ids for o in cold],
                       "warm": [o.outputs[0].token_ids for o in warm],
                       "warm_cached": [o.num_cached_tokens for o in warm]}))
     """
@@ -45,6 +47,7 @@ def test_engine_with_triton_attention_matches_torch_path():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["self_check"] is True  # the start-up check the engine runs on CUDA
     assert result["cold"] == result["torch"]
     assert result["warm"] == result["torch"]
     assert result["warm_cached"] == [32, 16]
