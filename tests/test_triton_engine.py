@@ -32,7 +32,8 @@ SCRIPT = textwrap.dedent(
         layer.self_attn.attn.use_triton = True
     cold = llm.generate(prompts, params, cache_salt="triton")  # plain prefill, then decode
     warm = llm.generate(prompts, params, cache_salt="triton")  # over the cached prefix
-    print(json.dumps({"self_check": checked, "torch": torch_out, "cold": [o.outputs[0].token_ids for o in cold],
+    print(json.dumps({"self_check": checked, "torch": torch_out,
+                      "cold": [o.outputs[0].token_ids for o in cold],
                       "warm": [o.outputs[0].token_ids for o in warm],
                       "warm_cached": [o.num_cached_tokens for o in warm]}))
     """
