@@ -41,6 +41,7 @@ bench: install
 	$(BIN)/python -m bench.engine_throughput
 	$(BIN)/python -m bench.prefix_cache_ttft
 	$(BIN)/python -m bench.kv_memory
+	$(BIN)/python -m bench.plot_engine
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
