@@ -34,7 +34,8 @@ def load_toml(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     return data
 
 
-def _section(cls: type, raw: dict[str, Any], name: str) -> Any:
+def typed_section(cls: type, raw: dict[str, Any], name: str) -> Any:
+    """A config section as its dataclass; unknown keys are an error, not silently ignored."""
     known = {f.name for f in fields(cls)}
     unknown = set(raw) - known
     if unknown:
@@ -101,9 +102,9 @@ class BackendServerConfig:
 
 
 def load_engine_config(path: str | os.PathLike[str] | None = None, **overrides: Any) -> EngineConfig:
-    cfg = _section(EngineConfig, load_toml(path)["engine"], "engine")
+    cfg = typed_section(EngineConfig, load_toml(path)["engine"], "engine")
     return cfg.with_overrides(**overrides)
 
 
 def load_backend_server_config(path: str | os.PathLike[str] | None = None) -> BackendServerConfig:
-    return _section(BackendServerConfig, load_toml(path)["backend_server"], "backend_server")
+    return typed_section(BackendServerConfig, load_toml(path)["backend_server"], "backend_server")

@@ -99,6 +99,23 @@ async def _last_output(stream: RequestStream) -> RequestOutput:
     return last
 
 
+async def read_limited_body(request: Request, limit: int) -> bytes:
+    """The raw body, refused with 413 as soon as it is known to exceed ``limit`` bytes."""
+    too_large = ApiError(
+        413, f"The request body exceeds the limit of {limit} bytes.", code="request_too_large"
+    )
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 class _Server:
     """Endpoint handlers and the state they share."""
 
@@ -119,24 +136,7 @@ class _Server:
     # --- request plumbing ----------------------------------------------------------------------
 
     async def read_body(self, request: Request) -> bytes:
-        """The raw body, refused with 413 as soon as it is known to exceed the limit."""
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self.max_request_bytes:
-            raise self._too_large()
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.max_request_bytes:
-                raise self._too_large()
-            chunks.append(chunk)
-        return b"".join(chunks)
-
-    def _too_large(self) -> ApiError:
-        return ApiError(
-            413,
-            f"The request body exceeds the limit of {self.max_request_bytes} bytes.",
-            code="request_too_large",
-        )
+        return await read_limited_body(request, self.max_request_bytes)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -360,7 +360,7 @@ class _CompletionShaper(_Shaper):
 # --- app -------------------------------------------------------------------------------------
 
 
-def _install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI) -> None:
     """Every error leaves as OpenAI's error JSON, never FastAPI's ``{"detail": ...}``."""
 
     async def api_error(_: Request, exc: Exception) -> Response:
@@ -400,7 +400,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, max_request_bytes: in
     app = FastAPI(title="cachegw backend", docs_url=None, redoc_url=None, openapi_url=None)
     server = _Server(engine, served_model_name, max_request_bytes)
     app.state.server = server
-    _install_error_handlers(app)
+    install_error_handlers(app)
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
     app.add_api_route("/v1/models", server.list_models, methods=["GET"])

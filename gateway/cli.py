@@ -23,12 +23,11 @@ def _cmd_backend(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    # The caching gateway (issue: the caching gateway) will sit in front of the built-in backend;
-    # until it lands, `serve` runs the built-in backend on the gateway's port.
-    from backend.server import run_backend
+    from gateway.config import load_settings
+    from gateway.serve import run_gateway
 
-    logging.getLogger("cachegw").warning("the caching gateway is not built yet: serving the built-in backend")
-    run_backend(args.config, args.host, args.port or 8000, args.model)
+    settings = load_settings(args.config, host=args.host, port=args.port, data_dir=args.data_dir)
+    run_gateway(settings)
     return 0
 
 
@@ -45,8 +44,13 @@ PASSTHROUGH = {"train-verifier": _train_verifier}
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cachegw", description="OpenAI-compatible caching gateway for LLMs")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("serve", help="start the gateway with the built-in backend")
-    _add_backend_args(p)
+    p = sub.add_parser(
+        "serve", help="start the caching gateway (and the built-in backend unless config names others)"
+    )
+    p.add_argument("--config", help="config file merged over the packaged config.toml")
+    p.add_argument("--host", help="address to listen on (default from config)")
+    p.add_argument("--port", type=int, help="port to listen on (default 8000)")
+    p.add_argument("--data-dir", help="where the database and index files live (default ./data)")
     p.set_defaults(func=_cmd_serve)
     p = sub.add_parser("backend", help="start the built-in inference engine's OpenAI-compatible server")
     _add_backend_args(p)

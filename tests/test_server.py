@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,13 +18,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import httpx  # noqa: E402
 import openai  # noqa: E402
 import pytest  # noqa: E402
-import uvicorn  # noqa: E402
 
 from backend.async_engine import AsyncEngine  # noqa: E402
 from backend.config import load_engine_config  # noqa: E402
 from backend.engine import LLMEngine  # noqa: E402
 from backend.sampling_params import InvalidParameter, SamplingParams  # noqa: E402
 from backend.server import build_app  # noqa: E402
+from tests.servers import serve_in_thread  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_REQUEST_BYTES = 64_000
@@ -68,24 +66,11 @@ def backend() -> Iterator[Backend]:
     llm = LLMEngine(cfg)
     engine = AsyncEngine(llm)
     app = build_app(engine, MODEL, MAX_REQUEST_BYTES)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.started, "uvicorn did not start"
-    url = f"http://127.0.0.1:{port}"
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
-    with httpx.Client(base_url=url, timeout=60) as http:
-        yield Backend(url, engine, llm, client, http)
-    server.should_exit = True
-    thread.join(10)
+    with serve_in_thread(app) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        with httpx.Client(base_url=url, timeout=60) as http:
+            yield Backend(url, engine, llm, client, http)
     engine.shutdown()
-    sock.close()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,414 @@
+"""FAISS lookup latency and recall@1 at --n entries in ONE scope, on real MiniLM embeddings; plus the batcher.
+
+Acceptance target (at n = 1M): HNSW p50 <= 2 ms with recall@1 >= 0.99 against exact search, measured on
+held-out paraphrase queries (random vectors mislead: see ../shared/notes/measured-facts.md).
+
+Corpus: de-duplicated real texts from ../shared/data, in tiers used in this order until n is reached:
+(1) single texts: QQP questions, banking77 queries, and sentences of ShareGPT human turns, system prompts and
+ShareGPT assistant turns; (2) two and (3) three consecutive sentences of one real message or prompt;
+(4) two random real sentences joined (synthetic, only if the real tiers run out). The JSON says how many of
+each were used. Queries: QQP question2 texts held out of the corpus whose question1 is in it; duplicates
+(paraphrases, the target) and non-duplicates (hard negatives that share most words) are reported apart.
+Embeddings are cached per 25k-text chunk by content hash under /tmp/cachegw-bench-embeddings/, so a 1M run
+reuses what a 100k run embedded, and an interrupted run resumes.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python -m bench.faiss_lookup --n 100000 --ef-construction 40,80,160
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import hashlib
+import json
+import os
+import random
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import faiss
+import numpy as np
+from tqdm import tqdm
+
+from bench.common import SHARED_DATA, pct, save, say
+from embeddings.index import EF_CONSTRUCTION, EF_SEARCH, HNSW_M, ScopedIndex
+
+CACHE = Path("/tmp/cachegw-bench-embeddings")
+CHUNK = 25_000
+SPLIT = re.compile(r"(?<=[.!?])\s+|\n+")
+Search = Callable[[np.ndarray], tuple[int, float]]
+
+
+def clean(text: str) -> str:
+    return " ".join(text.split())
+
+
+def sentences(text: str) -> list[str]:
+    """Sentences of 3+ words and at most 300 chars: the size of a cached prompt line, not a code dump."""
+    out = (clean(s) for s in SPLIT.split(text) if s)
+    return [s for s in out if len(s.split()) >= 3 and len(s) <= 300]
+
+
+def rows(name: str) -> list[dict[str, str]]:
+    path = SHARED_DATA / name
+    if not path.exists():
+        sys.exit(f"error: {path} not found; this benchmark reads its data from ../shared/data")
+    csv.field_size_limit(1 << 30)
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def documents() -> Iterator[tuple[str, list[str]]]:
+    """(source, sentences) per real message or prompt, in file order; a QQP/banking77 text is its own doc."""
+    for r in rows("qqp_dev.csv"):
+        yield "qqp", [clean(r["question1"])]
+        yield "qqp", [clean(r["question2"])]
+    for r in rows("banking77_train.csv"):
+        yield "banking77", [clean(r["text"])]
+    convs = [json.loads(line)["conversations"] for line in (SHARED_DATA / "sharegpt_dev.jsonl").open()]
+    for conv in convs:
+        yield from (("sharegpt_human", sentences(t["value"])) for t in conv if t["from"] == "human")
+    for r in rows("system_prompts.csv"):
+        yield "system_prompts", sentences(r["prompt"])
+    for conv in convs:
+        yield from (("sharegpt_gpt", sentences(t["value"])) for t in conv if t["from"] != "human")
+
+
+def pick_queries(n_para: int, n_neg: int) -> dict[str, list[str]]:
+    """Held-out QQP question2 texts and their question1 partners (which go into the corpus)."""
+    pairs = [
+        (clean(r["question1"]), clean(r["question2"]), r["is_duplicate"] == "1") for r in rows("qqp_dev.csv")
+    ]
+    random.Random(0).shuffle(pairs)
+    out: dict[str, list[str]] = {"para": [], "para_partner": [], "neg": [], "neg_partner": []}
+    held: set[str] = set()
+    partners: set[str] = set()
+    for q1, q2, dup in pairs:
+        kind = "para" if dup else "neg"
+        if len(out[kind]) >= (n_para if dup else n_neg) or q1 == q2 or len(q2.split()) < 3:
+            continue
+        if q2 in partners or q2 in held or q1 in held:
+            continue
+        out[kind].append(q2)
+        out[f"{kind}_partner"].append(q1)
+        held.add(q2)
+        partners.add(q1)
+    return out
+
+
+def corpus(
+    n: int, queries: dict[str, list[str]], first: int
+) -> tuple[list[str], dict[str, int], dict[str, int]]:
+    """The first n texts of one fixed order (independent of n, so embedding chunks are shared across runs).
+
+    Returns the texts, how many came from each source/tier, and how many each tier has available.
+    """
+    origin = dict.fromkeys(queries["para_partner"] + queries["neg_partner"], "qqp_query_partners")
+    partners, held = list(origin), set(queries["para"]) | set(queries["neg"])
+    windows: dict[str, list[str]] = {"windows2": [], "windows3": []}
+    singles: list[str] = []
+    for source, sents in documents():
+        for s in sents:
+            if s not in origin and s not in held:
+                origin[s] = source
+                singles.append(s)
+        for w in (2, 3):
+            windows[f"windows{w}"].extend(" ".join(sents[i : i + w]) for i in range(len(sents) - w + 1))
+    rng = random.Random(1)
+    rng.shuffle(singles)
+    cut = max(0, first - len(partners))
+    head = partners + singles[:cut]
+    rng.shuffle(head)  # query partners sit among the first `first` entries, so every measured size has them
+    order = head + singles[cut:]
+    available = {"real_single_texts": len(order)}
+    for tier, texts in windows.items():
+        fresh = [t for t in dict.fromkeys(texts) if t not in origin and t not in held]
+        available[tier] = len(fresh)
+        rng.shuffle(fresh)
+        for t in fresh if len(order) < n else []:
+            origin[t] = tier
+            order.append(t)
+    while len(order) < n:  # synthetic last resort: two random real sentences joined
+        text = f"{rng.choice(singles)} {rng.choice(singles)}"
+        if text not in origin and text not in held:
+            origin[text] = "random_pairs_of_real_sentences"
+            order.append(text)
+    texts = order[:n]
+    used: dict[str, int] = {}
+    for t in texts:
+        used[origin[t]] = used.get(origin[t], 0) + 1
+    return texts, used, available
+
+
+def embed_cached(texts: list[str], desc: str) -> np.ndarray:
+    """MiniLM embeddings of texts, cached per chunk under /tmp by content hash."""
+    from embeddings.encoder import Encoder
+
+    CACHE.mkdir(parents=True, exist_ok=True)
+    encoder, parts = Encoder(), []
+    with tqdm(total=len(texts), desc=f"embed {desc}", file=sys.stderr, unit="text") as bar:
+        for start in range(0, len(texts), CHUNK):
+            chunk = texts[start : start + CHUNK]
+            key = hashlib.sha1("\x00".join(["all-MiniLM-L6-v2", *chunk]).encode()).hexdigest()[:24]
+            path = CACHE / f"{key}.npy"
+            if path.exists():
+                parts.append(np.load(path))
+                bar.update(len(chunk))
+                continue
+            vecs = []
+            for sub in range(0, len(chunk), 1024):
+                vecs.append(encoder.encode(chunk[sub : sub + 1024]))
+                bar.update(len(vecs[-1]))
+            parts.append(np.concatenate(vecs))
+            np.save(tmp := path.with_suffix(".part.npy"), parts[-1])
+            os.replace(tmp, path)
+    return np.ascontiguousarray(np.concatenate(parts), dtype=np.float32)
+
+
+def time_single(
+    search: Search, xq: np.ndarray, warmup: int = 20
+) -> tuple[list[float], np.ndarray, np.ndarray]:
+    """One query per call, as the gateway looks up: per-call ms, top-1 ids, top-1 cosines."""
+    for j in range(min(warmup, len(xq))):
+        search(xq[j])
+    lat, ids, scores = [], np.empty(len(xq), np.int64), np.empty(len(xq), np.float32)
+    for j in range(len(xq)):
+        t0 = time.perf_counter()
+        ids[j], scores[j] = search(xq[j])
+        lat.append((time.perf_counter() - t0) * 1e3)
+    return lat, ids, scores
+
+
+def faiss_top1(index: Any, params: Any = None) -> Search:
+    def search(q: np.ndarray) -> tuple[int, float]:
+        dist, lab = index.search(q[None, :], 1, params=params)
+        return int(lab[0, 0]), float(dist[0, 0])
+
+    return search
+
+
+def numpy_top1(xb: np.ndarray) -> Search:
+    def search(q: np.ndarray) -> tuple[int, float]:
+        sims = xb @ q
+        j = int(sims.argmax())
+        return j, float(sims[j])
+
+    return search
+
+
+def exact(xb: np.ndarray, xq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Ground truth by exact inner product (batched: BLAS makes this fast even at 1M)."""
+    flat = faiss.IndexFlatIP(xb.shape[1])
+    flat.add(xb)
+    dist, lab = flat.search(xq, 1)
+    return lab[:, 0], dist[:, 0]
+
+
+def build_hnsw(xb: np.ndarray, ef_construction: int) -> tuple[Any, float]:
+    index = faiss.IndexHNSWFlat(xb.shape[1], HNSW_M, faiss.METRIC_INNER_PRODUCT)
+    index.hnsw.efConstruction = ef_construction
+    t0 = time.perf_counter()
+    for start in tqdm(
+        range(0, len(xb), 20_000), desc=f"hnsw n={len(xb)} efC={ef_construction}", file=sys.stderr
+    ):
+        index.add(xb[start : start + 20_000])
+    return index, time.perf_counter() - t0
+
+
+class Eval:
+    """Held-out queries with their exact answers at one corpus size; scores an approximate search."""
+
+    def __init__(self, xb: np.ndarray, xq: np.ndarray, is_para: np.ndarray) -> None:
+        self.xq = xq
+        self.gt_ids, self.gt_scores = exact(xb, xq)
+        self.masks = {
+            "para": is_para,
+            "neg": ~is_para,
+            "all": np.ones_like(is_para),
+            "cos_ge_0.8": self.gt_scores >= 0.8,
+        }
+
+    def run(self, search: Search, limit: int | None = None) -> dict[str, float]:
+        lat, ids, scores = time_single(search, self.xq[:limit])
+        n = len(ids)
+        hit = (ids == self.gt_ids[:n]) | (
+            scores >= self.gt_scores[:n] - 1e-5
+        )  # a tie is as good as the answer
+        out = {"p50_ms": round(pct(lat, 50), 3), "p99_ms": round(pct(lat, 99), 3)}
+        return out | {f"recall_{k}": round(float(hit[m[:n]].mean()), 4) for k, m in self.masks.items()}
+
+
+def hnsw_params(ef: int) -> Any:
+    return faiss.SearchParametersHNSW(efSearch=ef)
+
+
+def scoped_build(xb: np.ndarray) -> tuple[ScopedIndex, dict]:
+    """The production path: ScopedIndex.rebuild of one scope, then its own search() latency."""
+    index = ScopedIndex(dim=xb.shape[1], background=False)
+    t0 = time.perf_counter()
+    index.rebuild((("bench", i, xb[i]) for i in range(len(xb))), total=len(xb))
+    secs = time.perf_counter() - t0
+    stats = index.stats()
+    lat, _, _ = time_single(lambda q: index.search("bench", q)[0], xb[:2000])
+    info = {"build_s": round(secs, 1), "bytes_per_entry": round(stats["bytes"] / len(xb), 1), **stats}
+    return index, info | {"search_p50_ms": round(pct(lat, 50), 3), "search_p99_ms": round(pct(lat, 99), 3)}
+
+
+def flat_row(xb: np.ndarray, ev: Eval, samples: int) -> dict:
+    flat = faiss.IndexFlatIP(xb.shape[1])
+    flat.add(xb)
+    row = {"flat_p50_ms": ev.run(faiss_top1(flat), samples)["p50_ms"]}
+    return row | {"numpy_p50_ms": ev.run(numpy_top1(xb), samples)["p50_ms"]}
+
+
+def bench_batcher(texts: list[str], clients: int = 32, per_client: int = 8) -> dict:
+    """One lone request's latency, and `clients` concurrent callers' throughput vs one-by-one encoding."""
+    from embeddings.batcher import EmbeddingBatcher
+    from embeddings.encoder import Encoder
+
+    enc = Encoder()
+    enc.encode(texts[:64])  # load and warm up
+    total = clients * per_client
+    direct = []
+    t_all = time.perf_counter()
+    for t in texts[:total]:
+        t0 = time.perf_counter()
+        enc.encode([t])
+        direct.append((time.perf_counter() - t0) * 1e3)
+    serial = time.perf_counter() - t_all
+
+    async def run() -> tuple[list[float], float, float]:
+        batcher = EmbeddingBatcher(enc, window_ms=2.0, max_batch=64)
+        alone = []
+        for t in texts[:100]:
+            t0 = time.perf_counter()
+            await batcher.embed(t)
+            alone.append((time.perf_counter() - t0) * 1e3)
+        before = batcher.batches
+
+        async def client(c: int) -> None:
+            for r in range(per_client):
+                await batcher.embed(texts[c * per_client + r])
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(c) for c in range(clients)))
+        wall = time.perf_counter() - t0
+        batcher.close()
+        return alone, wall, total / max(1, batcher.batches - before)
+
+    alone, wall, mean_batch = asyncio.run(run())
+    return {
+        "window_ms": 2.0,
+        "direct_single_p50_ms": round(pct(direct, 50), 2),
+        "batcher_alone_p50_ms": round(pct(alone, 50), 2),
+        "batcher_alone_p99_ms": round(pct(alone, 99), 2),
+        f"concurrent_{clients}x{per_client}_texts_per_s": round(total / wall, 1),
+        "one_by_one_texts_per_s": round(total / serial, 1),
+        "mean_batch_size": round(mean_batch, 1),
+    }
+
+
+def table(title: str, rows: list[dict], cols: list[str]) -> None:
+    print(f"\n{title}")
+    print(" ".join(f"{c:>14}" for c in cols))
+    for r in rows:
+        print(" ".join(f"{r.get(c, '-')!s:>14}" for c in cols))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=1_000_000)
+    ap.add_argument("--queries", type=int, default=2000, help="paraphrase queries (+ half as many negatives)")
+    ap.add_argument("--ef-construction", default=str(EF_CONSTRUCTION), help="comma list to sweep")
+    ap.add_argument("--ef-search", default="16,32,64,128,256", help="comma list to sweep")
+    ap.add_argument("--sizes", default="10000,20000,50000,100000", help="smaller scope sizes: flat vs HNSW")
+    ap.add_argument("--flat-samples", type=int, default=300, help="queries timed on flat search (slow at 1M)")
+    ap.add_argument("--no-batcher", action="store_true")
+    args = ap.parse_args()
+    sizes = sorted({s for s in map(int, args.sizes.split(",")) if s < args.n})
+    efcs = sorted({int(x) for x in args.ef_construction.split(",")} | {EF_CONSTRUCTION})
+    efss = sorted({int(x) for x in args.ef_search.split(",")} | {EF_SEARCH})
+
+    say("[1/5] corpus and held-out queries")
+    queries = pick_queries(args.queries, args.queries // 2)
+    texts, used, available = corpus(args.n, queries, first=min(sizes + [args.n]))
+    say(f"corpus n={len(texts)} used={used} available={available}")
+    say("[2/5] embeddings (cached under /tmp)")
+    xb = embed_cached(texts, "corpus")
+    xq = embed_cached(queries["para"] + queries["neg"], "queries")
+    is_para = np.arange(len(xq)) < len(queries["para"])
+    position = {t: i for i, t in enumerate(texts)}
+    partner = np.array([position[t] for t in queries["para_partner"]])
+
+    say("[3/5] exact ground truth; one scope of n entries through ScopedIndex.rebuild")
+    ev = Eval(xb, xq, is_para)
+    index, scoped = scoped_build(xb)
+    say(f"ScopedIndex: {scoped}")
+    say("[4/5] efConstruction x efSearch sweep at n, then flat vs HNSW per size")
+    sweep = []
+    for efc in efcs:
+        hnsw, secs = (
+            (index._scopes["bench"].inner, scoped["build_s"])
+            if efc == EF_CONSTRUCTION
+            else build_hnsw(xb, efc)
+        )
+        for efs in efss:
+            sweep.append({"ef_construction": efc, "ef_search": efs, "build_s": round(secs, 1)})
+            sweep[-1] |= ev.run(faiss_top1(hnsw, hnsw_params(efs)))
+            say(f"sweep {sweep[-1]}")
+        del hnsw
+    chosen = next(r for r in sweep if (r["ef_construction"], r["ef_search"]) == (EF_CONSTRUCTION, EF_SEARCH))
+    del index
+    by_size = []
+    for size in sizes:
+        sub_ev = Eval(xb[:size], xq, is_para)
+        hnsw, secs = build_hnsw(xb[:size], EF_CONSTRUCTION)
+        by_size.append(
+            {"n": size, **flat_row(xb[:size], sub_ev, args.flat_samples), "build_s": round(secs, 1)}
+        )
+        by_size[-1] |= sub_ev.run(faiss_top1(hnsw, hnsw_params(EF_SEARCH)))
+        say(f"size {by_size[-1]}")
+    by_size.append({"n": args.n, **flat_row(xb, ev, args.flat_samples), **chosen})
+    batcher = {}
+    if not args.no_batcher:
+        say("[5/5] embedding batcher")
+        batcher = bench_batcher(queries["para"] + queries["neg"])
+
+    payload = {
+        "n": args.n,
+        "dim": int(xb.shape[1]),
+        "hnsw_m": HNSW_M,
+        "chosen": {"ef_construction": EF_CONSTRUCTION, "ef_search": EF_SEARCH, **chosen},
+        "queries": {"paraphrase": int(is_para.sum()), "hard_negative": int((~is_para).sum())},
+        "exact_top1_is_paraphrase_partner": round(float((ev.gt_ids[is_para] == partner).mean()), 4),
+        "corpus": {"used": used, "available": available},
+        "scoped_index": scoped,
+        "sweep": sweep,
+        "by_size": by_size,
+        "batcher": batcher,
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+    }
+    recall_cols = ["p50_ms", "p99_ms", "recall_para", "recall_neg", "recall_cos_ge_0.8"]
+    table(f"HNSW M={HNSW_M} at n={args.n}", sweep, ["ef_construction", "ef_search", "build_s", *recall_cols])
+    table(
+        f"flat vs HNSW (efC={EF_CONSTRUCTION}, efS={EF_SEARCH})",
+        by_size,
+        ["n", "flat_p50_ms", "numpy_p50_ms", "build_s", *recall_cols],
+    )
+    table(
+        "ScopedIndex (production path)",
+        [scoped],
+        ["entries", "build_s", "bytes_per_entry", "search_p50_ms", "search_p99_ms"],
+    )
+    if batcher:
+        table("embedding batcher", [batcher], list(batcher))
+    save("faiss_lookup", payload)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,255 @@
+"""The gateway's HTTP app. One direction: request -> policy -> cache -> canonicalize -> backend -> record.
+
+The cache keys are computed on the canonical form of the request, so requests that differ only
+in whitespace, key order or Unicode form are exact repeats; the same canonical body is what the
+backend receives, so its prefix cache sees byte-identical prefixes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from policies.cacheability import CachePolicy, decide
+from policies.canonicalize import canonicalize, normalize_for_match
+
+from backend.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_request
+from backend.server import install_error_handlers, read_limited_body
+from gateway.cache import Lookup, ResponseCache
+from gateway.cache_keys import RequestKeys, request_keys
+from gateway.config import Settings
+from gateway.hits import hit_response, hit_stream
+from gateway.metrics import GatewayMetrics
+from gateway.proxy import Backends, SseRecorder, relay
+from gateway.recorder import Recorder
+from gateway.store import Store, reply_key
+from gateway.tenants import Tenant, Tenants
+
+log = logging.getLogger("cachegw.gateway")
+
+
+class Flow:
+    """State of one request as it moves through the gateway."""
+
+    def __init__(self, endpoint: str, tenant: Tenant, model: str, body: dict[str, Any], stream: bool) -> None:
+        self.id = f"req-{uuid.uuid4().hex}"
+        self.start = time.perf_counter()
+        self.endpoint, self.tenant, self.model, self.body, self.stream = endpoint, tenant, model, body, stream
+        self.rules: list[str] = []
+        self.keys: RequestKeys | None = None
+        self.lookup: Lookup | None = None
+        self.result = "bypass"
+        self.backend_ms: float | None = None
+
+    def headers(self) -> dict[str, str]:
+        h = {"x-cache": self.result, "x-request-id": self.id}
+        lk = self.lookup
+        if lk is not None and lk.similarity is not None:
+            h["x-cache-similarity"] = f"{lk.similarity:.4f}"
+        if lk is not None and lk.entry is not None:
+            h["x-cache-entry"] = str(lk.entry.id)
+        return h
+
+
+class Gateway:
+    def __init__(self, settings: Settings, store: Store, cache: ResponseCache, backends: Backends) -> None:
+        self.settings = settings
+        self.store, self.cache, self.backends = store, cache, backends
+        self.tenants = Tenants(settings.tenants)
+        self.policy = CachePolicy(serve_temperature_above_zero=settings.cache.serve_temperature_above_zero)
+        self.metrics = GatewayMetrics(lambda: float(cache.entries))
+        self.recorder = Recorder(store)
+
+    def _restore(self, normalized: str) -> str | None:
+        return self.store.lookup_reply(reply_key(normalized))
+
+    def _ttl(self, request: Request) -> int:
+        raw = request.headers.get("x-cache-ttl")
+        if raw is None:
+            return self.settings.cache.ttl_seconds
+        if not raw.strip().isdigit() or int(raw) <= 0:
+            raise ApiError(400, "x-cache-ttl must be a positive number of seconds.", param="x-cache-ttl")
+        return min(int(raw), self.settings.cache.max_ttl_seconds)
+
+    async def handle(self, request: Request, endpoint: str) -> Response:
+        tenant = self.tenants.resolve(request.headers.get("authorization"))
+        raw = await read_limited_body(request, self.settings.gateway.max_request_bytes)
+        parse_request(ChatCompletionRequest if endpoint == "chat" else CompletionRequest, raw)
+        body = json.loads(raw)
+        model = body.get("model") or ""
+        url = await self.backends.route(model or None)
+        ttl = self._ttl(request)
+        flow = Flow(endpoint, tenant, model, body, bool(body.get("stream")))
+        cacheable = decide(body, request.headers, self.policy)
+        body, flow.rules = await asyncio.to_thread(
+            canonicalize, body, self.settings.canonicalize, self._restore
+        )
+        flow.keys = request_keys(tenant.cache_key, model, endpoint, body)
+        use_cache = self.settings.cache.enabled
+        if use_cache and cacheable.may_serve:
+            flow.lookup = await self.cache.lookup(tenant.cache_key, tenant.name, model, flow.keys)
+            self.metrics.lookup.observe(flow.lookup.lookup_ms / 1e3)
+            if flow.lookup.embed_ms is not None:
+                self.metrics.embedding.observe(flow.lookup.embed_ms / 1e3)
+            if flow.lookup.entry is not None:
+                return await self._serve_hit(flow)
+            flow.result = "miss"
+        store = use_cache and cacheable.may_store
+        path = "/chat/completions" if endpoint == "chat" else "/completions"
+        if flow.stream:
+            return await self._forward_stream(flow, url, path, body, store, ttl)
+        return await self._forward_json(flow, url, path, body, store, ttl)
+
+    async def _serve_hit(self, flow: Flow) -> Response:
+        assert flow.lookup is not None and flow.lookup.entry is not None
+        entry = flow.lookup.entry
+        flow.result = flow.lookup.result
+        asyncio.create_task(self.cache.record_hit(entry))
+        stored = json.loads(entry.response)
+        usage = stored.get("usage") or {}
+        self._record(flow, 200, usage)
+        if not flow.stream:
+            return JSONResponse(hit_response(stored, flow.id), headers=flow.headers())
+        include_usage = bool((flow.body.get("stream_options") or {}).get("include_usage"))
+        return StreamingResponse(
+            hit_stream(stored, flow.id, flow.endpoint, include_usage),
+            media_type="text/event-stream",
+            headers=flow.headers(),
+        )
+
+    async def _forward_json(
+        self, flow: Flow, url: str, path: str, body: dict, store: bool, ttl: int
+    ) -> Response:
+        status, data, flow.backend_ms = await self.backends.post_json(url, path, body)
+        self.metrics.backend.observe(flow.backend_ms / 1e3)
+        if status == 200:
+            await self._after_answer(flow, data, store, ttl)
+        self._record(flow, status, data.get("usage") or {}, None if status == 200 else json.dumps(data)[:500])
+        return JSONResponse(data, status_code=status, headers=flow.headers())
+
+    async def _forward_stream(
+        self, flow: Flow, url: str, path: str, body: dict, store: bool, ttl: int
+    ) -> Response:
+        client_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        upstream = {**body, "stream_options": {**(body.get("stream_options") or {}), "include_usage": True}}
+        start = time.perf_counter()
+        response = await self.backends.open_stream(url, path, upstream)
+        if response.status_code != 200:
+            data = json.loads(await response.aread() or b"{}")
+            await response.aclose()
+            self._record(flow, response.status_code, {}, json.dumps(data)[:500])
+            return JSONResponse(data, status_code=response.status_code, headers=flow.headers())
+        recorder = SseRecorder(flow.endpoint)
+
+        async def events():
+            try:
+                async for event in relay(response, recorder, drop_usage_chunk=not client_usage):
+                    yield event
+            finally:  # also when the client goes away: then nothing is stored
+                flow.backend_ms = (time.perf_counter() - start) * 1e3
+                asyncio.get_running_loop().create_task(self._finish_stream(flow, recorder, store, ttl))
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers=flow.headers())
+
+    async def _finish_stream(self, flow: Flow, recorder: SseRecorder, store: bool, ttl: int) -> None:
+        complete = recorder.complete_response()
+        if complete is not None:
+            await self._after_answer(flow, complete, store, ttl)
+        error = None if complete is not None else "stream incomplete or failed: not stored"
+        self._record(flow, 200, recorder.usage or {}, error)
+
+    async def _after_answer(self, flow: Flow, data: dict, store: bool, ttl: int) -> None:
+        """Remember the reply's exact bytes, and store the answer when policy and quality allow."""
+        choice = (data.get("choices") or [{}])[0]
+        text = (choice.get("message") or {}).get("content") if flow.endpoint == "chat" else choice.get("text")
+        try:
+            if isinstance(text, str) and text:
+                await asyncio.to_thread(
+                    self.store.remember_replies, {reply_key(normalize_for_match(text)): text}
+                )
+            if store and flow.keys is not None and not (choice.get("message") or {}).get("tool_calls"):
+                embedding = flow.lookup.embedding if flow.lookup else None
+                await self.cache.insert(
+                    flow.tenant.cache_key, flow.model, flow.endpoint, flow.keys, embedding, data, ttl
+                )
+        except Exception:  # a storage problem must not fail an answer the client already has
+            log.exception("could not store the answer of %s", flow.id)
+
+    def _record(self, flow: Flow, status: int, usage: dict, error: str | None = None) -> None:
+        total_ms = (time.perf_counter() - flow.start) * 1e3
+        details = usage.get("prompt_tokens_details") or {}
+        lk = flow.lookup
+        self.metrics.requests.labels(flow.result).inc()
+        self.metrics.total.labels(flow.result).observe(total_ms / 1e3)
+        if flow.result in ("miss", "bypass") and usage:
+            self.metrics.prompt_tokens.inc(usage.get("prompt_tokens") or 0)
+            self.metrics.cached_tokens.inc(details.get("cached_tokens") or 0)
+        self.recorder.record(
+            {
+                "id": flow.id,
+                "ts": time.time(),
+                "tenant": flow.tenant.id,
+                "model": flow.model,
+                "endpoint": flow.endpoint,
+                "stream": flow.stream,
+                "cache_result": flow.result,
+                "similarity": lk.similarity if lk else None,
+                "threshold": lk.threshold if lk else None,
+                "entry_id": lk.entry.id if lk and lk.entry else None,
+                "rules_fired": ",".join(flow.rules),
+                "embed_ms": lk.embed_ms if lk else None,
+                "lookup_ms": lk.lookup_ms if lk else None,
+                "backend_ms": flow.backend_ms,
+                "total_ms": total_ms,
+                "prompt_tokens": usage.get("prompt_tokens"),
+                "completion_tokens": usage.get("completion_tokens"),
+                "cached_tokens": details.get("cached_tokens"),
+                "status": status,
+                "error": error,
+            }
+        )
+
+
+def build_app(gateway_factory) -> FastAPI:
+    """``gateway_factory`` is an async context manager yielding a started Gateway (see serve.py)."""
+    state: dict[str, Gateway] = {}
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        async with gateway_factory() as gw:
+            state["gw"] = gw
+            yield
+
+    app = FastAPI(title="cachegw gateway", lifespan=lifespan)
+    install_error_handlers(app)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await state["gw"].handle(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await state["gw"].handle(request, "completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        state["gw"].tenants.resolve(request.headers.get("authorization"))
+        return {"object": "list", "data": await state["gw"].backends.list_models()}
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        gw = state["gw"]
+        return {"status": "ok", "backends": gw.backends.urls, "cache_entries": gw.cache.entries}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state["gw"].metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app

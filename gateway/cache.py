@@ -1,0 +1,211 @@
+"""The two-tier response cache: exact repeats, then paraphrases within the same scope.
+
+A stored answer is served only if it completed well (finish_reason "stop" within the new
+request's max_tokens, or "length" at exactly the same max_tokens), has not expired and was not
+flagged bad. The database is the source of truth: an entry is committed before it enters the
+FAISS index and removed from the index after it leaves the database, and the index is rebuilt
+from the database on start, so a crash can lose an index entry but never serve a deleted one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from embeddings.batcher import EmbeddingBatcher
+from embeddings.index import ScopedIndex
+from gateway.cache_keys import RequestKeys
+from gateway.config import CacheConfig
+from gateway.store import CacheEntry, Store
+from policies.verifier import DecisionRule, Verifier
+
+log = logging.getLogger("cachegw.gateway")
+
+CANDIDATES = 4  # nearest neighbours checked per semantic lookup
+
+
+@dataclass
+class Lookup:
+    result: str  # "exact-hit" | "semantic-hit" | "miss"
+    entry: CacheEntry | None = None
+    similarity: float | None = None  # of the hit, or of the nearest neighbour on a miss
+    threshold: float | None = None
+    embedding: np.ndarray | None = None
+    embed_ms: float | None = None
+    lookup_ms: float = 0.0
+
+
+def servable(entry: CacheEntry, keys: RequestKeys, now: float) -> bool:
+    if entry.bad or entry.expires_at <= now:
+        return False
+    if entry.finish_reason == "stop":
+        return keys.max_tokens is None or entry.completion_tokens <= keys.max_tokens
+    if entry.finish_reason == "length":  # truncated: only for exactly the same limit
+        return keys.max_tokens is not None and keys.max_tokens == entry.max_tokens
+    return False
+
+
+class ResponseCache:
+    def __init__(
+        self,
+        config: CacheConfig,
+        store: Store,
+        index: ScopedIndex,
+        batcher: EmbeddingBatcher | None,
+        verifier: Verifier | None,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.index = index
+        self.batcher = batcher
+        self.verifier = verifier
+        self.entries, self.bytes = store.totals()
+        self._evict_lock = asyncio.Lock()
+
+    def threshold(self, model: str, tenant_name: str) -> float:
+        """Per-tenant over per-model over the global threshold."""
+        c = self.config
+        return c.thresholds_by_tenant.get(tenant_name, c.thresholds_by_model.get(model, c.threshold))
+
+    def rebuild_index(self, progress: bool = True) -> int:
+        total = self.store.count_embeddings()
+        self.index.rebuild(self.store.iter_embeddings(), total=total, progress=progress)
+        return len(self.index)
+
+    async def lookup(
+        self, tenant: str, tenant_name: str, model: str, keys: RequestKeys, semantic: bool = True
+    ) -> Lookup:
+        start = time.perf_counter()
+        now = time.time()
+        c = self.config
+        if c.exact:
+            for entry in await asyncio.to_thread(self.store.find_exact, tenant, model, keys.exact, now):
+                if servable(entry, keys, now):
+                    return Lookup("exact-hit", entry, 1.0, lookup_ms=_ms(start))
+        if not (c.semantic and semantic and keys.scope and keys.query and self.batcher):
+            return Lookup("miss", lookup_ms=_ms(start))
+        t_embed = time.perf_counter()
+        vec = await self.batcher.embed(keys.query)
+        embed_ms = _ms(t_embed)
+        threshold = self.threshold(model, tenant_name)
+        hits = self.index.search(keys.scope, vec, k=CANDIDATES)
+        result = Lookup(
+            "miss",
+            similarity=hits[0][1] if hits else None,
+            threshold=threshold,
+            embedding=vec,
+            embed_ms=embed_ms,
+        )
+        close = [(i, s) for i, s in hits if s >= threshold]
+        if close:
+            entries = await asyncio.to_thread(self.store.get_entries, [i for i, _ in close])
+            for entry_id, sim in close:
+                entry = entries.get(entry_id)
+                if entry is None or entry.scope != keys.scope or not servable(entry, keys, now):
+                    continue
+                if self._verified(keys.query, vec, entry, sim, threshold):
+                    result.result, result.entry, result.similarity = "semantic-hit", entry, sim
+                    break
+        result.lookup_ms = _ms(start)
+        return result
+
+    def _verified(self, query: str, vec: np.ndarray, entry: CacheEntry, sim: float, threshold: float) -> bool:
+        if not self.config.verifier or self.verifier is None or entry.embedding is None:
+            return True
+        stored = np.frombuffer(entry.embedding, dtype=np.float32)
+        rule = DecisionRule(min_cosine=threshold, min_prob=self.config.verifier_threshold)
+        return self.verifier.check_batch([query], [entry.query_text], vec[None], stored[None], rule)[
+            0
+        ].accepted
+
+    async def record_hit(self, entry: CacheEntry) -> None:
+        await asyncio.to_thread(self.store.record_hit, entry.id, time.time())
+
+    async def insert(
+        self,
+        tenant: str,
+        model: str,
+        endpoint: str,
+        keys: RequestKeys,
+        embedding: np.ndarray | None,
+        response: dict,
+        ttl_seconds: int,
+    ) -> int | None:
+        """Store a completed answer; returns its entry id (None if it may not be stored)."""
+        choice = (response.get("choices") or [{}])[0]
+        finish = choice.get("finish_reason")
+        if finish not in ("stop", "length"):
+            return None
+        if finish == "length" and keys.max_tokens is None:
+            return None
+        if keys.query and embedding is None and self.batcher and keys.scope:
+            embedding = await self.batcher.embed(keys.query)
+        usage = response.get("usage") or {}
+        body = json.dumps(response, ensure_ascii=False)
+        now = time.time()
+        entry = CacheEntry(
+            tenant=tenant,
+            model=model,
+            endpoint=endpoint,
+            scope=keys.scope or "",
+            exact_key=keys.exact,
+            query_text=keys.query or "",
+            response=body,
+            finish_reason=finish,
+            max_tokens=keys.max_tokens,
+            embedding=None if embedding is None or not keys.scope else embedding.astype(np.float32).tobytes(),
+            prompt_tokens=int(usage.get("prompt_tokens") or 0),
+            completion_tokens=int(usage.get("completion_tokens") or 0),
+            size_bytes=len(body.encode()),
+            created_at=now,
+            expires_at=now + ttl_seconds,
+        )
+        entry_id = await asyncio.to_thread(self.store.add_entry, entry)
+        if entry.embedding is not None:
+            self.index.add(
+                keys.scope, np.array([entry_id], dtype=np.int64), embedding[None].astype(np.float32)
+            )
+        self.entries += 1
+        self.bytes += entry.size_bytes
+        if self.entries > self.config.max_entries or self.bytes > self.config.max_bytes:
+            await self.evict()
+        return entry_id
+
+    async def delete(self, ids: list[int]) -> int:
+        """Remove entries from the database first, then from the index."""
+        removed = await asyncio.to_thread(self.store.delete_entries, ids)
+        self.index.remove(ids)
+        self.entries, self.bytes = await asyncio.to_thread(self.store.totals)
+        return removed
+
+    async def evict(self) -> int:
+        """Bring the cache back under its entry and byte budgets (LRU or LFU), down to 95% of them."""
+        async with self._evict_lock:
+            c = self.config
+            over_n = self.entries - int(c.max_entries * 0.95)
+            over_b = self.bytes - int(c.max_bytes * 0.95)
+            if over_n <= 0 and over_b <= 0:
+                return 0
+            order = await asyncio.to_thread(self.store.eviction_order, c.eviction, max(over_n, 0) + 1000)
+            victims, freed = [], 0
+            for entry_id, size in order:
+                if len(victims) >= over_n and freed >= over_b:
+                    break
+                victims.append(entry_id)
+                freed += size
+            removed = await self.delete(victims)
+            log.info("evicted %d entries (%s)", removed, c.eviction)
+            return removed
+
+    async def expire(self) -> int:
+        ids = await asyncio.to_thread(self.store.expired_ids, time.time())
+        return await self.delete(ids) if ids else 0
+
+
+def _ms(start: float) -> float:
+    return (time.perf_counter() - start) * 1e3

@@ -1,0 +1,111 @@
+"""The gateway's settings: config.toml's [gateway], [tenants], [cache] and [canonicalize], typed.
+
+Read once by ``load_settings`` and passed down; unknown keys and out-of-range values are errors
+at start-up, not surprises at request time.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from policies.canonicalize import CanonicalizeConfig
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from backend.config import BackendServerConfig, EngineConfig, load_toml, typed_section
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class GatewayConfig(_Strict):
+    host: str
+    port: int = Field(ge=0, le=65535)
+    data_dir: str
+    database_url: str
+    max_request_bytes: int = Field(gt=0)
+    connect_timeout_s: float = Field(gt=0)
+    backend_timeout_s: float = Field(gt=0)
+    backends: tuple[str, ...]
+    builtin_backend_port: int = Field(ge=0, le=65535)
+
+    def resolved_database_url(self, data_dir: Path) -> str:
+        return self.database_url or f"sqlite:///{data_dir / 'cachegw.db'}"
+
+
+class TenantsConfig(_Strict):
+    mode: Literal["open", "keys"]
+    shared_cache: bool
+    keys: dict[str, str]
+
+    @field_validator("keys")
+    @classmethod
+    def _unique_keys(cls, keys: dict[str, str]) -> dict[str, str]:
+        if len(set(keys.values())) != len(keys):
+            raise ValueError("two tenants share one API key")
+        return keys
+
+
+Threshold = float
+
+
+class CacheConfig(_Strict):
+    enabled: bool
+    exact: bool
+    semantic: bool
+    threshold: float = Field(ge=0, le=1)
+    thresholds_by_model: dict[str, Threshold]
+    thresholds_by_tenant: dict[str, Threshold]
+    verifier: bool
+    verifier_threshold: float = Field(ge=0, le=1)
+    ttl_seconds: int = Field(gt=0)
+    max_ttl_seconds: int = Field(gt=0)
+    max_entries: int = Field(gt=0)
+    max_bytes: int = Field(gt=0)
+    eviction: Literal["lru", "lfu"]
+    serve_temperature_above_zero: bool
+    embed_batch_window_ms: float = Field(ge=0)
+    embed_max_batch: int = Field(gt=0)
+
+    @field_validator("thresholds_by_model", "thresholds_by_tenant")
+    @classmethod
+    def _in_unit_range(cls, values: dict[str, float]) -> dict[str, float]:
+        bad = {k: v for k, v in values.items() if not 0 <= v <= 1}
+        if bad:
+            raise ValueError(f"thresholds must be in [0, 1]: {bad}")
+        return values
+
+
+class Settings(_Strict):
+    """Everything `cachegw serve` needs, from one config file."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+
+    gateway: GatewayConfig
+    tenants: TenantsConfig
+    cache: CacheConfig
+    canonicalize: CanonicalizeConfig
+    engine: EngineConfig
+    backend_server: BackendServerConfig
+    config_path: str | None = None
+
+    @property
+    def data_dir(self) -> Path:
+        return Path(self.gateway.data_dir).expanduser()
+
+
+def load_settings(path: str | os.PathLike[str] | None = None, **gateway_overrides: object) -> Settings:
+    """Packaged defaults, the user's file merged over them, then command-line overrides."""
+    raw = load_toml(path)
+    gateway = {**raw["gateway"], **{k: v for k, v in gateway_overrides.items() if v is not None}}
+    return Settings(
+        gateway=GatewayConfig(**gateway),
+        tenants=TenantsConfig(**raw["tenants"]),
+        cache=CacheConfig(**raw["cache"]),
+        canonicalize=CanonicalizeConfig.from_dict(raw["canonicalize"]),
+        engine=typed_section(EngineConfig, raw["engine"], "engine"),
+        backend_server=typed_section(BackendServerConfig, raw["backend_server"], "backend_server"),
+        config_path=str(path) if path is not None else None,
+    )

@@ -1,0 +1,58 @@
+"""Prometheus metrics of the gateway, in their own registry."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class GatewayMetrics:
+    def __init__(self, entries: Callable[[], float]) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter(
+            "cachegw_gateway_requests", "Requests by cache result", ["result"], registry=r
+        )
+        self.lookup = Histogram(
+            "cachegw_gateway_lookup_seconds", "Cache lookup time", buckets=_BUCKETS, registry=r
+        )
+        self.embedding = Histogram(
+            "cachegw_gateway_embedding_seconds", "Query embedding time", buckets=_BUCKETS, registry=r
+        )
+        self.backend = Histogram(
+            "cachegw_gateway_backend_seconds", "Backend time of misses", buckets=_BUCKETS, registry=r
+        )
+        self.total = Histogram(
+            "cachegw_gateway_request_seconds",
+            "Gateway time by result",
+            ["result"],
+            buckets=_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "cachegw_gateway_backend_prompt_tokens", "Prompt tokens sent to backends", registry=r
+        )
+        self.cached_tokens = Counter(
+            "cachegw_gateway_backend_cached_prompt_tokens",
+            "Prompt tokens the backends served from their prefix cache",
+            registry=r,
+        )
+        self.entries = Gauge("cachegw_gateway_cache_entries", "Entries in the response cache", registry=r)
+        self.entries.set_function(entries)
+        self.hit_ratio = Gauge("cachegw_gateway_hit_ratio", "Exact and semantic hits / requests", registry=r)
+        self.hit_ratio.set_function(self._hit_ratio)
+
+    def _hit_ratio(self) -> float:
+        counts = {
+            s.labels["result"]: s.value
+            for m in self.requests.collect()
+            for s in m.samples
+            if s.name.endswith("_total")
+        }
+        total = sum(counts.values())
+        return (counts.get("exact-hit", 0) + counts.get("semantic-hit", 0)) / total if total else 0.0
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,196 @@
+"""Talking to backends: one shared httpx client for the built-in engine, vLLM, SGLang or llama.cpp.
+
+Streams pass through chunk by chunk with no added buffering; on the way an ``SseRecorder``
+reads the same bytes to rebuild the complete answer for the cache and the request log.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+from backend.protocol import ApiError
+
+
+def backend_unavailable(url: str, exc: Exception) -> ApiError:
+    if isinstance(exc, httpx.TimeoutException):
+        return ApiError(
+            504,
+            f"The backend at {url} did not answer in time ({type(exc).__name__}).",
+            type="backend_error",
+            code="backend_timeout",
+        )
+    return ApiError(
+        502,
+        f"The backend at {url} is unavailable ({type(exc).__name__}: {exc}).",
+        type="backend_error",
+        code="backend_unavailable",
+    )
+
+
+class Backends:
+    """The configured backends; routing by model (and later by prefix) happens here."""
+
+    def __init__(self, urls: list[str], connect_timeout: float, read_timeout: float) -> None:
+        self.urls = [u.rstrip("/") for u in urls]
+        timeout = httpx.Timeout(read_timeout, connect=connect_timeout)
+        limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
+        self.client = httpx.AsyncClient(timeout=timeout, limits=limits)
+        self._models: dict[str, str] = {}  # model id -> backend url
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    async def list_models(self) -> list[dict[str, Any]]:
+        """The union of the backends' /v1/models (a down backend contributes nothing)."""
+        cards: list[dict[str, Any]] = []
+        for url in self.urls:
+            try:
+                r = await self.client.get(f"{url}/models", timeout=5.0)
+                r.raise_for_status()
+                for card in r.json().get("data", []):
+                    self._models.setdefault(card["id"], url)
+                    cards.append(card)
+            except (httpx.HTTPError, ValueError, KeyError):
+                continue
+        return cards
+
+    async def route(self, model: str | None) -> str:
+        if model and model not in self._models:
+            await self.list_models()
+        if model and model in self._models:
+            return self._models[model]
+        if model and self._models:
+            raise ApiError(
+                404,
+                f"The model '{model}' does not exist or you do not have access to it.",
+                param="model",
+                code="model_not_found",
+            )
+        return self.urls[0]
+
+    async def post_json(self, url: str, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any], float]:
+        start = time.perf_counter()
+        try:
+            r = await self.client.post(f"{url}{path}", json=body)
+        except httpx.HTTPError as exc:
+            raise backend_unavailable(url, exc) from exc
+        try:
+            data = r.json()
+        except ValueError as exc:
+            raise ApiError(
+                502,
+                f"The backend at {url} sent a response that is not JSON.",
+                type="backend_error",
+                code="backend_bad_response",
+            ) from exc
+        return r.status_code, data, (time.perf_counter() - start) * 1e3
+
+    async def open_stream(self, url: str, path: str, body: dict[str, Any]) -> httpx.Response:
+        """Send the request and return the response with its body not yet read."""
+        try:
+            request = self.client.build_request("POST", f"{url}{path}", json=body)
+            return await self.client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise backend_unavailable(url, exc) from exc
+
+
+class SseRecorder:
+    """Rebuilds a non-stream response from the SSE bytes of a chat or completion stream."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.text: list[str] = []
+        self.finish_reason: str | None = None
+        self.usage: dict[str, Any] | None = None
+        self.meta: dict[str, Any] = {}
+        self.done = False
+        self.error = False
+        self.has_tool_calls = False
+
+    def feed_event(self, event: bytes) -> bool:
+        """Read one SSE event; True if it is the usage-only chunk (no choices)."""
+        usage_only = False
+        for line in event.split(b"\n"):
+            if line.startswith(b"data:"):
+                usage_only |= self._data(line[5:].strip())
+        return usage_only
+
+    def _data(self, data: bytes) -> bool:
+        if data == b"[DONE]":
+            self.done = True
+            return False
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            self.error = True
+            return False
+        if "error" in obj:
+            self.error = True
+            return False
+        if obj.get("usage"):
+            self.usage = obj["usage"]
+        for key in ("id", "model", "created", "system_fingerprint"):
+            self.meta.setdefault(key, obj.get(key))
+        for choice in obj.get("choices") or []:
+            if choice.get("index", 0) != 0:
+                continue
+            if self.endpoint == "chat":
+                delta = choice.get("delta") or {}
+                self.has_tool_calls |= bool(delta.get("tool_calls"))
+                if delta.get("content"):
+                    self.text.append(delta["content"])
+            elif choice.get("text"):
+                self.text.append(choice["text"])
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+        return obj.get("choices") == [] and bool(obj.get("usage"))
+
+    def complete_response(self) -> dict[str, Any] | None:
+        """The answer as one non-stream response, or None unless the stream ended well."""
+        if not self.done or self.error or self.has_tool_calls or self.finish_reason is None:
+            return None
+        text = "".join(self.text)
+        if self.endpoint == "chat":
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": self.finish_reason,
+            }
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": self.finish_reason, "logprobs": None}
+            obj = "text_completion"
+        return {
+            "id": self.meta.get("id"),
+            "object": obj,
+            "created": self.meta.get("created"),
+            "model": self.meta.get("model"),
+            "choices": [choice],
+            "usage": self.usage,
+        }
+
+
+async def relay(
+    response: httpx.Response, recorder: SseRecorder, drop_usage_chunk: bool
+) -> AsyncIterator[bytes]:
+    """The backend's SSE events as they arrive, each passed on whole. When the gateway asked for a
+    usage chunk that the client did not (to record tokens), that one event is held back."""
+    buffer = b""
+    try:
+        async for chunk in response.aiter_raw():
+            buffer += chunk
+            while b"\n\n" in buffer:
+                event, buffer = buffer.split(b"\n\n", 1)
+                if recorder.feed_event(event) and drop_usage_chunk:
+                    continue
+                yield event + b"\n\n"
+        if buffer.strip():
+            recorder.feed_event(buffer)
+            yield buffer
+    finally:
+        await response.aclose()

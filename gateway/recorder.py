@@ -1,0 +1,48 @@
+"""Writes the request log in small batches off the request path."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from gateway.store import Store
+
+log = logging.getLogger("cachegw.gateway")
+
+
+class Recorder:
+    def __init__(self, store: Store, flush_every_s: float = 0.2, max_batch: int = 256) -> None:
+        self.store = store
+        self.flush_every_s = flush_every_s
+        self.max_batch = max_batch
+        self.queue: asyncio.Queue[dict] = asyncio.Queue()
+        self.task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self._run(), name="cachegw-recorder")
+
+    def record(self, row: dict) -> None:
+        self.queue.put_nowait(row)
+
+    async def _run(self) -> None:
+        while True:
+            rows = [await self.queue.get()]
+            await asyncio.sleep(self.flush_every_s)
+            while not self.queue.empty() and len(rows) < self.max_batch:
+                rows.append(self.queue.get_nowait())
+            await self._write(rows)
+
+    async def _write(self, rows: list[dict]) -> None:
+        try:
+            await asyncio.to_thread(self.store.log_requests, rows)
+        except Exception:  # the log must never take a request down with it
+            log.exception("could not write %d request records", len(rows))
+
+    async def close(self) -> None:
+        """Write what is queued, then stop."""
+        if self.task:
+            self.task.cancel()
+        rows = []
+        while not self.queue.empty():
+            rows.append(self.queue.get_nowait())
+        await self._write(rows)

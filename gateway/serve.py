@@ -1,0 +1,79 @@
+"""`cachegw serve`: build the gateway's parts, start the built-in backend if needed, serve."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator
+
+import uvicorn
+
+from embeddings.batcher import EmbeddingBatcher
+from embeddings.encoder import Encoder
+from embeddings.index import ScopedIndex
+from gateway.app import Gateway, build_app
+from gateway.cache import ResponseCache
+from gateway.config import Settings
+from gateway.proxy import Backends
+from gateway.store import Store
+from gateway.supervisor import BuiltinBackend
+from policies.verifier import Verifier
+
+log = logging.getLogger("cachegw.gateway")
+EXPIRY_EVERY_S = 60.0
+
+
+@contextlib.asynccontextmanager
+async def started_gateway(settings: Settings, progress: bool = True) -> AsyncIterator[Gateway]:
+    """Everything a request needs, started in order and stopped in reverse."""
+    data_dir = settings.data_dir
+    data_dir.mkdir(parents=True, exist_ok=True)
+    store = Store(settings.gateway.resolved_database_url(data_dir))
+    c = settings.cache
+    encoder = Encoder()
+    batcher = EmbeddingBatcher(encoder, window_ms=c.embed_batch_window_ms, max_batch=c.embed_max_batch)
+    await asyncio.to_thread(encoder.encode, ["warm-up"])
+    verifier = Verifier.load() if c.verifier else None
+    cache = ResponseCache(c, store, ScopedIndex(dim=encoder.dim), batcher, verifier)
+    n = await asyncio.to_thread(cache.rebuild_index, progress)
+    log.info("cache: %d entries, %d in the vector index", cache.entries, n)
+    builtin = None
+    urls = list(settings.gateway.backends)
+    if not urls:
+        builtin = BuiltinBackend("127.0.0.1", settings.gateway.builtin_backend_port, settings.config_path)
+        await builtin.start()
+        urls = [builtin.url]
+    backends = Backends(urls, settings.gateway.connect_timeout_s, settings.gateway.backend_timeout_s)
+    gw = Gateway(settings, store, cache, backends)
+    gw.builtin = builtin
+    gw.recorder.start()
+    expiry = asyncio.create_task(_expire_forever(cache), name="cachegw-expiry")
+    try:
+        yield gw
+    finally:
+        expiry.cancel()
+        await gw.recorder.close()
+        await backends.close()
+        if builtin is not None:
+            await builtin.stop()
+        batcher.close()
+        store.close()
+
+
+async def _expire_forever(cache: ResponseCache) -> None:
+    while True:
+        await asyncio.sleep(EXPIRY_EVERY_S)
+        try:
+            await cache.expire()
+        except Exception:
+            log.exception("expiry pass failed")
+
+
+def run_gateway(settings: Settings) -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    app = build_app(lambda: started_gateway(settings))
+    g = settings.gateway
+    log.info("gateway on http://%s:%d/v1 (data in %s)", g.host, g.port, settings.data_dir)
+    uvicorn.run(app, host=g.host, port=g.port, log_level="info")

@@ -1,0 +1,239 @@
+"""SQL storage of cache entries, the request log, and the replies the gateway produced.
+
+SQLAlchemy 2 on any URL; SQLite (the default, in the data dir) runs in WAL mode so readers never
+wait for the writer and a kill -9 loses nothing that was committed. Every method is synchronous
+and short: the app calls them from worker threads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+from sqlalchemy import (
+    Boolean,
+    Float,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    create_engine,
+    delete,
+    event,
+    func,
+    select,
+    update,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class CacheEntry(Base):
+    """One stored answer: what was asked, in which scope, and the full non-stream response."""
+
+    __tablename__ = "cache_entries"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    tenant: Mapped[str] = mapped_column(String(64), index=True)
+    model: Mapped[str] = mapped_column(String(256), index=True)
+    endpoint: Mapped[str] = mapped_column(String(32))
+    scope: Mapped[str] = mapped_column(String(64), index=True)
+    exact_key: Mapped[str] = mapped_column(String(64), index=True)
+    query_text: Mapped[str] = mapped_column(Text)
+    embedding: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    response: Mapped[str] = mapped_column(Text)  # JSON of the completed, non-stream response
+    finish_reason: Mapped[str] = mapped_column(String(32))
+    max_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    size_bytes: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[float] = mapped_column(Float)
+    last_hit_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    hit_count: Mapped[int] = mapped_column(Integer, default=0)
+    expires_at: Mapped[float] = mapped_column(Float, index=True)
+    bad: Mapped[bool] = mapped_column(Boolean, default=False)
+
+
+class RequestRecord(Base):
+    """One request through the gateway: how the cache answered and what it cost."""
+
+    __tablename__ = "requests"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    ts: Mapped[float] = mapped_column(Float, index=True)
+    tenant: Mapped[str] = mapped_column(String(64), index=True)
+    model: Mapped[str] = mapped_column(String(256))
+    endpoint: Mapped[str] = mapped_column(String(32))
+    stream: Mapped[bool] = mapped_column(Boolean)
+    cache_result: Mapped[str] = mapped_column(
+        String(16), index=True
+    )  # exact-hit|semantic-hit|miss|bypass|error
+    similarity: Mapped[float | None] = mapped_column(Float, nullable=True)  # nearest neighbour, hit or not
+    threshold: Mapped[float | None] = mapped_column(Float, nullable=True)
+    entry_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    rules_fired: Mapped[str] = mapped_column(String(256), default="")
+    embed_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
+    lookup_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
+    backend_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
+    total_ms: Mapped[float] = mapped_column(Float)
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    completion_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    cached_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    status: Mapped[int] = mapped_column(Integer)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
+class Reply(Base):
+    """Exact text of an assistant reply the gateway produced, keyed by its normalised form, so a
+    client that sends it back re-formatted can be given the original bytes (prefix-cache hits)."""
+
+    __tablename__ = "replies"
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    text: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[float] = mapped_column(Float)
+
+
+Index("ix_entries_lookup", CacheEntry.tenant, CacheEntry.model, CacheEntry.exact_key)
+
+
+def _sqlite_pragmas(dbapi_conn, _record) -> None:
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA synchronous=NORMAL")
+    cur.execute("PRAGMA busy_timeout=5000")
+    cur.close()
+
+
+def reply_key(normalized_text: str) -> str:
+    return hashlib.sha256(normalized_text.encode()).hexdigest()
+
+
+class Store:
+    def __init__(self, url: str) -> None:
+        if url.startswith("sqlite:///"):
+            Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        self.engine = create_engine(url, pool_pre_ping=True)
+        if self.engine.dialect.name == "sqlite":
+            event.listen(self.engine, "connect", _sqlite_pragmas)
+        Base.metadata.create_all(self.engine)
+        self.session = sessionmaker(self.engine, expire_on_commit=False)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # Entries
+
+    def add_entry(self, entry: CacheEntry) -> int:
+        with self.session.begin() as s:
+            s.add(entry)
+            s.flush()
+            return entry.id
+
+    def get_entries(self, ids: list[int]) -> dict[int, CacheEntry]:
+        if not ids:
+            return {}
+        with self.session() as s:
+            return {e.id: e for e in s.scalars(select(CacheEntry).where(CacheEntry.id.in_(ids)))}
+
+    def find_exact(self, tenant: str, model: str, exact_key: str, now: float) -> list[CacheEntry]:
+        """Live entries for an identical request, newest first."""
+        with self.session() as s:
+            q = (
+                select(CacheEntry)
+                .where(
+                    CacheEntry.tenant == tenant, CacheEntry.model == model, CacheEntry.exact_key == exact_key
+                )
+                .where(CacheEntry.expires_at > now, CacheEntry.bad.is_(False))
+                .order_by(CacheEntry.id.desc())
+                .limit(4)
+            )
+            return list(s.scalars(q))
+
+    def record_hit(self, entry_id: int, now: float) -> None:
+        with self.session.begin() as s:
+            s.execute(
+                update(CacheEntry)
+                .where(CacheEntry.id == entry_id)
+                .values(hit_count=CacheEntry.hit_count + 1, last_hit_at=now)
+            )
+
+    def delete_entries(self, ids: list[int]) -> int:
+        if not ids:
+            return 0
+        with self.session.begin() as s:
+            return s.execute(delete(CacheEntry).where(CacheEntry.id.in_(ids))).rowcount or 0
+
+    def expired_ids(self, now: float) -> list[int]:
+        with self.session() as s:
+            return list(s.scalars(select(CacheEntry.id).where(CacheEntry.expires_at <= now)))
+
+    def totals(self) -> tuple[int, int]:
+        """(entries, stored response bytes)."""
+        with self.session() as s:
+            n, size = s.execute(
+                select(func.count(CacheEntry.id), func.coalesce(func.sum(CacheEntry.size_bytes), 0))
+            ).one()
+            return int(n), int(size)
+
+    def eviction_order(self, policy: str, limit: int) -> list[tuple[int, int]]:
+        """(id, size) of the entries to evict first: least recently or least frequently used."""
+        recency = func.coalesce(CacheEntry.last_hit_at, CacheEntry.created_at)
+        order = [recency] if policy == "lru" else [CacheEntry.hit_count, recency]
+        with self.session() as s:
+            rows = s.execute(select(CacheEntry.id, CacheEntry.size_bytes).order_by(*order).limit(limit))
+            return [(int(i), int(b)) for i, b in rows]
+
+    def iter_embeddings(self, batch: int = 5000) -> Iterator[tuple[str, int, np.ndarray]]:
+        """(scope, id, vector) of every live entry that has an embedding, for rebuilding the index."""
+        last = 0
+        now = time.time()
+        while True:
+            with self.session() as s:
+                rows = s.execute(
+                    select(CacheEntry.scope, CacheEntry.id, CacheEntry.embedding)
+                    .where(
+                        CacheEntry.id > last, CacheEntry.embedding.is_not(None), CacheEntry.expires_at > now
+                    )
+                    .where(CacheEntry.bad.is_(False))
+                    .order_by(CacheEntry.id)
+                    .limit(batch)
+                ).all()
+            if not rows:
+                return
+            for scope, entry_id, blob in rows:
+                yield scope, entry_id, np.frombuffer(blob, dtype=np.float32)
+            last = rows[-1][1]
+
+    def count_embeddings(self) -> int:
+        with self.session() as s:
+            return int(
+                s.scalar(select(func.count(CacheEntry.id)).where(CacheEntry.embedding.is_not(None))) or 0
+            )
+
+    # Request log and replies
+
+    def log_requests(self, rows: list[dict]) -> None:
+        if rows:
+            with self.session.begin() as s:
+                s.add_all(RequestRecord(**row) for row in rows)
+
+    def remember_replies(self, replies: dict[str, str]) -> None:
+        """key -> exact text; an existing key keeps its first text."""
+        if not replies:
+            return
+        with self.session.begin() as s:
+            known = set(s.scalars(select(Reply.key).where(Reply.key.in_(list(replies)))))
+            now = time.time()
+            s.add_all(Reply(key=k, text=t, created_at=now) for k, t in replies.items() if k not in known)
+
+    def lookup_reply(self, key: str) -> str | None:
+        with self.session() as s:
+            return s.scalar(select(Reply.text).where(Reply.key == key))
+
+    def session_scope(self) -> Session:
+        return self.session()

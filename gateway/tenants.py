@@ -1,0 +1,52 @@
+"""Who is asking: the API key in `Authorization: Bearer` names the tenant.
+
+Open mode: any key is its own tenant. Keys mode: only configured keys, by name. Either way a key
+is stored only as a hash, and the cache is keyed by that hash (or by "*" when the config shares
+the cache between tenants).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from backend.protocol import ApiError
+from gateway.config import TenantsConfig
+
+ANONYMOUS = "anonymous"
+
+
+@dataclass(frozen=True)
+class Tenant:
+    id: str  # hash of the key (what the request log stores)
+    name: str  # configured name, else the hash
+    cache_key: str  # what cache entries are keyed by
+
+
+def key_hash(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+class Tenants:
+    def __init__(self, config: TenantsConfig) -> None:
+        self.config = config
+        self.by_hash = {key_hash(k): name for name, k in config.keys.items()}
+
+    def resolve(self, authorization: str | None) -> Tenant:
+        key = ""
+        if authorization:
+            scheme, _, value = authorization.partition(" ")
+            key = value.strip() if scheme.lower() == "bearer" else ""
+        if self.config.mode == "keys":
+            h = key_hash(key) if key else ""
+            if h not in self.by_hash:
+                raise ApiError(
+                    401,
+                    "Incorrect API key provided." if key else "You didn't provide an API key.",
+                    code="invalid_api_key",
+                )
+            name = self.by_hash[h]
+        else:
+            h = key_hash(key) if key else ANONYMOUS
+            name = h
+        return Tenant(h, name, "*" if self.config.shared_cache else h)

@@ -1,0 +1,159 @@
+"""Cacheability: may this request be answered from the cache, and may its fresh answer be stored?
+
+Called first, before any lookup. A stored answer is one choice of one completion, with no
+logprobs; it may only answer a request for which that is a faithful reply, and it is only worth
+storing if an identical request could be served from it. The first row that applies decides:
+
+| # | request | serve | store | reason |
+|---|---|---|---|---|
+| 1 | ``CachePolicy.enabled`` is false | no | no | disabled |
+| 2 | n, temperature, top_k, logprobs, top_logprobs of a wrong type or range | no | no | invalid |
+| 3 | ``Cache-Control: no-store`` | no | no | no-store |
+| 4 | ``n`` > 1 | no | no | n>1 |
+| 5 | chat ``logprobs: true`` or ``top_logprobs`` set; completions ``logprobs`` set | no | no | logprobs |
+| 6 | sampling, and the policy does not serve sampled answers | no | no | temperature |
+| 7 | ``Cache-Control: no-cache`` / ``max-age=0``; ``Pragma: no-cache`` alone | no | yes | no-cache |
+| 8 | ``stream_options`` beyond ``include_usage`` / ``include_obfuscation`` | no | yes | stream-options |
+| 9 | anything else | yes | yes | ok |
+
+Why:
+2. the backend will answer 400; a cache must not answer what the backend refuses.
+3. RFC 9111: nothing of this exchange may be kept.
+4. an entry holds one choice; n copies of it are not n samples.
+5. stored answers carry no logprobs.
+6. sampling = temperature > 0 (absent or null = OpenAI's default 1.0), unless ``top_k`` = 1 (only
+   the best token can be drawn, so it is greedy). The client asked for a fresh sample; and storing
+   is useless, since an identical request could never be served from the entry. With
+   ``serve_temperature_above_zero`` both are allowed.
+7. RFC 9111: go to the origin (the backend); its fresh answer is still good to keep. ``Pragma``
+   counts only when no Cache-Control is sent (RFC 9111 5.4).
+8. a replayed stream cannot honour options we do not know (e.g. vLLM's per-chunk usage); the answer
+   itself is ordinary, so it is stored.
+
+Deliberately not rules:
+- ``seed``: a seed does not make sampling cacheable on its own (OpenAI: best effort only); with
+  ``serve_temperature_above_zero`` the seed is part of the exact key like any parameter.
+- ``tool_choice`` ("required", a named function, "none"): the answer to an identical request, tools
+  included, is the same tool call; the client still runs the tool itself. The gateway should mint
+  fresh tool-call ids when it serves one.
+- ``stream``: a stored answer can be replayed as a stream (usage chunk included).
+- ``top_p``, ``stop``, ``max_tokens``, ``response_format``...: part of the key, not of this decision.
+Headers are matched case-insensitively, repeated headers and comma lists are both read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+_KNOWN_STREAM_OPTIONS = frozenset({"include_usage", "include_obfuscation"})
+
+
+@dataclass(frozen=True)
+class CachePolicy:
+    """The parts of config.toml [cache] that decide cacheability; defaults equal the file's."""
+
+    enabled: bool = True
+    serve_temperature_above_zero: bool = False
+
+    @classmethod
+    def from_dict(cls, cache_section: Mapping[str, Any]) -> CachePolicy:
+        """From the whole [cache] section: its other keys belong to other parts and are ignored."""
+        return cls(**{f.name: cache_section[f.name] for f in fields(cls) if f.name in cache_section})
+
+
+@dataclass(frozen=True)
+class Cacheability:
+    """The decision; ``reason`` is a short code the gateway counts requests by."""
+
+    may_serve: bool
+    may_store: bool
+    reason: str
+
+
+OK = Cacheability(True, True, "ok")
+_NEITHER = {r: Cacheability(False, False, r) for r in ("disabled", "invalid", "no-store", "n>1")}
+_NEITHER |= {r: Cacheability(False, False, r) for r in ("logprobs", "temperature")}
+_STORE_ONLY = {r: Cacheability(False, True, r) for r in ("no-cache", "stream-options")}
+
+
+def decide(body: Mapping[str, Any], headers: Mapping[str, str], policy: CachePolicy) -> Cacheability:
+    """Rows of the module table in order, most restrictive first; the first that applies wins."""
+    if not policy.enabled:
+        return _NEITHER["disabled"]
+    if not _valid(body):
+        return _NEITHER["invalid"]
+    directives = _cache_directives(headers)
+    if "no-store" in directives:
+        return _NEITHER["no-store"]
+    if (body.get("n") or 1) > 1:
+        return _NEITHER["n>1"]
+    if _wants_logprobs(body):
+        return _NEITHER["logprobs"]
+    if _samples(body) and not policy.serve_temperature_above_zero:
+        return _NEITHER["temperature"]
+    if "no-cache" in directives or directives.get("max-age") == "0":
+        return _STORE_ONLY["no-cache"]
+    options = body.get("stream_options")
+    if isinstance(options, Mapping) and set(options) - _KNOWN_STREAM_OPTIONS:
+        return _STORE_ONLY["stream-options"]
+    return OK
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _valid(body: Mapping[str, Any]) -> bool:
+    """Only what this decision reads; every other field is the backend's to validate."""
+    n, temp, top_k = body.get("n"), body.get("temperature"), body.get("top_k")
+    top_logprobs, logprobs = body.get("top_logprobs"), body.get("logprobs")
+    checks = (
+        n is None or (isinstance(n, int) and not isinstance(n, bool) and n >= 1),
+        temp is None or (_number(temp) and temp >= 0),
+        top_k is None or (isinstance(top_k, int) and not isinstance(top_k, bool)),
+        top_logprobs is None or (isinstance(top_logprobs, int) and not isinstance(top_logprobs, bool)),
+        logprobs is None
+        or isinstance(logprobs, bool)
+        or (isinstance(logprobs, int) and "messages" not in body),
+    )
+    return all(checks)
+
+
+def _wants_logprobs(body: Mapping[str, Any]) -> bool:
+    """Chat: a bool (+ top_logprobs). Completions: an int, where 0 still asks for the chosen token's."""
+    if body.get("top_logprobs") is not None:
+        return True
+    logprobs = body.get("logprobs")
+    if "messages" in body:
+        return logprobs is True
+    return logprobs is not None and logprobs is not False
+
+
+def _samples(body: Mapping[str, Any]) -> bool:
+    """True unless decoding is greedy: temperature 0, or top_k 1 (only the best token can be drawn)."""
+    temperature = body.get("temperature")
+    if temperature is None:
+        temperature = 1.0  # OpenAI's default; an explicit null means the same
+    return temperature > 0 and body.get("top_k") != 1
+
+
+def _cache_directives(headers: Mapping[str, str]) -> dict[str, str]:
+    """Request Cache-Control directives, lower-cased (name -> value, "" if none), or Pragma's no-cache."""
+    cache_control: list[str] = []
+    pragma: list[str] = []
+    for name, value in headers.items():
+        lowered = name.lower()
+        if lowered == "cache-control":
+            cache_control.append(value)
+        elif lowered == "pragma":
+            pragma.append(value)
+    out: dict[str, str] = {}
+    for part in ",".join(cache_control or pragma).split(","):
+        key, _, val = part.strip().partition("=")
+        if key.strip():
+            out[key.strip().lower()] = val.strip().strip('"')
+    if not cache_control:
+        out = {"no-cache": ""} if "no-cache" in out else {}
+    return out

@@ -1,0 +1,303 @@
+"""The caching gateway end to end: the real built-in backend behind real HTTP, the real openai SDK.
+
+One backend (the real SmolLM2 engine) for the module; gateways are started per test group on
+their own data dirs so their caches never leak into each other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import httpx  # noqa: E402
+import openai  # noqa: E402
+import pytest  # noqa: E402
+
+from backend.async_engine import AsyncEngine  # noqa: E402
+from backend.config import load_engine_config  # noqa: E402
+from backend.engine import LLMEngine  # noqa: E402
+from backend.server import build_app as build_backend_app  # noqa: E402
+from gateway.app import build_app  # noqa: E402
+from gateway.config import Settings, load_settings  # noqa: E402
+from gateway.serve import started_gateway  # noqa: E402
+from tests.servers import serve_in_thread  # noqa: E402
+
+MODEL = "SmolLM2-135M-Instruct"
+SYSTEM = {"role": "system", "content": "You are a helpful assistant. Answer in one short sentence."}
+
+
+def ask(text: str, system: dict = SYSTEM) -> list[dict]:
+    return [system, {"role": "user", "content": text}]
+
+
+@pytest.fixture(scope="module")
+def backend_url() -> Iterator[str]:
+    cfg = load_engine_config(None, device="cpu", dtype="float32", kv_cache_tokens=8192, max_num_seqs=8)
+    llm = LLMEngine(cfg)
+    engine = AsyncEngine(llm)
+    with serve_in_thread(build_backend_app(engine, MODEL, 1 << 20)) as url:
+        yield f"{url}/v1"
+    engine.shutdown()
+
+
+def settings_for(data_dir, backends: list[str], **cache_over) -> Settings:
+    s = load_settings(None, data_dir=str(data_dir), backends=tuple(backends))
+    return s.model_copy(update={"cache": s.cache.model_copy(update=cache_over)}) if cache_over else s
+
+
+@contextlib.contextmanager
+def gateway(settings: Settings) -> Iterator[str]:
+    app = build_app(lambda: started_gateway(settings, progress=False))
+    with serve_in_thread(app, lifespan="on") as url:
+        yield url
+
+
+def client(url: str, key: str = "tenant-a") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def chat(url: str, messages: list[dict], key: str = "tenant-a", **kw) -> tuple[str, dict, dict]:
+    """(text, headers, usage) of a non-stream chat completion through the gateway."""
+    raw = client(url, key).chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=messages,
+        temperature=kw.pop("temperature", 0),
+        max_tokens=kw.pop("max_tokens", 24),
+        **kw,
+    )
+    completion = raw.parse()
+    return completion.choices[0].message.content, dict(raw.headers), completion.usage.model_dump()
+
+
+@pytest.fixture(scope="module")
+def gw(backend_url, tmp_path_factory) -> Iterator[str]:
+    with gateway(settings_for(tmp_path_factory.mktemp("gw"), [backend_url])) as url:
+        yield url
+
+
+def test_miss_then_exact_hit(gw):
+    text1, h1, _ = chat(gw, ask("What is the capital of France?"))
+    assert h1["x-cache"] == "miss" and "Paris" in text1
+    text2, h2, _ = chat(gw, ask("What is the capital of France?"))
+    assert h2["x-cache"] == "exact-hit" and text2 == text1
+    assert h2["x-cache-entry"] and h2["x-request-id"] != h1["x-request-id"]
+
+
+def test_whitespace_only_difference_is_an_exact_hit(gw):
+    chat(gw, ask("Name a primary color."))
+    _, h, _ = chat(gw, ask("Name a   primary color.  \r\n"))
+    assert h["x-cache"] in ("exact-hit", "semantic-hit")
+
+
+def test_stream_miss_then_stream_hit(gw):
+    c = client(gw)
+    messages = ask("Name a large ocean.")
+
+    def stream() -> tuple[str, dict, dict | None]:
+        raw = c.chat.completions.with_raw_response.create(
+            model=MODEL,
+            messages=messages,
+            temperature=0,
+            max_tokens=24,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        text, usage = "", None
+        for chunk in raw.parse():
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+            if chunk.usage:
+                usage = chunk.usage.model_dump()
+        return text, dict(raw.headers), usage
+
+    t1, h1, u1 = stream()
+    assert h1["x-cache"] == "miss" and t1 and u1 is not None
+    t2, h2, u2 = stream()
+    assert h2["x-cache"] == "exact-hit" and t2 == t1 and u2 is not None
+    # and the same answer as JSON
+    t3, h3, _ = chat(gw, messages)
+    assert h3["x-cache"] == "exact-hit" and t3 == t1
+
+
+def test_paraphrase_is_a_semantic_hit_with_the_stored_answer(gw):
+    t1, h1, _ = chat(gw, ask("How do I reset my password?"))
+    assert h1["x-cache"] == "miss"
+    t2, h2, _ = chat(gw, ask("How can I reset my password?"))
+    assert h2["x-cache"] == "semantic-hit", h2
+    assert t2 == t1 and float(h2["x-cache-similarity"]) >= 0.88
+
+
+@pytest.mark.parametrize(
+    "second",
+    [
+        ask(
+            "How can I reset my password?", {"role": "system", "content": "You are a pirate. Talk like one."}
+        ),
+        [
+            SYSTEM,
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "How can I reset my password?"},
+        ],
+    ],
+    ids=["other-system-prompt", "other-earlier-turn"],
+)
+def test_other_context_is_a_miss(gw, second):
+    chat(gw, ask("How do I reset my password?"))
+    _, h, _ = chat(gw, second)
+    assert h["x-cache"] == "miss"
+
+
+def test_other_tenant_is_a_miss(gw):
+    chat(gw, ask("What is the tallest mountain?"), key="tenant-a")
+    _, h, _ = chat(gw, ask("What is the tallest mountain?"), key="tenant-b")
+    assert h["x-cache"] == "miss"
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [("What is 2+2?", "What is 2+3?"), ("Is the river Rhine long?", "Is the river Rhine not long?")],
+    ids=["number", "negation"],
+)
+def test_changed_number_or_negation_is_a_miss(gw, first, second):
+    chat(gw, ask(first))
+    _, h, _ = chat(gw, ask(second))
+    assert h["x-cache"] == "miss"
+
+
+def test_no_cache_bypasses_and_no_store_stores_nothing(gw):
+    messages = ask("What color is the sky on a clear day?")
+    chat(gw, messages)
+    _, h, _ = chat(gw, messages, extra_headers={"Cache-Control": "no-cache"})
+    assert h["x-cache"] == "bypass"
+    fresh = ask("What color is grass?")
+    chat(gw, fresh, extra_headers={"Cache-Control": "no-store"})
+    _, h, _ = chat(gw, fresh)
+    assert h["x-cache"] == "miss"
+
+
+def test_truncated_answer_is_not_served_to_a_longer_max_tokens(gw):
+    messages = ask("Write a long poem about the sea.")
+    chat(gw, messages, max_tokens=3)
+    _, h, _ = chat(gw, messages, max_tokens=3)
+    assert h["x-cache"] == "exact-hit"  # the same limit: the same (truncated) answer is right
+    _, h, _ = chat(gw, messages, max_tokens=40)
+    assert h["x-cache"] == "miss"
+
+
+def test_sampling_requests_are_not_served_from_cache_by_default(gw):
+    chat(gw, ask("Tell me a fun fact."), temperature=0)
+    _, h, _ = chat(gw, ask("Tell me a fun fact."), temperature=0.8)
+    assert h["x-cache"] == "bypass"
+
+
+def test_models_health_metrics(gw):
+    with httpx.Client(base_url=gw, timeout=30) as http:
+        models = http.get("/v1/models", headers={"Authorization": "Bearer x"}).json()
+        assert [m["id"] for m in models["data"]] == [MODEL]
+        assert http.get("/health").json()["status"] == "ok"
+        text = http.get("/metrics").text
+        for name in (
+            "cachegw_gateway_requests_total",
+            "cachegw_gateway_hit_ratio",
+            "cachegw_gateway_cache_entries",
+            "cachegw_gateway_lookup_seconds",
+            "cachegw_gateway_backend_cached_prompt_tokens_total",
+        ):
+            assert name in text
+
+
+def error_of(resp: httpx.Response, status: int) -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"} and err["message"]
+    return err
+
+
+def test_bad_input_gets_openai_errors(gw):
+    h = {"Authorization": "Bearer tenant-a", "Content-Type": "application/json"}
+    with httpx.Client(base_url=gw, timeout=30, headers=h) as http:
+        error_of(http.post("/v1/chat/completions", content=b"{not json"), 400)
+        err = error_of(http.post("/v1/chat/completions", json={"model": MODEL, "messages": "hi"}), 400)
+        assert err["param"] and err["param"].startswith("messages")
+        err = error_of(http.post("/v1/chat/completions", json={"model": MODEL}), 400)
+        assert err["param"] == "messages"
+        err = error_of(
+            http.post("/v1/chat/completions", json={"model": "no-such-model", "messages": ask("hi")}), 404
+        )
+        assert err["code"] == "model_not_found"
+        big = {"model": MODEL, "messages": ask("x" * 5_000_000)}
+        error_of(http.post("/v1/chat/completions", json=big), 413)
+        err = error_of(
+            http.post(
+                "/v1/chat/completions",
+                json={"model": MODEL, "messages": ask("hi")},
+                headers={"x-cache-ttl": "soon"},
+            ),
+            400,
+        )
+        assert err["param"] == "x-cache-ttl"
+        err = error_of(
+            http.post("/v1/chat/completions", json={"model": MODEL, "messages": ask("hi"), "temperature": 9}),
+            400,
+        )
+        assert err["param"] == "temperature"
+
+
+def test_entries_survive_a_restart(backend_url, tmp_path):
+    s = settings_for(tmp_path, [backend_url])
+    with gateway(s) as url:
+        text, h, _ = chat(url, ask("How do I bake bread?"))
+        assert h["x-cache"] == "miss"
+    with gateway(s) as url:  # a new process would rebuild the index from the database the same way
+        text2, h, _ = chat(url, ask("How can I bake bread?"))
+        assert h["x-cache"] == "semantic-hit" and text2 == text
+
+
+def test_backend_down_gives_502_while_hits_are_still_served(backend_url, tmp_path):
+    with gateway(settings_for(tmp_path, [backend_url])) as url:
+        text, _, _ = chat(url, ask("Name a planet."))
+    dead = "http://127.0.0.1:9/v1"  # nothing listens on the discard port
+    with gateway(settings_for(tmp_path, [dead])) as url:
+        text2, h, _ = chat(url, ask("Name a planet."))
+        assert h["x-cache"] == "exact-hit" and text2 == text
+        with httpx.Client(base_url=url, timeout=30) as http:
+            r = http.post(
+                "/v1/chat/completions",
+                json={"messages": ask("Name a moon.")},
+                headers={"Authorization": "Bearer tenant-a"},
+            )
+            err = error_of(r, 502)
+            assert err["code"] == "backend_unavailable" and "127.0.0.1:9" in err["message"]
+
+
+def test_canonicalization_raises_the_backends_prefix_hits(backend_url, tmp_path):
+    """Two prompts that differ only in a timestamp and in whitespace: with canonicalization on, the
+    long system prompt reaches the backend byte-identical and its prefix cache serves it."""
+    from dataclasses import replace
+
+    def system(ts: str, base: str, newline: str = "\n") -> dict:
+        return {"role": "system", "content": f"Current time: {ts}.{newline}{base}"}
+
+    cached = {}
+    for on in (True, False):
+        base = (
+            f"({'canonical' if on else 'raw'} run) "
+            + "You are a careful support agent for a rocket company. " * 12
+        )
+        s = settings_for(tmp_path / str(on), [backend_url])
+        s = s.model_copy(update={"canonicalize": replace(s.canonicalize, enabled=on)})
+        with gateway(s) as url:
+            chat(url, [system("2026-11-22T10:00:00Z", base), {"role": "user", "content": "Say hello."}])
+            messages = [
+                system("2026-11-22T10:07:31Z", base + "  ", "\r\n"),
+                {"role": "user", "content": "Name a fruit."},
+            ]
+            _, h, usage = chat(url, messages)
+            assert h["x-cache"] == "miss"
+            cached[on] = usage["prompt_tokens_details"]["cached_tokens"]
+    assert cached[True] >= 96, cached  # the whole system prompt, in full blocks
+    assert cached[False] <= 16, cached  # only what precedes the timestamp

@@ -1,0 +1,117 @@
+"""`cachegw serve` as a real process: kill -9 keeps committed entries; the supervised built-in
+backend is restarted when it dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.servers import free_port
+from tests.test_gateway import MODEL, ask, backend_url  # noqa: F401  (module fixture reused)
+
+pytestmark = pytest.mark.slow
+
+
+def start_serve(config: Path, data_dir: Path, port: int) -> subprocess.Popen:
+    cmd = [
+        sys.executable,
+        "-m",
+        "gateway.cli",
+        "serve",
+        "--config",
+        str(config),
+        "--data-dir",
+        str(data_dir),
+        "--port",
+        str(port),
+    ]
+    return subprocess.Popen(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"}, start_new_session=True)
+
+
+def wait_health(port: int, proc: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"cachegw serve exited with {proc.returncode}"
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError("cachegw serve did not become healthy")
+
+
+def post(port: int, messages: list[dict]) -> httpx.Response:
+    return httpx.post(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        timeout=120,
+        headers={"Authorization": "Bearer k"},
+        json={"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 16},
+    )
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_kill_9_keeps_committed_entries(backend_url, tmp_path):  # noqa: F811
+    config = tmp_path / "cachegw.toml"
+    config.write_text(f'[gateway]\nbackends = ["{backend_url}"]\n')
+    port = free_port()
+    proc = start_serve(config, tmp_path / "data", port)
+    try:
+        wait_health(port, proc)
+        first = post(port, ask("What is the boiling point of water?"))
+        assert first.headers["x-cache"] == "miss"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # no shutdown, no flush
+        proc.wait(10)
+    proc = start_serve(config, tmp_path / "data", port)
+    try:
+        wait_health(port, proc)
+        again = post(port, ask("What is the boiling point of water?"))
+        assert again.headers["x-cache"] == "exact-hit"
+        assert again.json()["choices"][0]["message"] == first.json()["choices"][0]["message"]
+        para = post(port, ask("What's the boiling point of water?"))
+        assert para.headers["x-cache"] == "semantic-hit"  # the vector index was rebuilt from the database
+    finally:
+        stop(proc)
+
+
+def test_supervised_builtin_backend_is_restarted(tmp_path):
+    backend_port, port = free_port(), free_port()
+    config = tmp_path / "cachegw.toml"
+    config.write_text(
+        f'[gateway]\nbuiltin_backend_port = {backend_port}\n[engine]\ndtype = "float32"\n'
+        "kv_cache_tokens = 4096\nmax_num_seqs = 4\n"
+    )
+    proc = start_serve(config, tmp_path / "data", port)
+    try:
+        wait_health(port, proc)
+        assert post(port, ask("Name a color.")).status_code == 200
+        pattern = f"gateway.cli backend .*--port {backend_port}"
+        pid = int(subprocess.check_output(["pgrep", "-f", pattern]).split()[0])
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        status = None
+        while time.monotonic() < deadline:
+            status = post(port, ask("Name an animal.")).status_code
+            if status == 200:
+                break
+            assert status == 502  # while the backend is down the gateway says so clearly
+            time.sleep(1)
+        assert status == 200, "the backend was not restarted"
+    finally:
+        stop(proc)
