@@ -301,3 +301,47 @@ def test_canonicalization_raises_the_backends_prefix_hits(backend_url, tmp_path)
             cached[on] = usage["prompt_tokens_details"]["cached_tokens"]
     assert cached[True] >= 96, cached  # the whole system prompt, in full blocks
     assert cached[False] <= 16, cached  # only what precedes the timestamp
+
+
+def test_keys_mode_refuses_unknown_keys(backend_url, tmp_path):
+    s = settings_for(tmp_path, [backend_url])
+    s = s.model_copy(
+        update={"tenants": s.tenants.model_copy(update={"mode": "keys", "keys": {"alice": "sk-alice"}})}
+    )
+    with gateway(s) as url, httpx.Client(base_url=url, timeout=60) as http:
+        body = {"model": MODEL, "messages": ask("Hi"), "max_tokens": 4, "temperature": 0}
+        assert error_of(http.post("/v1/chat/completions", json=body), 401)["code"] == "invalid_api_key"
+        r = http.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer sk-mallory"})
+        assert "Incorrect API key" in error_of(r, 401)["message"] and "sk-mallory" not in r.text
+        assert (
+            http.post(
+                "/v1/chat/completions", json=body, headers={"Authorization": "Bearer sk-alice"}
+            ).status_code
+            == 200
+        )
+
+
+def test_ttl_header_expires_an_entry(backend_url, tmp_path):
+    import time
+
+    with gateway(settings_for(tmp_path, [backend_url])) as url:
+        messages = ask("Name a river in Africa.")
+        chat(url, messages, extra_headers={"x-cache-ttl": "1"})
+        _, h, _ = chat(url, messages)
+        assert h["x-cache"] == "exact-hit"
+        time.sleep(1.2)
+        _, h, _ = chat(url, messages)
+        assert h["x-cache"] == "miss"
+
+
+def test_eviction_keeps_the_cache_within_budget_and_the_index_consistent(backend_url, tmp_path):
+    with gateway(settings_for(tmp_path, [backend_url], max_entries=3)) as url:
+        questions = ["Name a fruit.", "Name a vegetable.", "Name a metal.", "Name a gas.", "Name a bird."]
+        for q in questions:
+            chat(url, ask(q))
+        health = httpx.get(f"{url}/health").json()
+        assert health["cache_entries"] <= 3
+        _, h, _ = chat(url, ask("Name a fruit."))  # the least recently used: evicted, from the index too
+        assert h["x-cache"] == "miss"
+        _, h, _ = chat(url, ask("Name a bird."))
+        assert h["x-cache"] == "exact-hit"
