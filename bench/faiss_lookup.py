@@ -36,7 +36,7 @@ import numpy as np
 from tqdm import tqdm
 
 from bench.common import SHARED_DATA, pct, save, say
-from embeddings.index import EF_CONSTRUCTION, EF_SEARCH, HNSW_M, ScopedIndex
+from embeddings.index import EF_CONSTRUCTION, EF_SEARCH, HNSW_M, HNSW_THRESHOLD, ScopedIndex
 
 CACHE = Path("/tmp/cachegw-bench-embeddings")
 CHUNK = 25_000
@@ -184,7 +184,13 @@ def time_single(
     return lat, ids, scores
 
 
-def faiss_top1(index: Any, params: Any = None) -> Search:
+def p50(search: Search, xq: np.ndarray) -> float:
+    return round(pct(time_single(search, xq)[0], 50), 3)
+
+
+def faiss_top1(index: Any, ef_search: int | None = None) -> Search:
+    params = faiss.SearchParametersHNSW(efSearch=ef_search) if ef_search else None
+
     def search(q: np.ndarray) -> tuple[int, float]:
         dist, lab = index.search(q[None, :], 1, params=params)
         return int(lab[0, 0]), float(dist[0, 0])
@@ -201,12 +207,8 @@ def numpy_top1(xb: np.ndarray) -> Search:
     return search
 
 
-def exact(xb: np.ndarray, xq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Ground truth by exact inner product (batched: BLAS makes this fast even at 1M)."""
-    flat = faiss.IndexFlatIP(xb.shape[1])
-    flat.add(xb)
-    dist, lab = flat.search(xq, 1)
-    return lab[:, 0], dist[:, 0]
+def scoped_top1(index: ScopedIndex) -> Search:
+    return lambda q: index.search("bench", q)[0]
 
 
 def build_hnsw(xb: np.ndarray, ef_construction: int) -> tuple[Any, float]:
@@ -217,53 +219,36 @@ def build_hnsw(xb: np.ndarray, ef_construction: int) -> tuple[Any, float]:
         range(0, len(xb), 20_000), desc=f"hnsw n={len(xb)} efC={ef_construction}", file=sys.stderr
     ):
         index.add(xb[start : start + 20_000])
-    return index, time.perf_counter() - t0
+    return index, round(time.perf_counter() - t0, 1)
+
+
+def build_scoped(xb: np.ndarray, threshold: int = HNSW_THRESHOLD) -> tuple[ScopedIndex, dict]:
+    """The production path: ScopedIndex.rebuild of one scope (flat or HNSW by size), build time, bytes."""
+    index = ScopedIndex(dim=xb.shape[1], hnsw_threshold=threshold, background=False)
+    t0 = time.perf_counter()
+    index.rebuild((("bench", i, xb[i]) for i in range(len(xb))), total=len(xb), progress=len(xb) > 50_000)
+    stats = index.stats()
+    info = {"kind": index.scope_kind("bench"), "build_s": round(time.perf_counter() - t0, 1)}
+    return index, info | {"bytes_per_entry": round(stats["bytes"] / len(xb), 1), **stats}
 
 
 class Eval:
     """Held-out queries with their exact answers at one corpus size; scores an approximate search."""
 
     def __init__(self, xb: np.ndarray, xq: np.ndarray, is_para: np.ndarray) -> None:
-        self.xq = xq
-        self.gt_ids, self.gt_scores = exact(xb, xq)
-        self.masks = {
-            "para": is_para,
-            "neg": ~is_para,
-            "all": np.ones_like(is_para),
-            "cos_ge_0.8": self.gt_scores >= 0.8,
-        }
+        flat = faiss.IndexFlatIP(xb.shape[1])
+        flat.add(xb)
+        dist, lab = flat.search(xq, 1)  # batched exact search: BLAS makes this fast even at 1M
+        self.xq, self.gt_ids, self.gt_scores = xq, lab[:, 0], dist[:, 0]
+        self.masks = {"para": is_para, "neg": ~is_para, "cos_ge_0.8": self.gt_scores >= 0.8}
 
-    def run(self, search: Search, limit: int | None = None) -> dict[str, float]:
-        lat, ids, scores = time_single(search, self.xq[:limit])
-        n = len(ids)
-        hit = (ids == self.gt_ids[:n]) | (
-            scores >= self.gt_scores[:n] - 1e-5
-        )  # a tie is as good as the answer
-        out = {"p50_ms": round(pct(lat, 50), 3), "p99_ms": round(pct(lat, 99), 3)}
-        return out | {f"recall_{k}": round(float(hit[m[:n]].mean()), 4) for k, m in self.masks.items()}
-
-
-def hnsw_params(ef: int) -> Any:
-    return faiss.SearchParametersHNSW(efSearch=ef)
-
-
-def scoped_build(xb: np.ndarray) -> tuple[ScopedIndex, dict]:
-    """The production path: ScopedIndex.rebuild of one scope, then its own search() latency."""
-    index = ScopedIndex(dim=xb.shape[1], background=False)
-    t0 = time.perf_counter()
-    index.rebuild((("bench", i, xb[i]) for i in range(len(xb))), total=len(xb))
-    secs = time.perf_counter() - t0
-    stats = index.stats()
-    lat, _, _ = time_single(lambda q: index.search("bench", q)[0], xb[:2000])
-    info = {"build_s": round(secs, 1), "bytes_per_entry": round(stats["bytes"] / len(xb), 1), **stats}
-    return index, info | {"search_p50_ms": round(pct(lat, 50), 3), "search_p99_ms": round(pct(lat, 99), 3)}
-
-
-def flat_row(xb: np.ndarray, ev: Eval, samples: int) -> dict:
-    flat = faiss.IndexFlatIP(xb.shape[1])
-    flat.add(xb)
-    row = {"flat_p50_ms": ev.run(faiss_top1(flat), samples)["p50_ms"]}
-    return row | {"numpy_p50_ms": ev.run(numpy_top1(xb), samples)["p50_ms"]}
+    def run(self, search: Search) -> dict[str, float | None]:
+        lat, ids, scores = time_single(search, self.xq)
+        hit = (ids == self.gt_ids) | (scores >= self.gt_scores - 1e-5)  # a tie is as good as the answer
+        out: dict[str, float | None] = {"p50_ms": round(pct(lat, 50), 3), "p99_ms": round(pct(lat, 99), 3)}
+        for name, mask in self.masks.items():
+            out[f"recall_{name}"] = round(float(hit[mask].mean()), 4) if mask.any() else None
+        return out
 
 
 def bench_batcher(texts: list[str], clients: int = 32, per_client: int = 8) -> dict:
@@ -271,11 +256,9 @@ def bench_batcher(texts: list[str], clients: int = 32, per_client: int = 8) -> d
     from embeddings.batcher import EmbeddingBatcher
     from embeddings.encoder import Encoder
 
-    enc = Encoder()
+    enc, total = Encoder(), clients * per_client
     enc.encode(texts[:64])  # load and warm up
-    total = clients * per_client
-    direct = []
-    t_all = time.perf_counter()
+    direct, t_all = [], time.perf_counter()
     for t in texts[:total]:
         t0 = time.perf_counter()
         enc.encode([t])
@@ -283,19 +266,17 @@ def bench_batcher(texts: list[str], clients: int = 32, per_client: int = 8) -> d
     serial = time.perf_counter() - t_all
 
     async def run() -> tuple[list[float], float, float]:
-        batcher = EmbeddingBatcher(enc, window_ms=2.0, max_batch=64)
-        alone = []
-        for t in texts[:100]:
+        batcher, alone = EmbeddingBatcher(enc, window_ms=2.0, max_batch=64), []
+        for t in texts[total : total + 100]:
             t0 = time.perf_counter()
             await batcher.embed(t)
             alone.append((time.perf_counter() - t0) * 1e3)
-        before = batcher.batches
+        before, t0 = batcher.batches, time.perf_counter()
 
         async def client(c: int) -> None:
             for r in range(per_client):
                 await batcher.embed(texts[c * per_client + r])
 
-        t0 = time.perf_counter()
         await asyncio.gather(*(client(c) for c in range(clients)))
         wall = time.perf_counter() - t0
         batcher.close()
@@ -314,10 +295,27 @@ def bench_batcher(texts: list[str], clients: int = 32, per_client: int = 8) -> d
 
 
 def table(title: str, rows: list[dict], cols: list[str]) -> None:
-    print(f"\n{title}")
-    print(" ".join(f"{c:>14}" for c in cols))
+    print(f"\n{title}\n" + " ".join(f"{c:>13.13}" for c in cols))
     for r in rows:
-        print(" ".join(f"{r.get(c, '-')!s:>14}" for c in cols))
+        print(" ".join(f"{r.get(c, '-')!s:>13}" for c in cols))
+
+
+def size_row(xb: np.ndarray, ev: Eval, flat_samples: int, hnsw: tuple[Any, float] | None = None) -> dict:
+    """Exact (faiss flat, numpy, ScopedIndex flat tier) vs HNSW at one scope size."""
+    flat = faiss.IndexFlatIP(xb.shape[1])
+    flat.add(xb)
+    xq = ev.xq[:flat_samples]
+    row = {
+        "n": len(xb),
+        "faiss_flat_p50_ms": p50(faiss_top1(flat), xq),
+        "numpy_p50_ms": p50(numpy_top1(xb), xq),
+    }
+    del flat
+    if len(xb) <= 200_000:
+        scoped, _ = build_scoped(xb, threshold=len(xb) + 1)
+        row["scoped_flat_p50_ms"] = p50(scoped_top1(scoped), xq)
+    index, secs = hnsw or build_hnsw(xb, EF_CONSTRUCTION)
+    return row | {"hnsw_build_s": secs, **ev.run(faiss_top1(index, EF_SEARCH))}
 
 
 def main() -> None:
@@ -326,13 +324,20 @@ def main() -> None:
     ap.add_argument("--queries", type=int, default=2000, help="paraphrase queries (+ half as many negatives)")
     ap.add_argument("--ef-construction", default=str(EF_CONSTRUCTION), help="comma list to sweep")
     ap.add_argument("--ef-search", default="16,32,64,128,256", help="comma list to sweep")
-    ap.add_argument("--sizes", default="10000,20000,50000,100000", help="smaller scope sizes: flat vs HNSW")
-    ap.add_argument("--flat-samples", type=int, default=300, help="queries timed on flat search (slow at 1M)")
+    ap.add_argument("--sizes", default="10000,20000,50000,100000", help="smaller scope sizes: exact vs HNSW")
+    ap.add_argument(
+        "--flat-samples", type=int, default=300, help="queries timed on exact search (slow at 1M)"
+    )
+    ap.add_argument("--torch-threads", type=int, default=0, help="for embedding; 0: torch's default")
     ap.add_argument("--no-batcher", action="store_true")
     args = ap.parse_args()
     sizes = sorted({s for s in map(int, args.sizes.split(",")) if s < args.n})
     efcs = sorted({int(x) for x in args.ef_construction.split(",")} | {EF_CONSTRUCTION})
     efss = sorted({int(x) for x in args.ef_search.split(",")} | {EF_SEARCH})
+    if args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
 
     say("[1/5] corpus and held-out queries")
     queries = pick_queries(args.queries, args.queries // 2)
@@ -342,38 +347,30 @@ def main() -> None:
     xb = embed_cached(texts, "corpus")
     xq = embed_cached(queries["para"] + queries["neg"], "queries")
     is_para = np.arange(len(xq)) < len(queries["para"])
-    position = {t: i for i, t in enumerate(texts)}
-    partner = np.array([position[t] for t in queries["para_partner"]])
+    head = {t: i for i, t in enumerate(texts[: min(sizes + [args.n])])}  # every partner sits in the head
+    partner = np.array([head[t] for t in queries["para_partner"]])
 
-    say("[3/5] exact ground truth; one scope of n entries through ScopedIndex.rebuild")
+    say("[3/5] exact ground truth; ScopedIndex.rebuild of one scope of n entries")
     ev = Eval(xb, xq, is_para)
-    index, scoped = scoped_build(xb)
+    index, scoped = build_scoped(xb)
+    scoped["search_p50_ms"] = p50(scoped_top1(index), xq)
     say(f"ScopedIndex: {scoped}")
-    say("[4/5] efConstruction x efSearch sweep at n, then flat vs HNSW per size")
+    chosen = (index._scopes["bench"].inner, scoped["build_s"]) if scoped["kind"] == "hnsw" else None
+    del index
+    say("[4/5] efConstruction x efSearch sweep at n, then exact vs HNSW per size")
     sweep = []
     for efc in efcs:
-        hnsw, secs = (
-            (index._scopes["bench"].inner, scoped["build_s"])
-            if efc == EF_CONSTRUCTION
-            else build_hnsw(xb, efc)
-        )
+        hnsw, secs = chosen if chosen and efc == EF_CONSTRUCTION else build_hnsw(xb, efc)
         for efs in efss:
-            sweep.append({"ef_construction": efc, "ef_search": efs, "build_s": round(secs, 1)})
-            sweep[-1] |= ev.run(faiss_top1(hnsw, hnsw_params(efs)))
+            sweep.append(
+                {"ef_construction": efc, "ef_search": efs, "build_s": secs, **ev.run(faiss_top1(hnsw, efs))}
+            )
             say(f"sweep {sweep[-1]}")
-        del hnsw
-    chosen = next(r for r in sweep if (r["ef_construction"], r["ef_search"]) == (EF_CONSTRUCTION, EF_SEARCH))
-    del index
     by_size = []
     for size in sizes:
-        sub_ev = Eval(xb[:size], xq, is_para)
-        hnsw, secs = build_hnsw(xb[:size], EF_CONSTRUCTION)
-        by_size.append(
-            {"n": size, **flat_row(xb[:size], sub_ev, args.flat_samples), "build_s": round(secs, 1)}
-        )
-        by_size[-1] |= sub_ev.run(faiss_top1(hnsw, hnsw_params(EF_SEARCH)))
+        by_size.append(size_row(xb[:size], Eval(xb[:size], xq, is_para), args.flat_samples))
         say(f"size {by_size[-1]}")
-    by_size.append({"n": args.n, **flat_row(xb, ev, args.flat_samples), **chosen})
+    by_size.append(size_row(xb, ev, args.flat_samples, chosen))
     batcher = {}
     if not args.no_batcher:
         say("[5/5] embedding batcher")
@@ -382,8 +379,7 @@ def main() -> None:
     payload = {
         "n": args.n,
         "dim": int(xb.shape[1]),
-        "hnsw_m": HNSW_M,
-        "chosen": {"ef_construction": EF_CONSTRUCTION, "ef_search": EF_SEARCH, **chosen},
+        "hnsw": {"M": HNSW_M, "ef_construction": EF_CONSTRUCTION, "ef_search": EF_SEARCH},
         "queries": {"paraphrase": int(is_para.sum()), "hard_negative": int((~is_para).sum())},
         "exact_top1_is_paraphrase_partner": round(float((ev.gt_ids[is_para] == partner).mean()), 4),
         "corpus": {"used": used, "available": available},
@@ -393,18 +389,11 @@ def main() -> None:
         "batcher": batcher,
         "load_avg_1m": round(os.getloadavg()[0], 2),
     }
-    recall_cols = ["p50_ms", "p99_ms", "recall_para", "recall_neg", "recall_cos_ge_0.8"]
-    table(f"HNSW M={HNSW_M} at n={args.n}", sweep, ["ef_construction", "ef_search", "build_s", *recall_cols])
-    table(
-        f"flat vs HNSW (efC={EF_CONSTRUCTION}, efS={EF_SEARCH})",
-        by_size,
-        ["n", "flat_p50_ms", "numpy_p50_ms", "build_s", *recall_cols],
-    )
-    table(
-        "ScopedIndex (production path)",
-        [scoped],
-        ["entries", "build_s", "bytes_per_entry", "search_p50_ms", "search_p99_ms"],
-    )
+    cols = ["p50_ms", "p99_ms", "recall_para", "recall_neg", "recall_cos_ge_0.8"]
+    table(f"HNSW M={HNSW_M} at n={args.n}", sweep, ["ef_construction", "ef_search", "build_s", *cols])
+    exact_cols = ["n", "faiss_flat_p50_ms", "numpy_p50_ms", "scoped_flat_p50_ms", "hnsw_build_s"]
+    table(f"exact vs HNSW efC={EF_CONSTRUCTION} efS={EF_SEARCH}", by_size, exact_cols + cols[:3])
+    table("ScopedIndex.rebuild + search", [scoped], ["kind", "build_s", "bytes_per_entry", "search_p50_ms"])
     if batcher:
         table("embedding batcher", [batcher], list(batcher))
     save("faiss_lookup", payload)

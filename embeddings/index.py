@@ -1,14 +1,14 @@
 """Scoped cosine nearest-neighbour search over L2-normalised embeddings.
 
-A scope (hash of tenant + model + context) is a hard filter, so each scope gets its own FAISS index: a query
-can only ever see its own scope's vectors, and a small tenant never pays for a big one's size. Small scopes
-use exact search on a numpy matrix (one BLAS matvec: 2-5x faster than faiss IndexFlatIP for a single
-query here, and O(1) deletes); a scope that grows past ``hnsw_threshold`` is rebuilt as HNSW
-(IndexHNSWFlat, inner product), whose latency stays under a millisecond at 1M entries where flat search
-takes ~100 ms. HNSW cannot delete, so removed ids become tombstones excluded by an IDSelector at search
-time, and the scope is compacted (rebuilt) once tombstones pass ``tombstone_ratio``. Rebuilds run outside
-the lock on a snapshot while the old index keeps serving; adds and removes made meanwhile are journaled and
-replayed onto the new index before it is swapped in.
+A scope (hash of tenant + model + context) is a hard filter, so each scope has its own index: a query can
+only ever see its own scope's vectors, and a small tenant never pays for a big one's size. Small scopes use
+exact search on a numpy matrix (one BLAS matvec: several times faster than faiss IndexFlatIP for a single
+query here, and O(1) deletes). A scope that grows past ``hnsw_threshold`` is rebuilt as FAISS HNSW
+(IndexHNSWFlat, inner product), which stays under a millisecond at 1M entries where exact search takes
+~100 ms. HNSW cannot delete: removed ids become tombstones excluded by an IDSelector during the search (so
+k results still come back), and the scope is compacted once tombstones pass ``tombstone_ratio``. Rebuilds
+run outside the lock on a snapshot while the old index keeps serving; adds and removes made meanwhile are
+journaled and replayed onto the new index before it is swapped in.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from tqdm import tqdm
 log = logging.getLogger(__name__)
 
 DEFAULT_DIM = 384
-HNSW_THRESHOLD = 20_000  # flat p50 passes ~1 ms here (bench/faiss_lookup.py)
+HNSW_THRESHOLD = 20_000  # where exact search passes ~1 ms here (bench/faiss_lookup.py)
 HNSW_M = 32
 EF_CONSTRUCTION = 80  # chosen by bench/faiss_lookup.py on real MiniLM embeddings
 EF_SEARCH = 64  # chosen by bench/faiss_lookup.py: recall@1 >= 0.99 with margin
@@ -38,16 +38,55 @@ _BUILD_CHUNK = 20_000  # rows per HNSW add call: keeps progress visible and Open
 Result = list[tuple[int, float]]
 
 
+def _check_vecs(vecs: Any, dim: int, what: str = "vecs") -> np.ndarray:
+    """Reject what would silently give wrong cosines: wrong dtype or width, NaN, rows that are not unit."""
+    if not isinstance(vecs, np.ndarray):
+        raise ValueError(f"{what} must be a numpy array, got {type(vecs).__name__}")
+    if vecs.dtype != np.float32:
+        raise ValueError(f"{what} must be float32, got {vecs.dtype} (use .astype(np.float32))")
+    if vecs.ndim != 2 or vecs.shape[1] != dim:
+        raise ValueError(f"{what} must have shape (n, {dim}), got {vecs.shape}")
+    norms = np.linalg.norm(vecs, axis=1)
+    if not np.all(np.isfinite(norms)):
+        raise ValueError(f"{what} contains NaN or inf")
+    if norms.size and np.max(np.abs(norms - 1.0)) > _NORM_TOL:
+        raise ValueError(f"{what} must be L2-normalised (row norms {norms.min():.4f}..{norms.max():.4f})")
+    return np.ascontiguousarray(vecs)
+
+
+def _check_ids(ids: Any, n: int) -> np.ndarray:
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or arr.shape[0] != n:
+        raise ValueError(f"ids must be a 1-D array of {n} ids, got shape {arr.shape}")
+    if n and arr.dtype.kind not in "iu":
+        raise ValueError(f"ids must be integers, got {arr.dtype}")
+    arr = arr.astype(np.int64, copy=False)
+    if n and arr.min() < 0:
+        raise ValueError("ids must be non-negative (FAISS uses -1 for 'no result')")
+    if np.unique(arr).shape[0] != n:
+        raise ValueError("ids contain duplicates")
+    return arr
+
+
+def _check_scope(scope: Any) -> str:
+    if not isinstance(scope, str) or not scope:
+        raise ValueError(f"scope must be a non-empty string, got {scope!r}")
+    return scope
+
+
 @dataclass
 class _Scope:
     """One scope's index; ``journal`` is not None while a rebuild of this scope is in flight."""
 
     index: Any  # _Flat, or faiss.IndexIDMap over ``inner``
-    inner: Any  # the faiss.IndexHNSWFlat (typed handle for reconstruct and graph stats); None when flat
-    hnsw: bool
+    inner: Any = None  # the faiss.IndexHNSWFlat (for reconstruct and graph stats); None when flat
     tombstones: set[int] = field(default_factory=set)
-    params: Any = None  # cached faiss.SearchParametersHNSW (+ the selectors it points to)
+    params: Any = None  # cached (faiss.SearchParametersHNSW, the selectors it points to)
     journal: list[tuple[str, np.ndarray, np.ndarray | None]] | None = None
+
+    @property
+    def hnsw(self) -> bool:
+        return self.inner is not None
 
     @property
     def live(self) -> int:
@@ -67,115 +106,37 @@ class ScopedIndex:
         tombstone_ratio: float = TOMBSTONE_RATIO,
         background: bool = True,
     ) -> None:
-        if dim <= 0 or hnsw_threshold <= 0 or hnsw_m <= 0 or ef_construction <= 0 or ef_search <= 0:
+        if min(dim, hnsw_threshold, hnsw_m, ef_construction, ef_search) <= 0:
             raise ValueError("dim, hnsw_threshold, hnsw_m, ef_construction and ef_search must be positive")
         if not 0.0 < tombstone_ratio < 1.0:
             raise ValueError(f"tombstone_ratio must be in (0, 1), got {tombstone_ratio}")
-        self.dim = dim
-        self.hnsw_threshold = hnsw_threshold
-        self.hnsw_m = hnsw_m
-        self.ef_construction = ef_construction
-        self.ef_search = ef_search
+        self.dim, self.hnsw_threshold, self.hnsw_m = dim, hnsw_threshold, hnsw_m
+        self.ef_construction, self.ef_search = ef_construction, ef_search
         self.tombstone_ratio = tombstone_ratio
-        self.background = background
+        self.background = background  # False: switches and compactions run in the calling thread
         self._lock = threading.RLock()
         self._scopes: dict[str, _Scope] = {}
         self._id_scope: dict[int, str] = {}
         self._workers: list[threading.Thread] = []
 
-    def _check_vecs(self, vecs: Any, what: str = "vecs") -> np.ndarray:
-        """Reject anything that would silently give wrong cosines: wrong dtype/width, NaN, non-unit rows."""
-        if not isinstance(vecs, np.ndarray):
-            raise ValueError(f"{what} must be a numpy array, got {type(vecs).__name__}")
-        if vecs.dtype != np.float32:
-            raise ValueError(f"{what} must be float32, got {vecs.dtype} (use .astype(np.float32))")
-        if vecs.ndim != 2 or vecs.shape[1] != self.dim:
-            raise ValueError(f"{what} must have shape (n, {self.dim}), got {vecs.shape}")
-        norms = np.linalg.norm(vecs, axis=1)
-        if not np.all(np.isfinite(norms)):
-            raise ValueError(f"{what} contains NaN or inf")
-        if norms.size and np.max(np.abs(norms - 1.0)) > _NORM_TOL:
-            raise ValueError(
-                f"{what} rows must be L2-normalised (norms range {norms.min():.4f}..{norms.max():.4f})"
-            )
-        return np.ascontiguousarray(vecs)
-
-    @staticmethod
-    def _check_ids(ids: Any, n: int) -> np.ndarray:
-        arr = np.asarray(ids)
-        if arr.ndim != 1 or arr.shape[0] != n:
-            raise ValueError(f"ids must be a 1-D array of {n} ids, got shape {arr.shape}")
-        if n and arr.dtype.kind not in "iu":
-            raise ValueError(f"ids must be integers, got {arr.dtype}")
-        arr = arr.astype(np.int64, copy=False)
-        if n and arr.min() < 0:
-            raise ValueError("ids must be non-negative (FAISS uses -1 for 'no result')")
-        if np.unique(arr).shape[0] != n:
-            raise ValueError("ids contain duplicates")
-        return arr
-
-    @staticmethod
-    def _check_scope(scope: Any) -> str:
-        if not isinstance(scope, str) or not scope:
-            raise ValueError(f"scope must be a non-empty string, got {scope!r}")
-        return scope
-
-    def _new_scope(self, hnsw: bool) -> _Scope:
-        if not hnsw:
-            return _Scope(_Flat(self.dim), None, False)
-        inner = faiss.IndexHNSWFlat(self.dim, self.hnsw_m, faiss.METRIC_INNER_PRODUCT)
-        inner.hnsw.efConstruction = self.ef_construction
-        inner.hnsw.efSearch = self.ef_search
-        return _Scope(faiss.IndexIDMap(inner), inner, True)
-
-    def _build(self, ids: np.ndarray, vecs: np.ndarray, hnsw: bool, bar: tqdm | None = None) -> _Scope:
-        """Build a scope's index from scratch (no lock held: this is the slow part)."""
-        scope = self._new_scope(hnsw)
-        for start in range(0, len(ids), _BUILD_CHUNK):
-            stop = start + _BUILD_CHUNK
-            scope.index.add_with_ids(vecs[start:stop], ids[start:stop])
-            if bar is not None:
-                bar.update(min(stop, len(ids)) - start)
-        return scope
-
-    def _wants_hnsw(self, n: int, was_hnsw: bool) -> bool:
-        """Hysteresis: a compacted HNSW scope only falls back to flat well below the threshold."""
-        return n >= (self.hnsw_threshold // 2 if was_hnsw else self.hnsw_threshold)
-
-    @staticmethod
-    def _entries(scope: _Scope) -> tuple[np.ndarray, np.ndarray]:
-        """Copy of the live (id, vector) pairs, read back from the index: vectors are stored only once."""
-        if not scope.hnsw:
-            return scope.index.entries()
-        n = int(scope.index.ntotal)
-        ids = faiss.vector_to_array(scope.index.id_map).astype(np.int64)
-        vecs = scope.inner.reconstruct_n(0, n) if n else np.zeros((0, scope.index.d), np.float32)
-        if scope.tombstones:
-            keep = ~np.isin(ids, np.fromiter(scope.tombstones, np.int64, len(scope.tombstones)))
-            ids, vecs = ids[keep], vecs[keep]
-        return ids, np.ascontiguousarray(vecs, dtype=np.float32)
-
     def add(self, scope: str, ids: np.ndarray, vecs: np.ndarray) -> None:
         """Insert vectors under globally unique ids; the scope is created on first use."""
-        self._check_scope(scope)
-        vecs = self._check_vecs(vecs)
-        ids = self._check_ids(ids, vecs.shape[0])
+        _check_scope(scope)
+        vecs = _check_vecs(vecs, self.dim)
+        ids = _check_ids(ids, vecs.shape[0])
         if not len(ids):
             return
         with self._lock:
-            taken = [int(i) for i in ids if int(i) in self._id_scope]
+            taken = [i for i in ids.tolist() if i in self._id_scope]
             if taken:
                 raise ValueError(f"ids already present: {taken[:5]}{'...' if len(taken) > 5 else ''}")
-            entry = self._scopes.get(scope)
-            if entry is None:
-                entry = self._scopes[scope] = self._new_scope(False)
+            entry = self._scopes.get(scope) or self._scopes.setdefault(scope, _Scope(_Flat(self.dim)))
             entry.index.add_with_ids(vecs, ids)
-            for i in ids.tolist():
-                self._id_scope[i] = scope
+            self._id_scope.update(dict.fromkeys(ids.tolist(), scope))
             if entry.journal is not None:
                 entry.journal.append(("add", ids.copy(), vecs.copy()))
-            convert = not entry.hnsw and entry.journal is None and entry.live >= self.hnsw_threshold
-        if convert:
+            switch = not entry.hnsw and entry.journal is None and entry.live >= self.hnsw_threshold
+        if switch:
             self._schedule(scope)
 
     def remove(self, ids: Iterable[int]) -> int:
@@ -188,14 +149,13 @@ class ScopedIndex:
                 if name is not None:
                     by_scope.setdefault(name, []).append(int(i))
             for name, gone in by_scope.items():
-                entry = self._scopes[name]
-                arr = np.asarray(gone, dtype=np.int64)
+                entry, arr = self._scopes[name], np.asarray(gone, dtype=np.int64)
                 self._drop(entry, arr)
                 if entry.journal is not None:
                     entry.journal.append(("remove", arr, None))
-                if entry.live == 0 and entry.journal is None:
+                elif entry.live == 0:
                     del self._scopes[name]
-                elif entry.hnsw and entry.journal is None and self._too_many_tombstones(entry):
+                elif len(entry.tombstones) > self.tombstone_ratio * int(entry.index.ntotal):
                     compact.append(name)
         for name in compact:
             self._schedule(name)
@@ -209,28 +169,94 @@ class ScopedIndex:
         else:
             entry.index.remove(ids)
 
-    def _too_many_tombstones(self, entry: _Scope) -> bool:
-        return len(entry.tombstones) > self.tombstone_ratio * max(1, int(entry.index.ntotal))
-
     def clear(self) -> None:
         """Forget everything (a rebuild in flight is discarded when it finishes)."""
         with self._lock:
-            self._scopes = {}
-            self._id_scope = {}
+            self._scopes, self._id_scope = {}, {}
+
+    def search(self, scope: str, vec: np.ndarray, k: int = 1) -> Result:
+        """Up to ``k`` (id, cosine) pairs of ``scope``, best first; [] for an unknown or empty scope."""
+        if isinstance(vec, np.ndarray) and vec.ndim == 1:
+            vec = vec[None, :]
+        return self.search_batch([scope], vec, k)[0]
+
+    def search_batch(self, scopes: Sequence[str], vecs: np.ndarray, k: int = 1) -> list[Result]:
+        """One result list per query row; rows are grouped so each scope is searched once."""
+        vecs = _check_vecs(vecs, self.dim, "query vectors")
+        if len(scopes) != vecs.shape[0]:
+            raise ValueError(f"got {len(scopes)} scopes for {vecs.shape[0]} query vectors")
+        if not isinstance(k, int | np.integer) or k < 1:
+            raise ValueError(f"k must be a positive integer, got {k!r}")
+        rows: dict[str, list[int]] = {}
+        for row, scope in enumerate(scopes):
+            rows.setdefault(_check_scope(scope), []).append(row)
+        out: list[Result] = [[] for _ in scopes]
+        with self._lock:
+            for scope, idx in rows.items():
+                entry = self._scopes.get(scope)
+                if entry is None or entry.live == 0:
+                    continue
+                dist, lab = entry.index.search(vecs[idx], min(int(k), entry.live), params=self._params(entry))
+                for row, d_row, l_row in zip(idx, dist, lab, strict=True):
+                    out[row] = [(int(i), float(d)) for i, d in zip(l_row, d_row, strict=True) if i >= 0]
+        return out
+
+    def _params(self, entry: _Scope) -> Any:
+        """HNSW search parameters with the tombstone filter, cached until the tombstones change."""
+        if not entry.hnsw:
+            return None
+        if entry.params is None:
+            params, keep = faiss.SearchParametersHNSW(efSearch=self.ef_search), []
+            if entry.tombstones:
+                keep = [faiss.IDSelectorBatch(np.fromiter(entry.tombstones, np.int64, len(entry.tombstones)))]
+                keep.append(faiss.IDSelectorNot(keep[0]))
+                params.sel = keep[1]
+            entry.params = (params, keep)  # faiss holds raw pointers: keep the selectors alive with it
+        return entry.params[0]
+
+    def _build(self, ids: np.ndarray, vecs: np.ndarray, hnsw: bool, bar: tqdm | None = None) -> _Scope:
+        """A scope's index from scratch; called without the lock held (this is the slow part)."""
+        if hnsw:
+            inner = faiss.IndexHNSWFlat(self.dim, self.hnsw_m, faiss.METRIC_INNER_PRODUCT)
+            inner.hnsw.efConstruction, inner.hnsw.efSearch = self.ef_construction, self.ef_search
+            scope = _Scope(faiss.IndexIDMap(inner), inner)
+        else:
+            scope = _Scope(_Flat(self.dim))
+        for start in range(0, len(ids), _BUILD_CHUNK):
+            scope.index.add_with_ids(vecs[start : start + _BUILD_CHUNK], ids[start : start + _BUILD_CHUNK])
+            if bar is not None:
+                bar.update(min(len(ids) - start, _BUILD_CHUNK))
+        return scope
+
+    def _wants_hnsw(self, n: int, was_hnsw: bool) -> bool:
+        """Hysteresis: a compacted HNSW scope only falls back to flat well below the threshold."""
+        return n >= (self.hnsw_threshold // 2 if was_hnsw else self.hnsw_threshold)
+
+    @staticmethod
+    def _entries(scope: _Scope) -> tuple[np.ndarray, np.ndarray]:
+        """Copy of the live (id, vector) pairs, read back from the index: vectors are stored only once."""
+        if not scope.hnsw:
+            return scope.index.entries()
+        ids = faiss.vector_to_array(scope.index.id_map).astype(np.int64)
+        vecs = (
+            scope.inner.reconstruct_n(0, len(ids)) if len(ids) else np.zeros((0, scope.index.d), np.float32)
+        )
+        if scope.tombstones:
+            keep = ~np.isin(ids, np.fromiter(scope.tombstones, np.int64, len(scope.tombstones)))
+            ids, vecs = ids[keep], vecs[keep]
+        return ids, np.ascontiguousarray(vecs, dtype=np.float32)
 
     def _schedule(self, name: str) -> None:
         if not self.background:
             self.compact(name)
             return
-        worker = threading.Thread(
-            target=self.compact, args=(name,), name=f"index-rebuild-{name}", daemon=True
-        )
+        worker = threading.Thread(target=self.compact, args=(name,), name=f"rebuild-{name}", daemon=True)
         with self._lock:
             self._workers = [w for w in self._workers if w.is_alive()] + [worker]
         worker.start()
 
     def wait_maintenance(self, timeout: float | None = None) -> None:
-        """Join background rebuilds (for tests, benchmarks and orderly shutdown)."""
+        """Join background rebuilds (tests, benchmarks, orderly shutdown)."""
         with self._lock:
             workers = list(self._workers)
         for w in workers:
@@ -266,80 +292,37 @@ class ScopedIndex:
         return True
 
     def rebuild(
-        self,
-        items: Iterable[tuple[str, int, np.ndarray]],
-        total: int | None = None,
-        progress: bool = True,
+        self, items: Iterable[tuple[str, int, np.ndarray]], total: int | None = None, progress: bool = True
     ) -> None:
-        """Replace the whole content from ``(scope, id, vector)`` rows (the database on start-up).
+        """Replace the whole content with ``(scope, id, vector)`` rows (from the database on start-up).
 
-        Rows are gathered per scope into contiguous blocks, then each scope is built once at its final size,
-        which is much faster than growing it through the flat -> HNSW switch.
+        Rows are staged per scope in contiguous arrays, then each scope is built once at its final size,
+        which is much faster than growing through the flat -> HNSW switch; flat scopes keep the staging array.
         """
-        blocks: dict[str, _Blocks] = {}
+        staged: dict[str, _Flat] = {}
         for scope, i, vec in tqdm(
-            items, total=total, disable=not progress, file=sys.stderr, desc="index: load"
+            items, total=total, disable=not progress, file=sys.stderr, desc="index load"
         ):
-            block = blocks.get(scope)
-            if block is None:
-                block = blocks[self._check_scope(scope)] = _Blocks(self.dim)
-            block.append(int(i), vec)
+            flat = staged.get(scope) or staged.setdefault(_check_scope(scope), _Flat(self.dim))
+            flat.append(i, vec)
         scopes: dict[str, _Scope] = {}
         id_scope: dict[int, str] = {}
-        count = sum(b.n for b in blocks.values())
-        with tqdm(total=count, disable=not progress, file=sys.stderr, desc="index: build") as bar:
-            for name, block in blocks.items():
-                ids = self._check_ids(block.ids[: block.n], block.n)
-                vecs = self._check_vecs(block.vecs[: block.n], f"vectors of scope {name!r}")
+        count = sum(f.ntotal for f in staged.values())
+        with tqdm(total=count, disable=not progress, file=sys.stderr, desc="index build") as bar:
+            for name in list(staged):
+                flat = staged.pop(name)  # dropped as soon as it is indexed, to bound peak memory
+                ids = _check_ids(flat.ids[: flat.ntotal], flat.ntotal)
+                vecs = _check_vecs(flat.vecs[: flat.ntotal], self.dim, f"vectors of scope {name!r}")
                 for i in ids.tolist():
                     if id_scope.setdefault(i, name) is not name:
                         raise ValueError(f"id {i} appears in two scopes")
-                scopes[name] = self._build(ids, vecs, self._wants_hnsw(len(ids), False), bar)
-                del blocks[name].ids, blocks[name].vecs  # free the staging copy as soon as it is indexed
+                if self._wants_hnsw(len(ids), False):
+                    scopes[name] = self._build(ids, vecs, True, bar)
+                else:
+                    scopes[name] = _Scope(flat)
+                    bar.update(len(ids))
         with self._lock:
             self._scopes, self._id_scope = scopes, id_scope
-
-    def search(self, scope: str, vec: np.ndarray, k: int = 1) -> Result:
-        """Up to ``k`` (id, cosine) pairs of ``scope``, best first; [] for an unknown or empty scope."""
-        if isinstance(vec, np.ndarray) and vec.ndim == 1:
-            vec = vec[None, :]
-        return self.search_batch([scope], vec, k)[0]
-
-    def search_batch(self, scopes: Sequence[str], vecs: np.ndarray, k: int = 1) -> list[Result]:
-        """One result list per query row; queries are grouped so each scope is searched once."""
-        vecs = self._check_vecs(vecs, "query vectors")
-        if len(scopes) != vecs.shape[0]:
-            raise ValueError(f"got {len(scopes)} scopes for {vecs.shape[0]} query vectors")
-        if not isinstance(k, int | np.integer) or k < 1:
-            raise ValueError(f"k must be a positive integer, got {k!r}")
-        rows: dict[str, list[int]] = {}
-        for row, scope in enumerate(scopes):
-            rows.setdefault(self._check_scope(scope), []).append(row)
-        out: list[Result] = [[] for _ in scopes]
-        with self._lock:
-            for scope, idx in rows.items():
-                entry = self._scopes.get(scope)
-                if entry is None or entry.live == 0:
-                    continue
-                dist, lab = entry.index.search(vecs[idx], min(int(k), entry.live), params=self._params(entry))
-                for row, d_row, l_row in zip(idx, dist, lab, strict=True):
-                    out[row] = [(int(i), float(d)) for i, d in zip(l_row, d_row, strict=True) if i >= 0]
-        return out
-
-    def _params(self, entry: _Scope) -> Any:
-        """HNSW search parameters with the tombstone filter; cached until the tombstone set changes."""
-        if not entry.hnsw:
-            return None
-        if entry.params is None:
-            keep: list[Any] = []
-            params = faiss.SearchParametersHNSW(efSearch=self.ef_search)
-            if entry.tombstones:
-                dead = np.fromiter(entry.tombstones, np.int64, len(entry.tombstones))
-                keep = [faiss.IDSelectorBatch(dead)]
-                keep.append(faiss.IDSelectorNot(keep[0]))
-                params.sel = keep[1]
-            entry.params = (params, keep)
-        return entry.params[0]
 
     def __len__(self) -> int:
         with self._lock:
@@ -351,24 +334,24 @@ class ScopedIndex:
             return entry.live if entry is not None else 0
 
     def scope_kind(self, scope: str) -> str | None:
-        """'flat', 'hnsw' or None: lets tests and metrics see which index serves a scope."""
+        """'flat', 'hnsw' or None: which index serves a scope (metrics, tests)."""
         with self._lock:
             entry = self._scopes.get(scope)
             return None if entry is None else ("hnsw" if entry.hnsw else "flat")
 
     def stats(self) -> dict[str, int]:
-        """Entry/scope counts and an estimate of resident bytes (FAISS storage + the Python id map)."""
+        """Entry/scope counts and an estimate of resident bytes (vectors, HNSW graph, Python id map)."""
         with self._lock:
-            faiss_bytes = sum(self._index_bytes(e) for e in self._scopes.values())
+            index_bytes = sum(self._index_bytes(e) for e in self._scopes.values())
             id_map_bytes = sys.getsizeof(self._id_scope) + 32 * len(self._id_scope)  # table + int keys
             return {
                 "entries": len(self._id_scope),
                 "scopes": len(self._scopes),
                 "hnsw_scopes": sum(e.hnsw for e in self._scopes.values()),
                 "tombstones": sum(len(e.tombstones) for e in self._scopes.values()),
-                "faiss_bytes": faiss_bytes,
+                "index_bytes": index_bytes,
                 "id_map_bytes": id_map_bytes,
-                "bytes": faiss_bytes + id_map_bytes,
+                "bytes": index_bytes + id_map_bytes,
             }
 
     def _index_bytes(self, entry: _Scope) -> int:
@@ -381,33 +364,44 @@ class ScopedIndex:
 
 
 class _Flat:
-    """Exact inner-product search over a growable numpy matrix (the small-scope tier).
+    """Exact inner-product search over a growable numpy matrix: the small-scope tier.
 
-    Mirrors the slice of the faiss IndexIDMap interface that ScopedIndex uses. Deletes swap the last row into
-    the hole, so a remove costs O(dim) instead of faiss' O(n) shift.
+    Mirrors the part of faiss' IndexIDMap interface that ScopedIndex uses. A delete moves the last row
+    into the hole (O(dim), where faiss' remove_ids shifts everything after it).
     """
 
     def __init__(self, dim: int) -> None:
-        self.d = dim
-        self.ntotal = 0
-        self.ids = np.empty(64, np.int64)
-        self.vecs = np.empty((64, dim), np.float32)
+        self.d, self.ntotal = dim, 0
+        self.ids = np.empty(16, np.int64)
+        self.vecs = np.empty((16, dim), np.float32)
 
     @property
     def nbytes(self) -> int:
         return self.ids.nbytes + self.vecs.nbytes
 
-    def add_with_ids(self, vecs: np.ndarray, ids: np.ndarray) -> None:
-        n, need = self.ntotal, self.ntotal + len(ids)
+    def _reserve(self, need: int) -> None:
         if need > len(self.ids):
-            cap = max(need, 2 * len(self.ids))
+            cap, n = max(need, 2 * len(self.ids)), self.ntotal
             self.ids = np.concatenate([self.ids[:n], np.empty(cap - n, np.int64)])
             self.vecs = np.concatenate([self.vecs[:n], np.empty((cap - n, self.d), np.float32)])
+
+    def add_with_ids(self, vecs: np.ndarray, ids: np.ndarray) -> None:
+        n, need = self.ntotal, self.ntotal + len(ids)
+        self._reserve(need)
         self.ids[n:need], self.vecs[n:need] = ids, vecs
         self.ntotal = need
 
+    def append(self, i: int, vec: Any) -> None:
+        """One row at a time (rebuild's staging); norms are checked later for the whole array at once."""
+        if not isinstance(vec, np.ndarray) or vec.dtype != np.float32 or vec.size != self.d:
+            got = f"{getattr(vec, 'dtype', type(vec).__name__)} {getattr(vec, 'shape', '')}"
+            raise ValueError(f"vector of id {i} must be a float32 array of {self.d} values, got {got}")
+        self._reserve(self.ntotal + 1)
+        self.ids[self.ntotal], self.vecs[self.ntotal] = i, vec.reshape(-1)
+        self.ntotal += 1
+
     def remove(self, ids: np.ndarray) -> None:
-        for pos in np.flatnonzero(np.isin(self.ids[: self.ntotal], ids))[::-1]:  # descending: see swap below
+        for pos in np.flatnonzero(np.isin(self.ids[: self.ntotal], ids))[::-1]:  # descending keeps it valid
             last = self.ntotal - 1
             self.ids[pos], self.vecs[pos] = self.ids[last], self.vecs[last]
             self.ntotal = last
@@ -427,24 +421,3 @@ class _Flat:
             )
             top = np.take_along_axis(top, np.argsort(-np.take_along_axis(sims, top, axis=1), axis=1), axis=1)
         return np.take_along_axis(sims, top, axis=1), self.ids[top]
-
-
-class _Blocks:
-    """One scope's rows in doubling numpy buffers: no per-row Python objects when loading 1M rows."""
-
-    def __init__(self, dim: int) -> None:
-        self.n = 0
-        self.ids = np.empty(1024, np.int64)
-        self.vecs = np.empty((1024, dim), np.float32)
-
-    def append(self, i: int, vec: np.ndarray) -> None:
-        dim = self.vecs.shape[1]
-        if not isinstance(vec, np.ndarray) or vec.dtype != np.float32 or vec.size != dim:
-            got = f"{getattr(vec, 'dtype', type(vec).__name__)} {getattr(vec, 'shape', '')}"
-            raise ValueError(f"vector of id {i} must be a float32 array of {dim} values, got {got}")
-        if self.n == len(self.ids):
-            self.ids = np.concatenate([self.ids, np.empty_like(self.ids)])
-            self.vecs = np.concatenate([self.vecs, np.empty_like(self.vecs)])
-        self.ids[self.n] = i
-        self.vecs[self.n] = vec.reshape(-1)
-        self.n += 1

@@ -17,8 +17,6 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from policies.cacheability import CachePolicy, decide
-from policies.canonicalize import canonicalize, normalize_for_match
 
 from backend.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_request
 from backend.server import install_error_handlers, read_limited_body
@@ -31,6 +29,8 @@ from gateway.proxy import Backends, SseRecorder, relay
 from gateway.recorder import Recorder
 from gateway.store import Store, reply_key
 from gateway.tenants import Tenant, Tenants
+from policies.cacheability import CachePolicy, decide
+from policies.canonicalize import canonicalize, normalize_for_match
 
 log = logging.getLogger("cachegw.gateway")
 
@@ -111,7 +111,7 @@ class Gateway:
         assert flow.lookup is not None and flow.lookup.entry is not None
         entry = flow.lookup.entry
         flow.result = flow.lookup.result
-        asyncio.create_task(self.cache.record_hit(entry))
+        self.cache.record_hit(entry)
         stored = json.loads(entry.response)
         usage = stored.get("usage") or {}
         self._record(flow, 200, usage)

@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +28,8 @@ from policies.verifier import DecisionRule, Verifier
 log = logging.getLogger("cachegw.gateway")
 
 CANDIDATES = 4  # nearest neighbours checked per semantic lookup
+MEMO_ENTRIES = 10_000  # entries kept in memory
+HIT_FLUSH_S = 1.0  # how often hit counts reach the database
 
 
 @dataclass
@@ -66,6 +69,10 @@ class ResponseCache:
         self.verifier = verifier
         self.entries, self.bytes = store.totals()
         self._evict_lock = asyncio.Lock()
+        # Entries are immutable once stored, so recently used ones are kept here to spare the
+        # database a query on every semantic hit; the database stays the source of truth.
+        self._memo: OrderedDict[int, CacheEntry] = OrderedDict()
+        self._pending_hits: dict[int, tuple[int, float]] = {}
 
     def threshold(self, model: str, tenant_name: str) -> float:
         """Per-tenant over per-model over the global threshold."""
@@ -103,7 +110,7 @@ class ResponseCache:
         )
         close = [(i, s) for i, s in hits if s >= threshold]
         if close:
-            entries = await asyncio.to_thread(self.store.get_entries, [i for i, _ in close])
+            entries = await self._get_entries([i for i, _ in close])
             for entry_id, sim in close:
                 entry = entries.get(entry_id)
                 if entry is None or entry.scope != keys.scope or not servable(entry, keys, now):
@@ -123,8 +130,30 @@ class ResponseCache:
             0
         ].accepted
 
-    async def record_hit(self, entry: CacheEntry) -> None:
-        await asyncio.to_thread(self.store.record_hit, entry.id, time.time())
+    async def _get_entries(self, ids: list[int]) -> dict[int, CacheEntry]:
+        found = {i: self._memo[i] for i in ids if i in self._memo}
+        missing = [i for i in ids if i not in found]
+        if missing:
+            for entry_id, entry in (await asyncio.to_thread(self.store.get_entries, missing)).items():
+                found[entry_id] = self._remember(entry)
+        for i in found:
+            self._memo.move_to_end(i)
+        return found
+
+    def _remember(self, entry: CacheEntry) -> CacheEntry:
+        self._memo[entry.id] = entry
+        if len(self._memo) > MEMO_ENTRIES:
+            self._memo.popitem(last=False)
+        return entry
+
+    def record_hit(self, entry: CacheEntry) -> None:
+        """Counted in memory; ``flush_hits`` writes the counts in one transaction."""
+        n, _ = self._pending_hits.get(entry.id, (0, 0.0))
+        self._pending_hits[entry.id] = (n + 1, time.time())
+
+    async def flush_hits(self) -> None:
+        hits, self._pending_hits = self._pending_hits, {}
+        await asyncio.to_thread(self.store.record_hits, hits)
 
     async def insert(
         self,
@@ -166,6 +195,7 @@ class ResponseCache:
             expires_at=now + ttl_seconds,
         )
         entry_id = await asyncio.to_thread(self.store.add_entry, entry)
+        self._remember(entry)
         if entry.embedding is not None:
             self.index.add(
                 keys.scope, np.array([entry_id], dtype=np.int64), embedding[None].astype(np.float32)
@@ -180,6 +210,9 @@ class ResponseCache:
         """Remove entries from the database first, then from the index."""
         removed = await asyncio.to_thread(self.store.delete_entries, ids)
         self.index.remove(ids)
+        for i in ids:
+            self._memo.pop(i, None)
+            self._pending_hits.pop(i, None)
         self.entries, self.bytes = await asyncio.to_thread(self.store.totals)
         return removed
 

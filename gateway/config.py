@@ -10,10 +10,10 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from policies.canonicalize import CanonicalizeConfig
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from backend.config import BackendServerConfig, EngineConfig, load_toml, typed_section
+from policies.canonicalize import CanonicalizeConfig
 
 
 class _Strict(BaseModel):
@@ -68,6 +68,7 @@ class CacheConfig(_Strict):
     serve_temperature_above_zero: bool
     embed_batch_window_ms: float = Field(ge=0)
     embed_max_batch: int = Field(gt=0)
+    embed_threads: int = Field(gt=0)
 
     @field_validator("thresholds_by_model", "thresholds_by_tenant")
     @classmethod

@@ -154,13 +154,17 @@ class Store:
             )
             return list(s.scalars(q))
 
-    def record_hit(self, entry_id: int, now: float) -> None:
+    def record_hits(self, hits: dict[int, tuple[int, float]]) -> None:
+        """Add hit counts and last-hit times, {entry id: (hits, last time)}, in one transaction."""
+        if not hits:
+            return
         with self.session.begin() as s:
-            s.execute(
-                update(CacheEntry)
-                .where(CacheEntry.id == entry_id)
-                .values(hit_count=CacheEntry.hit_count + 1, last_hit_at=now)
-            )
+            for entry_id, (n, last) in hits.items():
+                s.execute(
+                    update(CacheEntry)
+                    .where(CacheEntry.id == entry_id)
+                    .values(hit_count=CacheEntry.hit_count + n, last_hit_at=last)
+                )
 
     def delete_entries(self, ids: list[int]) -> int:
         if not ids:

@@ -105,18 +105,21 @@ def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+def _integer(value: Any) -> bool:
+    """An int, or a float like 2.0 (JSON does not tell them apart; the backend accepts both)."""
+    return _number(value) and float(value).is_integer()
+
+
 def _valid(body: Mapping[str, Any]) -> bool:
     """Only what this decision reads; every other field is the backend's to validate."""
     n, temp, top_k = body.get("n"), body.get("temperature"), body.get("top_k")
     top_logprobs, logprobs = body.get("top_logprobs"), body.get("logprobs")
     checks = (
-        n is None or (isinstance(n, int) and not isinstance(n, bool) and n >= 1),
+        n is None or (_integer(n) and n >= 1),
         temp is None or (_number(temp) and temp >= 0),
-        top_k is None or (isinstance(top_k, int) and not isinstance(top_k, bool)),
-        top_logprobs is None or (isinstance(top_logprobs, int) and not isinstance(top_logprobs, bool)),
-        logprobs is None
-        or isinstance(logprobs, bool)
-        or (isinstance(logprobs, int) and "messages" not in body),
+        top_k is None or _integer(top_k),
+        top_logprobs is None or _integer(top_logprobs),
+        logprobs is None or isinstance(logprobs, bool) or (_integer(logprobs) and "messages" not in body),
     )
     return all(checks)
 

@@ -27,7 +27,7 @@ from policies.canonicalize import (
 ROOT = Path(__file__).resolve().parents[1]
 ALL_ON = CanonicalizeConfig()
 ALL_OFF = replace(ALL_ON, **{r: False for r in RULES})
-FAST = settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=120, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def only(rule: str) -> CanonicalizeConfig:

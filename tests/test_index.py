@@ -58,6 +58,10 @@ def test_add_remove_search_match_brute_force(threshold: int) -> None:
         assert [s for _, s in got] == pytest.approx(
             sorted((vecs[keep] @ q).tolist(), reverse=True)[:5], abs=1e-5
         )
+    for got, q in zip(idx.search_batch(["s"] * len(queries), queries, k=5), queries, strict=True):
+        one = idx.search("s", q, k=5)
+        assert [i for i, _ in got] == [i for i, _ in one]
+        assert [s for _, s in got] == pytest.approx([s for _, s in one], abs=1e-5)
     assert len(idx) == idx.scope_size("s") == 260
     assert idx.scope_kind("s") == ("hnsw" if threshold == 40 else "flat")
 
