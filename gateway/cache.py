@@ -73,13 +73,28 @@ class ResponseCache:
         # database a query on every semantic hit; the database stays the source of truth.
         self._memo: OrderedDict[int, CacheEntry] = OrderedDict()
         self._pending_hits: dict[int, tuple[int, float]] = {}
+        # The exact tier mirrored in memory (exact key -> entry ids), so an exact hit needs no
+        # query; a key it does not know is still looked up in the database (another replica's).
+        self._exact: dict[str, list[int]] = {}
+        self._exact_of: dict[int, str] = {}
 
     def threshold(self, model: str, tenant_name: str) -> float:
         """Per-tenant over per-model over the global threshold."""
         c = self.config
         return c.thresholds_by_tenant.get(tenant_name, c.thresholds_by_model.get(model, c.threshold))
 
+    def _index_exact(self, key: str, entry_id: int) -> None:
+        ids = self._exact.setdefault(key, [])
+        if entry_id not in ids:
+            ids.append(entry_id)
+            self._exact_of[entry_id] = key
+
     def rebuild_index(self, progress: bool = True) -> int:
+        """Load the in-memory views (exact keys, vector index) from the database."""
+        self._exact.clear()
+        self._exact_of.clear()
+        for key, entry_id in self.store.exact_keys():
+            self._index_exact(key, entry_id)
         total = self.store.count_embeddings()
         self.index.rebuild(self.store.iter_embeddings(), total=total, progress=progress)
         return len(self.index)
@@ -91,8 +106,17 @@ class ResponseCache:
         now = time.time()
         c = self.config
         if c.exact:
-            for entry in await asyncio.to_thread(self.store.find_exact, tenant, model, keys.exact, now):
-                if servable(entry, keys, now):
+            known = self._exact.get(keys.exact)
+            if known:
+                found = await self._get_entries(list(known))
+                candidates = sorted(found.values(), key=lambda e: -e.id)
+            else:
+                candidates = await asyncio.to_thread(self.store.find_exact, tenant, model, keys.exact, now)
+                for entry in candidates:
+                    self._remember(entry)
+                    self._index_exact(entry.exact_key, entry.id)
+            for entry in candidates:
+                if entry.tenant == tenant and entry.model == model and servable(entry, keys, now):
                     return Lookup("exact-hit", entry, 1.0, lookup_ms=_ms(start))
         if not (c.semantic and semantic and keys.scope and keys.query and self.batcher):
             return Lookup("miss", lookup_ms=_ms(start))
@@ -196,6 +220,7 @@ class ResponseCache:
         )
         entry_id = await asyncio.to_thread(self.store.add_entry, entry)
         self._remember(entry)
+        self._index_exact(keys.exact, entry_id)
         if entry.embedding is not None:
             self.index.add(
                 keys.scope, np.array([entry_id], dtype=np.int64), embedding[None].astype(np.float32)
@@ -213,6 +238,11 @@ class ResponseCache:
         for i in ids:
             self._memo.pop(i, None)
             self._pending_hits.pop(i, None)
+            key = self._exact_of.pop(i, None)
+            if key is not None and i in self._exact.get(key, []):
+                self._exact[key].remove(i)
+                if not self._exact[key]:
+                    del self._exact[key]
         self.entries, self.bytes = await asyncio.to_thread(self.store.totals)
         return removed
 

@@ -213,6 +213,14 @@ class Store:
                 yield scope, entry_id, np.frombuffer(blob, dtype=np.float32)
             last = rows[-1][1]
 
+    def exact_keys(self) -> list[tuple[str, int]]:
+        """(exact key, id) of every live entry, to mirror the exact tier in memory."""
+        with self.session() as s:
+            q = select(CacheEntry.exact_key, CacheEntry.id).where(
+                CacheEntry.expires_at > time.time(), CacheEntry.bad.is_(False)
+            )
+            return [(k, int(i)) for k, i in s.execute(q)]
+
     def count_embeddings(self) -> int:
         with self.session() as s:
             return int(
