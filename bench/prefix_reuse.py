@@ -7,6 +7,12 @@ with real community system prompts that way, through two gateways (response cach
 request reaches the backend) in front of one real backend, and compares the backend's
 cached_tokens with the ideal: everything the previous turn left in the KV cache.
 
+One backend serves both modes in turn; each mode sends its own ``cache_salt`` so its block hashes
+cannot match the other's, and the two replays get byte-identical client input (same prompts,
+headers, turns). The ideal and the diagnosis use the token ids the engine itself saw (a finish
+listener), so no client-side re-tokenization guess enters the numbers. float32, not bf16: this
+CPU has avx512_bf16 but no AMX, and bf16 measured ~1.5x slower here.
+
     .venv/bin/python -m bench.prefix_reuse  [--conversations 12] [--turns 4]
 """
 
@@ -27,6 +33,7 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import httpx
 
@@ -86,7 +93,7 @@ def lcp(a: list[int], b: list[int]) -> int:
 
 
 @contextlib.contextmanager
-def backend(args: argparse.Namespace, captured: dict) -> Iterator[tuple[str, object]]:
+def backend(args: argparse.Namespace, captured: dict) -> Iterator[tuple[str, Any]]:
     """The real engine over HTTP; a finish listener keeps the exact token ids it saw per request."""
     from backend.async_engine import AsyncEngine
     from backend.config import load_engine_config
@@ -129,7 +136,9 @@ def gateway(backend_url: str, canonical: bool) -> Iterator[str]:
             yield url
 
 
-def replay(url: str, mode: str, i: int, system: str, users: list[str], args, captured: dict) -> list[dict]:
+def replay(
+    url: str, mode: str, i: int, system: str, users: list[str], args: argparse.Namespace, captured: dict
+) -> list[dict]:
     """One conversation, turn by turn, as a client with a volatile header and re-formatting UI."""
     rng, style = random.Random(f"{i}"), STYLES[i % len(STYLES)]
     history: list[dict] = []
@@ -154,6 +163,7 @@ def replay(url: str, mode: str, i: int, system: str, users: list[str], args, cap
                 row["lcp"] = lcp(ids, prev)
                 row["lost_at"] = row["lcp"] - rows[-1]["prompt"]  # < 0: inside the previous prompt
                 row["lost_text"] = [prev[row["lcp"] :][:10], ids[row["lcp"] :][:10]]  # decoded later
+            row["_reply"], row["_out"] = reply, out
             sent = reformat(reply, style)
             row["reformatted"] = sent != reply
             history += [{"role": "user", "content": user}, {"role": "assistant", "content": sent}]
@@ -162,12 +172,27 @@ def replay(url: str, mode: str, i: int, system: str, users: list[str], args, cap
     return rows
 
 
-def summarize(rows: list[dict], turns: int) -> dict:
+def retokenizes_same(tokenizer: Any, reply: str, out: list[int]) -> bool:
+    """Whether the reply's exact bytes, rendered as history, give back the generated token ids: if
+    not, even a byte-perfect client loses the reply's K/V from the first re-split token on."""
+    head = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids = tokenizer.encode(f"<|im_start|>assistant\n{reply}<|im_end|>", add_special_tokens=False)
+    return ids == head + out + ([] if out and out[-1] == end else [end])
+
+
+def summarize(rows: list[dict], turns: int, block: int) -> dict:
     later = [r for r in rows if r["turn"] > 1]
 
     def ratios(rs: list[dict]) -> dict:
         c, p, i = (sum(r[k] for r in rs) for k in ("cached", "prompt", "ideal"))
-        return {"cached": c, "prompt": p, "ideal": i, "cached/prompt": c / p, "cached/ideal": c / i}
+        return {
+            "cached": c,
+            "prompt": p,
+            "ideal": i,
+            "cached/prompt": round(c / p, 4),
+            "cached/ideal": round(c / i, 4),
+        }
 
     return {
         **ratios(later),
@@ -175,6 +200,13 @@ def summarize(rows: list[dict], turns: int) -> dict:
         "lost_inside_previous_prompt": sum(r["lost_at"] < 0 for r in later),
         "lost_in_reply": sum(r["lost_at"] >= 0 for r in later),
         "turns_after_first": len(later),
+        # cached equals the whole blocks of the token prefix shared with the previous turn: nothing else
+        # (eviction, other conversations) moved the numbers
+        "cached_equals_shared_prefix": sum(
+            r["cached"] == min(r["lcp"] // block * block, r["ideal"]) for r in later
+        ),
+        "mean_tokens_lost_before_reply": sum(max(0, -r["lost_at"]) for r in later) / max(1, len(later)),
+        "replies_retokenize_same": f"{sum(r['reply_tokens_stable'] for r in rows)}/{len(rows)}",
     }
 
 
@@ -204,7 +236,7 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--max-user-chars", type=int, default=600)
-    ap.add_argument("--concurrency", type=int, default=4, help="conversations in flight (= max_num_seqs)")
+    ap.add_argument("--concurrency", type=int, default=6, help="conversations in flight (= max_num_seqs)")
     ap.add_argument("--dtype", default="float32", help="float32: faster than bf16 on this CPU (no AMX)")
     ap.add_argument("--kv-tokens", type=int, default=98304)
     ap.add_argument("--threads", type=int, default=2)
@@ -227,11 +259,14 @@ def main() -> None:
                 ]
                 for n, job in enumerate(jobs, 1):
                     rows[mode] += job.result()
-                    s = summarize(rows[mode], args.turns)
-                    say(f"[{mode}] {n}/{len(convs)} conversations: cached/ideal {s['cached/ideal']:.3f}")
-    for r in (r for m in MODES for r in rows[m] if "lost_text" in r):  # (cached, sent) at the divergence
-        r["lost_text"] = [tokenizer.decode(t) for t in r["lost_text"]]
-    summary = {m: summarize(rows[m], args.turns) for m in MODES}
+                    later = [r for r in rows[mode] if r["turn"] > 1]
+                    c, i = sum(r["cached"] for r in later), sum(r["ideal"] for r in later)
+                    say(f"[{mode}] {n}/{len(convs)} conversations, turns > 1: cached/ideal {c / i:.3f}")
+    for r in (r for m in MODES for r in rows[m]):
+        r["reply_tokens_stable"] = retokenizes_same(tokenizer, r.pop("_reply"), r.pop("_out"))
+        if "lost_text" in r:  # (what the cache held, what was sent) from the first differing token
+            r["lost_text"] = [tokenizer.decode(t) for t in r["lost_text"]]
+    summary = {m: summarize(rows[m], args.turns, args.block) for m in MODES}
     # No eviction: each mode computes at most this many new tokens, fewer than the cache holds, and
     # the LRU takes the other mode's (older) blocks first.
     needed = {m: sum(r["prompt"] - r["cached"] + r["completion"] for r in rows[m]) for m in MODES}
