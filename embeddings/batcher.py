@@ -27,7 +27,10 @@ _Pending = tuple[str, "asyncio.Future[np.ndarray]"]
 
 
 class EmbeddingBatcher:
-    """Coalesces ``embed`` calls made on one event loop into batched ``encoder.encode`` calls."""
+    """Coalesces ``embed`` calls into batched ``encoder.encode`` calls.
+
+    Not thread-safe: use it from one event loop (the gateway's); the encoder runs on its own worker thread.
+    """
 
     def __init__(self, encoder: SupportsEncode, window_ms: float = 2.0, max_batch: int = 64) -> None:
         if window_ms < 0:
