@@ -257,26 +257,37 @@ class _Instant:
         return np.full((len(texts), self.dim), self.dim**-0.5, np.float32)
 
 
-async def _drive(encoder: Any, texts: list[str], clients: int) -> tuple[list[float], float, float]:
-    """`clients` callers each embedding their share one after another (window 2 ms).
-
-    Returns per-request ms, wall seconds and the mean batch size.
-    """
+async def _alone(encoder: Any, texts: list[str]) -> tuple[list[float], list[float]]:
+    """Lone requests, direct and through a batcher (window 2 ms), interleaved so machine drift hits both."""
     from embeddings.batcher import EmbeddingBatcher
 
-    batcher, share, lat = EmbeddingBatcher(encoder, window_ms=2.0, max_batch=64), len(texts) // clients, []
+    batcher, direct, via = EmbeddingBatcher(encoder, window_ms=2.0), [], []
+    for t in texts:
+        t0 = time.perf_counter()
+        encoder.encode([t])
+        t1 = time.perf_counter()
+        await batcher.embed(t)
+        direct.append((t1 - t0) * 1e3)
+        via.append((time.perf_counter() - t1) * 1e3)
+    batcher.close()
+    return direct, via
+
+
+async def _concurrent(encoder: Any, texts: list[str], clients: int) -> tuple[float, float]:
+    """`clients` callers each embedding their share one after another: wall seconds, mean batch size."""
+    from embeddings.batcher import EmbeddingBatcher
+
+    batcher, share = EmbeddingBatcher(encoder, window_ms=2.0, max_batch=64), len(texts) // clients
 
     async def client(c: int) -> None:
         for t in texts[c * share : (c + 1) * share]:
-            t0 = time.perf_counter()
             await batcher.embed(t)
-            lat.append((time.perf_counter() - t0) * 1e3)
 
     t0 = time.perf_counter()
     await asyncio.gather(*(client(c) for c in range(clients)))
     wall = time.perf_counter() - t0
     batcher.close()
-    return lat, wall, batcher.mean_batch
+    return wall, batcher.mean_batch
 
 
 def bench_batcher(texts: list[str], clients: int = 32, per_client: int = 8) -> dict:
@@ -290,20 +301,17 @@ def bench_batcher(texts: list[str], clients: int = 32, per_client: int = 8) -> d
     enc, work = Encoder(), texts[: clients * per_client]
     enc.encode(texts[:64])  # load and warm up
 
-    def one_by_one() -> tuple[float, list[float]]:
-        lat = []
+    def one_by_one() -> float:
+        t0 = time.perf_counter()
         for t in work:
-            t0 = time.perf_counter()
             enc.encode([t])
-            lat.append((time.perf_counter() - t0) * 1e3)
-        return sum(lat) / 1e3, lat
+        return time.perf_counter() - t0
 
-    serial_a, direct = one_by_one()
-    alone = asyncio.run(_drive(enc, texts[len(work) : len(work) + 100], 1))[0]
-    _, wall, mean_batch = asyncio.run(_drive(enc, work, clients))
-    serial_b, _ = one_by_one()
-    overhead = asyncio.run(_drive(_Instant(), texts[:300], 1))[0]
-    serial = (serial_a + serial_b) / 2
+    direct, alone = asyncio.run(_alone(enc, texts[len(work) : len(work) + 100]))
+    serial_a = one_by_one()
+    wall, mean_batch = asyncio.run(_concurrent(enc, work, clients))
+    serial = (serial_a + one_by_one()) / 2
+    overhead = asyncio.run(_alone(_Instant(), texts[:300]))[1]
     return {
         "window_ms": 2.0,
         "direct_single_p50_ms": round(pct(direct, 50), 2),

@@ -152,12 +152,20 @@ class Gateway:
         recorder = SseRecorder(flow.endpoint)
 
         async def events():
+            finished = False
             try:
                 async for event in relay(response, recorder, drop_usage_chunk=not client_usage):
+                    if recorder.done and not finished:
+                        # Store before [DONE] reaches the client: a repeat sent right after the
+                        # stream ends must find the answer (read-your-writes).
+                        finished = True
+                        flow.backend_ms = (time.perf_counter() - start) * 1e3
+                        await self._finish_stream(flow, recorder, store, ttl)
                     yield event
-            finally:  # also when the client goes away: then nothing is stored
-                flow.backend_ms = (time.perf_counter() - start) * 1e3
-                asyncio.get_running_loop().create_task(self._finish_stream(flow, recorder, store, ttl))
+            finally:  # the client went away or the stream broke: record it, store nothing
+                if not finished:
+                    flow.backend_ms = (time.perf_counter() - start) * 1e3
+                    asyncio.get_running_loop().create_task(self._finish_stream(flow, recorder, store, ttl))
 
         return StreamingResponse(events(), media_type="text/event-stream", headers=flow.headers())
 
