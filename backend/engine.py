@@ -23,7 +23,7 @@ from backend.platform import resolve_device, resolve_dtype
 from backend.sampler import sample
 from backend.sampling_params import InvalidParameter, SamplingParams
 from backend.scheduler import Scheduler
-from backend.sequence import Sequence, SequenceStatus
+from backend.sequence import Sequence
 
 log = logging.getLogger("cachegw.backend")
 
@@ -247,7 +247,3 @@ class LLMEngine:
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
         )
-
-    def is_running(self, request_id: str) -> bool:
-        seq = self.requests.get(request_id)
-        return seq is not None and seq.status is SequenceStatus.RUNNING

@@ -28,7 +28,7 @@ from sqlalchemy import (
     select,
     update,
 )
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
 
 class Base(DeclarativeBase):
@@ -246,6 +246,3 @@ class Store:
     def lookup_reply(self, key: str) -> str | None:
         with self.session() as s:
             return s.scalar(select(Reply.text).where(Reply.key == key))
-
-    def session_scope(self) -> Session:
-        return self.session()

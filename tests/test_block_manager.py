@@ -112,3 +112,14 @@ def test_prefix_caching_off_finds_nothing():
     bm = BlockManager(8, BS, enable_prefix_caching=False)
     run_to_completion(bm, seq(list(range(9))))
     assert bm.find_cached_prefix(seq(list(range(9)), rid="b")) == [] and not bm.cached
+
+
+def test_reset_prefix_cache_forgets_free_blocks_but_not_used_ones():
+    bm = BlockManager(8, BS)
+    kept, freed = seq(list(range(9)), rid="kept"), seq(list(range(50, 59)), rid="freed")
+    run_to_completion(bm, kept)
+    run_to_completion(bm, freed)
+    bm.free_blocks(freed)
+    assert bm.reset_prefix_cache() == 2  # the freed sequence's two full blocks
+    assert bm.find_cached_prefix(seq(list(range(50, 59)), rid="again")) == []
+    assert len(bm.find_cached_prefix(seq(list(range(9)), rid="again2"))) == 2  # still in use: kept
