@@ -181,8 +181,19 @@ def time_single(
     return lat, ids, scores
 
 
-def p50(search: Search, xq: np.ndarray) -> float:
-    return round(pct(time_single(search, xq)[0], 50), 3)
+def p50s(searches: dict[str, Search], xq: np.ndarray, block: int = 50) -> dict[str, float]:
+    """p50 ms of each search, taking turns in blocks of queries so load drift on this shared machine hits all
+    alike (per-query turns would not do: faiss' OpenMP and numpy's OpenBLAS threads spin-wait after a call
+    and slow down whichever library runs next)."""
+    lat: dict[str, list[float]] = {name: [] for name in searches}
+    for start in range(0, len(xq), block):
+        for name, search in searches.items():
+            search(xq[start])  # warm-up after the switch
+            for q in xq[start : start + block]:
+                t0 = time.perf_counter()
+                search(q)
+                lat[name].append((time.perf_counter() - t0) * 1e3)
+    return {f"{name}_p50_ms": round(pct(v, 50), 3) for name, v in lat.items()}
 
 
 def faiss_top1(index: Any, ef_search: int | None = None) -> Search:
@@ -257,71 +268,55 @@ class _Instant:
         return np.full((len(texts), self.dim), self.dim**-0.5, np.float32)
 
 
-async def _alone(encoder: Any, texts: list[str]) -> tuple[list[float], list[float]]:
-    """Lone requests, direct and through a batcher (window 2 ms), interleaved so machine drift hits both."""
+async def _batcher_rounds(encoder: Any, lone: list[str], work: list[str], clients: int) -> dict[str, Any]:
+    """Interleaved, so load drift on this shared machine hits both sides alike.
+
+    Lone requests: each text encoded directly, then through the batcher. Throughput: rounds of `clients`
+    texts encoded one by one, then the same texts sent by `clients` concurrent callers.
+    """
     from embeddings.batcher import EmbeddingBatcher
 
-    batcher, direct, via = EmbeddingBatcher(encoder, window_ms=2.0), [], []
-    for t in texts:
+    batcher = EmbeddingBatcher(encoder, window_ms=2.0, max_batch=64)
+    direct, via, serial, concurrent = [], [], 0.0, 0.0
+    for t in lone:
         t0 = time.perf_counter()
         encoder.encode([t])
         t1 = time.perf_counter()
         await batcher.embed(t)
         direct.append((t1 - t0) * 1e3)
         via.append((time.perf_counter() - t1) * 1e3)
+    before = batcher.batches
+    for start in range(0, len(work), clients):
+        chunk = work[start : start + clients]
+        t0 = time.perf_counter()
+        for t in chunk:
+            encoder.encode([t])
+        t1 = time.perf_counter()
+        await asyncio.gather(*(batcher.embed(t) for t in chunk))
+        serial, concurrent = serial + t1 - t0, concurrent + time.perf_counter() - t1
     batcher.close()
-    return direct, via
-
-
-async def _concurrent(encoder: Any, texts: list[str], clients: int) -> tuple[float, float]:
-    """`clients` callers each embedding their share one after another: wall seconds, mean batch size."""
-    from embeddings.batcher import EmbeddingBatcher
-
-    batcher, share = EmbeddingBatcher(encoder, window_ms=2.0, max_batch=64), len(texts) // clients
-
-    async def client(c: int) -> None:
-        for t in texts[c * share : (c + 1) * share]:
-            await batcher.embed(t)
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(client(c) for c in range(clients)))
-    wall = time.perf_counter() - t0
-    batcher.close()
-    return wall, batcher.mean_batch
+    rounds = batcher.batches - before
+    return {"direct": direct, "via": via, "serial": serial, "concurrent": concurrent, "rounds": rounds}
 
 
 def bench_batcher(texts: list[str], clients: int = 32, per_client: int = 8) -> dict:
-    """Lone-request latency, and `clients` concurrent callers' throughput vs one-by-one encoder calls.
-
-    One-by-one runs before and after the concurrent phase (mean of both), so a load change on this
-    shared machine does not land on one side only.
-    """
+    """Lone-request latency and `clients` concurrent callers' throughput vs one-by-one encoder calls."""
     from embeddings.encoder import Encoder
 
     enc, work = Encoder(), texts[: clients * per_client]
     enc.encode(texts[:64])  # load and warm up
-
-    def one_by_one() -> float:
-        t0 = time.perf_counter()
-        for t in work:
-            enc.encode([t])
-        return time.perf_counter() - t0
-
-    direct, alone = asyncio.run(_alone(enc, texts[len(work) : len(work) + 100]))
-    serial_a = one_by_one()
-    wall, mean_batch = asyncio.run(_concurrent(enc, work, clients))
-    serial = (serial_a + one_by_one()) / 2
-    overhead = asyncio.run(_alone(_Instant(), texts[:300]))[1]
+    r = asyncio.run(_batcher_rounds(enc, texts[len(work) : len(work) + 100], work, clients))
+    overhead = asyncio.run(_batcher_rounds(_Instant(), texts[:300], [], clients))["via"]
     return {
         "window_ms": 2.0,
-        "direct_single_p50_ms": round(pct(direct, 50), 2),
-        "batcher_alone_p50_ms": round(pct(alone, 50), 2),
-        "batcher_alone_p99_ms": round(pct(alone, 99), 2),
+        "direct_single_p50_ms": round(pct(r["direct"], 50), 2),
+        "batcher_alone_p50_ms": round(pct(r["via"], 50), 2),
+        "batcher_alone_p99_ms": round(pct(r["via"], 99), 2),
         "batcher_overhead_p50_ms": round(pct(overhead, 50), 2),
-        f"concurrent_{clients}x{per_client}_texts_per_s": round(len(work) / wall, 1),
-        "one_by_one_texts_per_s": round(len(work) / serial, 1),
-        "speedup": round(serial / wall, 2),
-        "mean_batch_size": round(mean_batch, 1),
+        f"concurrent_{clients}_texts_per_s": round(len(work) / r["concurrent"], 1),
+        "one_by_one_texts_per_s": round(len(work) / r["serial"], 1),
+        "speedup": round(r["serial"] / r["concurrent"], 2),
+        "mean_batch_size": round(len(work) / max(1, r["rounds"]), 1),
     }
 
 
@@ -333,20 +328,15 @@ def table(title: str, rows: list[dict], cols: list[str]) -> None:
 
 def size_row(xb: np.ndarray, ev: Eval, flat_samples: int, hnsw: tuple[Any, float] | None = None) -> dict:
     """Exact (faiss flat, numpy, ScopedIndex flat tier) vs HNSW at one scope size."""
+    index, secs = hnsw or build_hnsw(xb, EF_CONSTRUCTION)
     flat = faiss.IndexFlatIP(xb.shape[1])
     flat.add(xb)
-    xq = ev.xq[:flat_samples]
-    row = {
-        "n": len(xb),
-        "faiss_flat_p50_ms": p50(faiss_top1(flat), xq),
-        "numpy_p50_ms": p50(numpy_top1(xb), xq),
-    }
-    del flat
+    searches = {"faiss_flat": faiss_top1(flat), "numpy": numpy_top1(xb), "hnsw": faiss_top1(index, EF_SEARCH)}
     if len(xb) <= 200_000:
         scoped, _ = build_scoped(xb, threshold=len(xb) + 1)
-        row["scoped_flat_p50_ms"] = p50(scoped_top1(scoped), xq)
-    index, secs = hnsw or build_hnsw(xb, EF_CONSTRUCTION)
-    return row | {"hnsw_build_s": secs, **ev.run(faiss_top1(index, EF_SEARCH))}
+        searches["scoped_flat"] = scoped_top1(scoped)
+    row = {"n": len(xb), **p50s(searches, ev.xq[:flat_samples]), "hnsw_build_s": secs}
+    return row | ev.run(faiss_top1(index, EF_SEARCH))
 
 
 def main() -> None:
@@ -384,7 +374,7 @@ def main() -> None:
     say("[3/5] exact ground truth; ScopedIndex.rebuild of one scope of n entries")
     ev = Eval(xb, xq, is_para)
     index, scoped = build_scoped(xb)
-    scoped["search_p50_ms"] = p50(scoped_top1(index), xq)
+    scoped["search_p50_ms"] = p50s({"search": scoped_top1(index)}, xq)["search_p50_ms"]
     say(f"ScopedIndex: {scoped}")
     chosen = (index._scopes["bench"].inner, scoped["build_s"]) if scoped["kind"] == "hnsw" else None
     del index
@@ -423,7 +413,14 @@ def main() -> None:
     }
     cols = ["p50_ms", "p99_ms", "recall_para", "recall_neg", "recall_cos_ge_0.8"]
     table(f"HNSW M={HNSW_M} at n={args.n}", sweep, ["ef_construction", "ef_search", "build_s", *cols])
-    exact_cols = ["n", "faiss_flat_p50_ms", "numpy_p50_ms", "scoped_flat_p50_ms", "hnsw_build_s"]
+    exact_cols = [
+        "n",
+        "faiss_flat_p50_ms",
+        "numpy_p50_ms",
+        "scoped_flat_p50_ms",
+        "hnsw_p50_ms",
+        "hnsw_build_s",
+    ]
     table(f"exact vs HNSW efC={EF_CONSTRUCTION} efS={EF_SEARCH}", by_size, exact_cols + cols[:3])
     table("ScopedIndex.rebuild + search", [scoped], ["kind", "build_s", "bytes_per_entry", "search_p50_ms"])
     if batcher:

@@ -374,8 +374,8 @@ class _Flat:
 
     def __init__(self, dim: int) -> None:
         self.d, self.ntotal = dim, 0
-        self.ids = np.empty(16, np.int64)
-        self.vecs = np.empty((16, dim), np.float32)
+        self.ids = np.empty(0, np.int64)  # grows by doubling: a one-entry tenant costs one row, not a block
+        self.vecs = np.empty((0, dim), np.float32)
 
     @property
     def nbytes(self) -> int:
