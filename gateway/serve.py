@@ -47,7 +47,6 @@ async def started_gateway(settings: Settings, progress: bool = True) -> AsyncIte
         urls = [builtin.url]
     backends = Backends(urls, settings.gateway.connect_timeout_s, settings.gateway.backend_timeout_s)
     gw = Gateway(settings, store, cache, backends)
-    gw.builtin = builtin
     gw.recorder.start()
     chores = [
         asyncio.create_task(_every(EXPIRY_EVERY_S, cache.expire), name="cachegw-expiry"),
