@@ -376,7 +376,14 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(message), status_code=exc.status_code, headers=exc.headers)
 
     async def invalid_request(_: Request, exc: Exception) -> Response:
-        return JSONResponse(error_body(str(exc)), status_code=400)
+        """A bad query or path parameter: name it, as OpenAI names a bad body field."""
+        assert isinstance(exc, RequestValidationError)
+        errors = exc.errors()
+        if not errors:
+            return JSONResponse(error_body(str(exc)), status_code=400)
+        param = str(errors[0]["loc"][-1])
+        message = f"Invalid value for '{param}': {errors[0]['msg']}."
+        return JSONResponse(error_body(message, param=param), status_code=400)
 
     async def client_gone(_: Request, __: Exception) -> Response:
         return Response(status_code=499)  # nobody reads it: the request was aborted

@@ -8,6 +8,7 @@ backend receives, so its prefix cache sees byte-identical prefixes.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import time
@@ -20,10 +21,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from backend.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_request
 from backend.server import install_error_handlers, read_limited_body
+from gateway.admin_api import admin_router, dashboard_page, json_body
+from gateway.admin_auth import AdminAuth
+from gateway.admin_store import AdminStore
 from gateway.cache import Lookup, ResponseCache
 from gateway.cache_keys import RequestKeys, request_keys
 from gateway.config import Settings
+from gateway.feedback import parse_feedback, report_bad
 from gateway.hits import hit_response, hit_stream
+from gateway.live_settings import LiveSettings
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import Backends, SseRecorder, relay
 from gateway.recorder import Recorder
@@ -33,6 +39,12 @@ from policies.cacheability import CachePolicy, decide
 from policies.canonicalize import canonicalize, normalize_for_match
 
 log = logging.getLogger("cachegw.gateway")
+QUERY_CHARS = 500  # of the last user message kept in the request log (gateway.log_query_text)
+
+
+def query_hash(query: str) -> str:
+    """Groups repeats of one query in reports, whatever their whitespace or Unicode form."""
+    return hashlib.sha256(normalize_for_match(query).encode()).hexdigest()[:16]
 
 
 class Flow:
@@ -47,6 +59,8 @@ class Flow:
         self.lookup: Lookup | None = None
         self.result = "bypass"
         self.backend_ms: float | None = None
+        self.response_id: str | None = None  # the body's id (the backend's on a miss)
+        self.stored_entry: int | None = None  # a miss stored into the cache
 
     def headers(self) -> dict[str, str]:
         h = {"x-cache": self.result, "x-request-id": self.id}
@@ -59,43 +73,63 @@ class Flow:
 
 
 class Gateway:
-    def __init__(self, settings: Settings, store: Store, cache: ResponseCache, backends: Backends) -> None:
-        self.settings = settings
+    def __init__(
+        self, live: LiveSettings, store: Store, cache: ResponseCache, backends: Backends, admin_token: str
+    ) -> None:
+        self.live = live
+        self.settings = live.current
         self.store, self.cache, self.backends = store, cache, backends
-        self.tenants = Tenants(settings.tenants)
-        self.policy = CachePolicy(serve_temperature_above_zero=settings.cache.serve_temperature_above_zero)
+        self.admin = AdminStore(store)
+        self.auth = AdminAuth(admin_token)
+        self.tenants = Tenants(self.settings.tenants)
+        self.policy = CachePolicy(
+            serve_temperature_above_zero=self.settings.cache.serve_temperature_above_zero
+        )
         self.metrics = GatewayMetrics(lambda: float(cache.entries))
         self.recorder = Recorder(store)
+
+    def apply_settings(self, settings: Settings) -> None:
+        """Swap in settings changed at run time; requests already under way keep the ones they read."""
+        self.settings = settings
+        self.cache.config = settings.cache
+        self.policy = CachePolicy(serve_temperature_above_zero=settings.cache.serve_temperature_above_zero)
+
+    async def refresh_settings(self) -> None:
+        """Pick up a change another replica made (a cheap version read)."""
+        if await asyncio.to_thread(self.live.changed_elsewhere):
+            self.apply_settings(await asyncio.to_thread(self.live.load))
 
     def _restore(self, normalized: str) -> str | None:
         return self.store.lookup_reply(reply_key(normalized))
 
-    def _ttl(self, request: Request) -> int:
+    @staticmethod
+    def _ttl(request: Request, settings: Settings) -> int:
         raw = request.headers.get("x-cache-ttl")
         if raw is None:
-            return self.settings.cache.ttl_seconds
+            return settings.cache.ttl_seconds
         if not raw.strip().isdigit() or int(raw) <= 0:
             raise ApiError(400, "x-cache-ttl must be a positive number of seconds.", param="x-cache-ttl")
-        return min(int(raw), self.settings.cache.max_ttl_seconds)
+        return min(int(raw), settings.cache.max_ttl_seconds)
 
     async def handle(self, request: Request, endpoint: str) -> Response:
+        settings = self.settings  # one consistent view for the whole request
         tenant = self.tenants.resolve(request.headers.get("authorization"))
-        raw = await read_limited_body(request, self.settings.gateway.max_request_bytes)
+        raw = await read_limited_body(request, settings.gateway.max_request_bytes)
         parse_request(ChatCompletionRequest if endpoint == "chat" else CompletionRequest, raw)
         body = json.loads(raw)
         model = body.get("model") or ""
         url = await self.backends.route(model or None)
-        ttl = self._ttl(request)
+        ttl = self._ttl(request, settings)
         flow = Flow(endpoint, tenant, model, body, bool(body.get("stream")))
         cacheable = decide(body, request.headers, self.policy)
-        cfg = self.settings.canonicalize
+        cfg = settings.canonicalize
         if any(isinstance(m, dict) and m.get("role") == "assistant" for m in body.get("messages") or []):
             # restoring earlier replies reads the database: off the event loop
             body, flow.rules = await asyncio.to_thread(canonicalize, body, cfg, self._restore)
         else:
             body, flow.rules = canonicalize(body, cfg, self._restore)  # pure, about 0.1 ms
         flow.keys = request_keys(tenant.cache_key, model, endpoint, body)
-        use_cache = self.settings.cache.enabled
+        use_cache = settings.cache.enabled
         if use_cache and cacheable.may_serve:
             flow.lookup = await self.cache.lookup(tenant.cache_key, tenant.name, model, flow.keys)
             self.metrics.lookup.observe(flow.lookup.lookup_ms / 1e3)
@@ -131,6 +165,7 @@ class Gateway:
         self, flow: Flow, url: str, path: str, body: dict, store: bool, ttl: int
     ) -> Response:
         status, data, flow.backend_ms = await self.backends.post_json(url, path, body)
+        flow.response_id = data.get("id") if isinstance(data.get("id"), str) else None
         self.metrics.backend.observe(flow.backend_ms / 1e3)
         if status == 200:
             await self._after_answer(flow, data, store, ttl)
@@ -170,6 +205,7 @@ class Gateway:
         return StreamingResponse(events(), media_type="text/event-stream", headers=flow.headers())
 
     async def _finish_stream(self, flow: Flow, recorder: SseRecorder, store: bool, ttl: int) -> None:
+        flow.response_id = recorder.meta.get("id")
         complete = recorder.complete_response()
         if complete is not None:
             await self._after_answer(flow, complete, store, ttl)
@@ -187,7 +223,7 @@ class Gateway:
                 )
             if store and flow.keys is not None and not (choice.get("message") or {}).get("tool_calls"):
                 embedding = flow.lookup.embedding if flow.lookup else None
-                await self.cache.insert(
+                flow.stored_entry = await self.cache.insert(
                     flow.tenant.cache_key, flow.model, flow.endpoint, flow.keys, embedding, data, ttl
                 )
         except Exception:  # a storage problem must not fail an answer the client already has
@@ -197,7 +233,11 @@ class Gateway:
         total_ms = (time.perf_counter() - flow.start) * 1e3
         details = usage.get("prompt_tokens_details") or {}
         lk = flow.lookup
+        keys = flow.keys
+        query = keys.query if keys else None
         self.metrics.requests.labels(flow.result).inc()
+        if lk is not None and lk.similarity is not None and flow.result != "exact-hit":
+            self.metrics.similarity.labels(flow.result).observe(lk.similarity)
         self.metrics.total.labels(flow.result).observe(total_ms / 1e3)
         if flow.result in ("miss", "bypass") and usage:
             self.metrics.prompt_tokens.inc(usage.get("prompt_tokens") or 0)
@@ -224,6 +264,12 @@ class Gateway:
                 "cached_tokens": details.get("cached_tokens"),
                 "status": status,
                 "error": error,
+                "response_id": flow.response_id if flow.result in ("miss", "bypass") else flow.id,
+                "stored_entry_id": flow.stored_entry,
+                "scope": keys.scope if keys else None,
+                "system_hash": keys.system if keys else None,
+                "query_hash": query_hash(query) if query else None,
+                "query": query[:QUERY_CHARS] if query and self.settings.gateway.log_query_text else None,
             }
         )
 
@@ -240,6 +286,19 @@ def build_app(gateway_factory) -> FastAPI:
 
     app = FastAPI(title="cachegw gateway", lifespan=lifespan)
     install_error_handlers(app)
+    app.include_router(admin_router(lambda: state["gw"]))
+
+    @app.get("/admin", include_in_schema=False)
+    async def dashboard() -> Response:
+        return dashboard_page()
+
+    @app.post("/v1/cache/feedback")
+    async def feedback(request: Request) -> dict[str, Any]:
+        """A tenant flags one of its own answers as bad (by the response id or x-request-id)."""
+        gw = state["gw"]
+        tenant = gw.tenants.resolve(request.headers.get("authorization"))
+        request_id, _ = parse_feedback(await json_body(request), admin=False)
+        return await report_bad(gw, f"tenant:{tenant.name[:16]}", request_id, None, tenant=tenant.id)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:

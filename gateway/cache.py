@@ -69,8 +69,8 @@ class ResponseCache:
         self.verifier = verifier
         self.entries, self.bytes = store.totals()
         self._evict_lock = asyncio.Lock()
-        # Entries are immutable once stored, so recently used ones are kept here to spare the
-        # database a query on every semantic hit; the database stays the source of truth.
+        # Recently used entries are kept here to spare the database a query on every semantic hit;
+        # they change only through ``flag_bad``, which updates both. The database stays the truth.
         self._memo: OrderedDict[int, CacheEntry] = OrderedDict()
         self._pending_hits: dict[int, tuple[int, float]] = {}
         # The exact tier mirrored in memory (exact key -> entry ids), so an exact hit needs no
@@ -138,6 +138,8 @@ class ResponseCache:
             for entry_id, sim in close:
                 entry = entries.get(entry_id)
                 if entry is None or entry.scope != keys.scope or not servable(entry, keys, now):
+                    continue
+                if entry.threshold is not None and sim < entry.threshold:  # learned from feedback
                     continue
                 if self._verified(keys.query, vec, entry, sim, threshold):
                     result.result, result.entry, result.similarity = "semantic-hit", entry, sim
@@ -231,6 +233,35 @@ class ResponseCache:
             await self.evict()
         return entry_id
 
+    async def flag_bad(self, entry_id: int, similarity: float | None, whole_entry: bool) -> str:
+        """Act on a hit reported bad; returns what was done.
+
+        ``whole_entry``: the answer is wrong for its own query (an exact hit, or a stored miss): it is
+        never served again. Otherwise a paraphrase got an answer that does not fit it: the entry's own
+        threshold rises above that similarity, so this query and anything further away stop hitting
+        while closer paraphrases still do.
+        """
+        entry = (await self._get_entries([entry_id])).get(entry_id)
+        if entry is None:
+            return "entry already gone"
+        if whole_entry or similarity is None:
+            await asyncio.to_thread(self.store.mark_bad, entry_id)
+            entry.bad = True
+            self.index.remove([entry_id])
+            self._drop_exact(entry_id)
+            return "entry marked bad: never served again"
+        threshold = max(entry.threshold or 0.0, similarity + self.config.feedback_margin)
+        await asyncio.to_thread(self.store.set_entry_threshold, entry_id, threshold)
+        entry.threshold = threshold
+        return f"entry threshold raised to {threshold:.4f}"
+
+    def _drop_exact(self, entry_id: int) -> None:
+        key = self._exact_of.pop(entry_id, None)
+        if key is not None and entry_id in self._exact.get(key, []):
+            self._exact[key].remove(entry_id)
+            if not self._exact[key]:
+                del self._exact[key]
+
     async def delete(self, ids: list[int]) -> int:
         """Remove entries from the database first, then from the index."""
         removed = await asyncio.to_thread(self.store.delete_entries, ids)
@@ -238,11 +269,7 @@ class ResponseCache:
         for i in ids:
             self._memo.pop(i, None)
             self._pending_hits.pop(i, None)
-            key = self._exact_of.pop(i, None)
-            if key is not None and i in self._exact.get(key, []):
-                self._exact[key].remove(i)
-                if not self._exact[key]:
-                    del self._exact[key]
+            self._drop_exact(i)
         self.entries, self.bytes = await asyncio.to_thread(self.store.totals)
         return removed
 

@@ -41,6 +41,7 @@ class RequestKeys:
     scope: str | None  # None: no semantic tier for this request (the last message is not a user's)
     query: str | None  # the text compared by meaning
     max_tokens: int | None
+    system: str | None = None  # short hash of the system/developer messages (reports group by it)
 
 
 def _digest(obj: Any) -> str:
@@ -72,6 +73,10 @@ def request_keys(tenant: str, model: str, endpoint: str, body: dict[str, Any]) -
             text_of(last.get("content")) if isinstance(last, dict) and last.get("role") == "user" else None
         )
         scope = _digest({**head, "context": messages[:-1]}) if query else None
+        instructions = [
+            m for m in messages if isinstance(m, dict) and m.get("role") in ("system", "developer")
+        ]
+        system = _digest(instructions)[:16] if instructions else None
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -79,6 +84,7 @@ def request_keys(tenant: str, model: str, endpoint: str, body: dict[str, Any]) -
         exact = _digest({**head, "prompt": prompt})
         query = prompt if isinstance(prompt, str) else None
         scope = _digest(head) if query else None
+        system = None
     if query is not None and not query.strip():
         query = scope = None
-    return RequestKeys(exact, scope, query, max_tokens if isinstance(max_tokens, int) else None)
+    return RequestKeys(exact, scope, query, max_tokens if isinstance(max_tokens, int) else None, system)

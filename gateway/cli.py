@@ -37,8 +37,31 @@ def _train_verifier(argv: list[str]) -> int:
     return main_train(argv)
 
 
+def _calibrate(argv: list[str]) -> int:
+    from policies.calibrate import main_calibrate
+
+    return main_calibrate(argv)
+
+
+def _analyze(argv: list[str]) -> int:
+    from gateway.analyze import main_analyze
+
+    return main_analyze(argv)
+
+
+def _export(argv: list[str]) -> int:
+    from gateway.analyze import main_export
+
+    return main_export(argv)
+
+
 # Subcommands that parse their own arguments: everything after the name goes to them.
-PASSTHROUGH = {"train-verifier": _train_verifier}
+PASSTHROUGH = {
+    "train-verifier": _train_verifier,
+    "calibrate": _calibrate,
+    "analyze": _analyze,
+    "export": _export,
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_backend_args(p)
     p.set_defaults(func=_cmd_backend)
     sub.add_parser("train-verifier", help="fit the semantic-cache verifier (--pairs FILE.csv)")
+    sub.add_parser(
+        "calibrate", help="precision/recall against threshold on labelled pairs (--pairs FILE.csv)"
+    )
+    sub.add_parser("analyze", help="report on the request log: hit rates, similarities, savings, sweeps")
+    sub.add_parser("export", help="write the request log as JSONL (for `cachegw analyze --jsonl`)")
     return parser
 
 

@@ -30,6 +30,7 @@ class GatewayConfig(_Strict):
     backend_timeout_s: float = Field(gt=0)
     backends: tuple[str, ...]
     builtin_backend_port: int = Field(ge=0, le=65535)
+    log_query_text: bool
 
     def resolved_database_url(self, data_dir: Path) -> str:
         return self.database_url or f"sqlite:///{data_dir / 'cachegw.db'}"
@@ -68,6 +69,7 @@ class CacheConfig(_Strict):
     serve_temperature_above_zero: bool
     embed_batch_window_ms: float = Field(ge=0)
     embed_max_batch: int = Field(gt=0)
+    feedback_margin: float = Field(ge=0, le=1)
     embed_threads: int = Field(gt=0)
 
     @field_validator("thresholds_by_model", "thresholds_by_tenant")
@@ -79,6 +81,29 @@ class CacheConfig(_Strict):
         return values
 
 
+class AdminConfig(_Strict):
+    token: str
+
+
+class ModelPrice(_Strict):
+    input_per_mtok: float = Field(ge=0)
+    output_per_mtok: float = Field(ge=0)
+
+
+class PricingConfig(_Strict):
+    """USD per million tokens, only to estimate savings."""
+
+    input_per_mtok: float = Field(ge=0)
+    output_per_mtok: float = Field(ge=0)
+    cached_input_discount: float = Field(ge=0, le=1)
+    models: dict[str, ModelPrice]
+
+    def price(self, model: str) -> ModelPrice:
+        return self.models.get(model) or ModelPrice(
+            input_per_mtok=self.input_per_mtok, output_per_mtok=self.output_per_mtok
+        )
+
+
 class Settings(_Strict):
     """Everything `cachegw serve` needs, from one config file."""
 
@@ -88,6 +113,8 @@ class Settings(_Strict):
     tenants: TenantsConfig
     cache: CacheConfig
     canonicalize: CanonicalizeConfig
+    admin: AdminConfig
+    pricing: PricingConfig
     engine: EngineConfig
     backend_server: BackendServerConfig
     config_path: str | None = None
@@ -106,6 +133,8 @@ def load_settings(path: str | os.PathLike[str] | None = None, **gateway_override
         tenants=TenantsConfig(**raw["tenants"]),
         cache=CacheConfig(**raw["cache"]),
         canonicalize=CanonicalizeConfig.from_dict(raw["canonicalize"]),
+        admin=AdminConfig(**raw["admin"]),
+        pricing=PricingConfig(**raw["pricing"]),
         engine=typed_section(EngineConfig, raw["engine"], "engine"),
         backend_server=typed_section(BackendServerConfig, raw["backend_server"], "backend_server"),
         config_path=str(path) if path is not None else None,

@@ -39,6 +39,14 @@ class GatewayMetrics:
             "Prompt tokens the backends served from their prefix cache",
             registry=r,
         )
+        self.similarity = Histogram(
+            "cachegw_gateway_nearest_similarity",
+            "Similarity of the nearest cached query, for semantic hits and misses",
+            ["result"],
+            buckets=tuple(round(0.5 + 0.05 * i, 2) for i in range(10)) + (0.98, 0.99, 1.0),
+            registry=r,
+        )
+        self.feedback = Counter("cachegw_gateway_bad_hits_flagged", "Hits reported bad", registry=r)
         self.entries = Gauge("cachegw_gateway_cache_entries", "Entries in the response cache", registry=r)
         self.entries.set_function(entries)
         self.hit_ratio = Gauge("cachegw_gateway_hit_ratio", "Exact and semantic hits / requests", registry=r)

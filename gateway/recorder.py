@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 
 from gateway.store import Store
 
 log = logging.getLogger("cachegw.gateway")
+
+
+RECENT = 10_000  # rows kept in memory, so feedback right after a response finds its request
 
 
 class Recorder:
@@ -17,12 +21,21 @@ class Recorder:
         self.max_batch = max_batch
         self.queue: asyncio.Queue[dict] = asyncio.Queue()
         self.task: asyncio.Task | None = None
+        self._recent: OrderedDict[str, dict] = OrderedDict()  # by request id and by response id
 
     def start(self) -> None:
         self.task = asyncio.create_task(self._run(), name="cachegw-recorder")
 
     def record(self, row: dict) -> None:
         self.queue.put_nowait(row)
+        for key in {row["id"], row.get("response_id")} - {None}:
+            self._recent[key] = row
+        while len(self._recent) > 2 * RECENT:
+            self._recent.popitem(last=False)
+
+    def recent(self, request_id: str) -> dict | None:
+        """A row recorded by this process lately, by request id or response id (maybe not yet written)."""
+        return self._recent.get(request_id)
 
     async def _run(self) -> None:
         while True:

@@ -13,9 +13,12 @@ import uvicorn
 from embeddings.batcher import EmbeddingBatcher
 from embeddings.encoder import Encoder
 from embeddings.index import ScopedIndex
+from gateway.admin_auth import resolve_admin_token
+from gateway.admin_store import AdminStore
 from gateway.app import Gateway, build_app
 from gateway.cache import HIT_FLUSH_S, ResponseCache
 from gateway.config import Settings
+from gateway.live_settings import LiveSettings
 from gateway.proxy import Backends
 from gateway.store import Store
 from gateway.supervisor import BuiltinBackend
@@ -23,6 +26,7 @@ from policies.verifier import Verifier
 
 log = logging.getLogger("cachegw.gateway")
 EXPIRY_EVERY_S = 60.0
+SETTINGS_POLL_S = 5.0  # how soon a replica sees settings another one changed
 
 
 @contextlib.asynccontextmanager
@@ -31,6 +35,9 @@ async def started_gateway(settings: Settings, progress: bool = True) -> AsyncIte
     data_dir = settings.data_dir
     data_dir.mkdir(parents=True, exist_ok=True)
     store = Store(settings.gateway.resolved_database_url(data_dir))
+    live = LiveSettings(settings, AdminStore(store))
+    settings = await asyncio.to_thread(live.load)  # run-time changes saved earlier win over the file
+    admin_token = resolve_admin_token(settings.admin.token, data_dir)
     c = settings.cache
     encoder = Encoder()
     batcher = EmbeddingBatcher(encoder, window_ms=c.embed_batch_window_ms, max_batch=c.embed_max_batch)
@@ -46,11 +53,12 @@ async def started_gateway(settings: Settings, progress: bool = True) -> AsyncIte
         await builtin.start()
         urls = [builtin.url]
     backends = Backends(urls, settings.gateway.connect_timeout_s, settings.gateway.backend_timeout_s)
-    gw = Gateway(settings, store, cache, backends)
+    gw = Gateway(live, store, cache, backends, admin_token)
     gw.recorder.start()
     chores = [
         asyncio.create_task(_every(EXPIRY_EVERY_S, cache.expire), name="cachegw-expiry"),
         asyncio.create_task(_every(HIT_FLUSH_S, cache.flush_hits), name="cachegw-hits"),
+        asyncio.create_task(_every(SETTINGS_POLL_S, gw.refresh_settings), name="cachegw-settings"),
     ]
     try:
         yield gw

@@ -25,7 +25,9 @@ from sqlalchemy import (
     delete,
     event,
     func,
+    inspect,
     select,
+    text,
     update,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
@@ -58,6 +60,8 @@ class CacheEntry(Base):
     hit_count: Mapped[int] = mapped_column(Integer, default=0)
     expires_at: Mapped[float] = mapped_column(Float, index=True)
     bad: Mapped[bool] = mapped_column(Boolean, default=False)
+    # Learned from bad-hit feedback: a semantic hit on this entry needs at least this similarity.
+    threshold: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class RequestRecord(Base):
@@ -86,6 +90,12 @@ class RequestRecord(Base):
     cached_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
     status: Mapped[int] = mapped_column(Integer)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    response_id: Mapped[str | None] = mapped_column(String(128), nullable=True, index=True)  # body "id"
+    stored_entry_id: Mapped[int | None] = mapped_column(Integer, nullable=True)  # a miss stored as entry
+    scope: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    system_hash: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    query_hash: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    query: Mapped[str | None] = mapped_column(Text, nullable=True)  # first 500 chars, if configured
 
 
 class Reply(Base):
@@ -98,6 +108,47 @@ class Reply(Base):
     created_at: Mapped[float] = mapped_column(Float)
 
 
+class Setting(Base):
+    """Settings changed at run time through the admin API; they override config.toml."""
+
+    __tablename__ = "settings"
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(Text)  # JSON
+    version: Mapped[int] = mapped_column(Integer, default=1)
+    updated_at: Mapped[float] = mapped_column(Float)
+
+
+class AuditEvent(Base):
+    """Who changed what through the admin API, and when."""
+
+    __tablename__ = "audit"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    ts: Mapped[float] = mapped_column(Float, index=True)
+    actor: Mapped[str] = mapped_column(String(128))
+    action: Mapped[str] = mapped_column(String(64))
+    target: Mapped[str] = mapped_column(String(256), default="")
+    old: Mapped[str | None] = mapped_column(Text, nullable=True)  # JSON
+    new: Mapped[str | None] = mapped_column(Text, nullable=True)  # JSON
+
+
+class Feedback(Base):
+    """A hit reported bad, by a tenant or an admin."""
+
+    __tablename__ = "feedback"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    ts: Mapped[float] = mapped_column(Float, index=True)
+    request_id: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
+    entry_id: Mapped[int] = mapped_column(Integer, index=True)
+    tenant: Mapped[str] = mapped_column(String(64))
+    actor: Mapped[str] = mapped_column(String(128))
+    verdict: Mapped[str] = mapped_column(String(16))
+    cache_result: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    similarity: Mapped[float | None] = mapped_column(Float, nullable=True)
+    query: Mapped[str | None] = mapped_column(Text, nullable=True)  # the query that got the bad answer
+    entry_query: Mapped[str | None] = mapped_column(Text, nullable=True)
+    action: Mapped[str] = mapped_column(String(256), default="")  # what the cache did about it
+
+
 Index("ix_entries_lookup", CacheEntry.tenant, CacheEntry.model, CacheEntry.exact_key)
 
 
@@ -107,6 +158,17 @@ def _sqlite_pragmas(dbapi_conn, _record) -> None:
     cur.execute("PRAGMA synchronous=NORMAL")
     cur.execute("PRAGMA busy_timeout=5000")
     cur.close()
+
+
+def _add_missing_columns(engine) -> None:
+    """Databases made by an older cachegw get the nullable columns added since (no data is touched)."""
+    present = {t: {c["name"] for c in inspect(engine).get_columns(t)} for t in Base.metadata.tables}
+    with engine.begin() as conn:
+        for table in Base.metadata.sorted_tables:
+            for col in table.columns:
+                if col.name not in present[table.name] and col.nullable:
+                    kind = col.type.compile(dialect=engine.dialect)
+                    conn.execute(text(f'ALTER TABLE {table.name} ADD COLUMN "{col.name}" {kind}'))
 
 
 def reply_key(normalized_text: str) -> str:
@@ -121,6 +183,7 @@ class Store:
         if self.engine.dialect.name == "sqlite":
             event.listen(self.engine, "connect", _sqlite_pragmas)
         Base.metadata.create_all(self.engine)
+        _add_missing_columns(self.engine)
         self.session = sessionmaker(self.engine, expire_on_commit=False)
 
     def close(self) -> None:
@@ -165,6 +228,14 @@ class Store:
                     .where(CacheEntry.id == entry_id)
                     .values(hit_count=CacheEntry.hit_count + n, last_hit_at=last)
                 )
+
+    def mark_bad(self, entry_id: int) -> None:
+        with self.session.begin() as s:
+            s.execute(update(CacheEntry).where(CacheEntry.id == entry_id).values(bad=True))
+
+    def set_entry_threshold(self, entry_id: int, threshold: float) -> None:
+        with self.session.begin() as s:
+            s.execute(update(CacheEntry).where(CacheEntry.id == entry_id).values(threshold=threshold))
 
     def delete_entries(self, ids: list[int]) -> int:
         if not ids:

@@ -50,3 +50,14 @@ class Tenants:
             h = key_hash(key) if key else ANONYMOUS
             name = h
         return Tenant(h, name, "*" if self.config.shared_cache else h)
+
+    def id_of(self, name_or_id: str) -> str:
+        """A tenant named in the admin API: a configured name, else taken as the key hash itself."""
+        key = self.config.keys.get(name_or_id)
+        return key_hash(key) if key is not None else name_or_id
+
+    def name_of(self, tenant_id: str) -> str:
+        return self.by_hash.get(tenant_id, tenant_id)
+
+    def cache_key_of(self, name_or_id: str) -> str:
+        return "*" if self.config.shared_cache else self.id_of(name_or_id)

@@ -1,0 +1,226 @@
+"""The admin API under /admin/api (JSON, in the OpenAPI schema) and the dashboard page at /admin.
+
+Every API route needs the admin token; tenants' API keys never open it. Changes apply to the next
+request, persist in the database and are written to the audit log with who made them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import HTMLResponse
+
+from backend.protocol import ApiError
+from backend.server import read_limited_body
+from gateway import live_settings, stats
+from gateway.admin_store import entry_view
+from gateway.feedback import parse_feedback, report_bad
+
+if TYPE_CHECKING:
+    from gateway.app import Gateway
+
+DASHBOARD = Path(__file__).resolve().parent / "static" / "admin.html"
+ADMIN_BODY_BYTES = 1 << 20
+SWEEP = [round(0.5 + i * 0.01, 2) for i in range(51)]
+
+
+def actor(request: Request) -> str:
+    """Who made a change, for the audit log: an optional x-admin-user and the client address."""
+    user = (request.headers.get("x-admin-user") or "admin").strip()[:64] or "admin"
+    host = request.client.host if request.client else "?"
+    return f"{user}@{host}"
+
+
+async def json_body(request: Request) -> Any:
+    raw = await read_limited_body(request, ADMIN_BODY_BYTES)
+    try:
+        return json.loads(raw or b"null")
+    except ValueError as exc:
+        raise ApiError(
+            400, "We could not parse the JSON body of your request. Please send valid JSON."
+        ) from exc
+
+
+def _window(text: str, param: str = "window") -> float:
+    try:
+        return stats.parse_window(text)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param=param) from exc
+
+
+def admin_router(get_gw: Callable[[], Gateway]) -> APIRouter:
+    router = APIRouter(prefix="/admin/api", tags=["admin"])
+
+    def authed(request: Request) -> Gateway:
+        gw = get_gw()
+        gw.auth.check(request.headers.get("authorization"))
+        return gw
+
+    async def rows_for(gw: Gateway, window: str, tenant: str, model: str) -> tuple[float, float, list[dict]]:
+        until = time.time()
+        since = until - _window(window)
+        tenant_id = gw.tenants.id_of(tenant) if tenant else ""
+        return since, until, await asyncio.to_thread(gw.admin.requests, since, until, tenant_id, model)
+
+    @router.get("/settings", summary="Settings in force (config.toml with run-time changes over it)")
+    async def get_settings(request: Request) -> dict[str, Any]:
+        gw = authed(request)
+        return {**live_settings.view(gw.settings), "version": gw.live.version}
+
+    @router.put("/settings", summary="Change settings; any part may be sent, the rest is kept")
+    async def put_settings(request: Request) -> dict[str, Any]:
+        gw = authed(request)
+        body = await json_body(request)
+        new = await asyncio.to_thread(gw.live.patch, body, actor(request))
+        gw.apply_settings(new)
+        if gw.cache.entries > new.cache.max_entries or gw.cache.bytes > new.cache.max_bytes:
+            await gw.cache.evict()
+        return {**live_settings.view(new), "version": gw.live.version}
+
+    @router.get("/stats", summary="Hit rates, latency, tokens and cost saved over a time window")
+    async def get_stats(
+        request: Request, window: str = "1h", bucket: str | None = None, tenant: str = "", model: str = ""
+    ) -> dict[str, Any]:
+        gw = authed(request)
+        since, until, rows = await rows_for(gw, window, tenant, model)
+        window_s = until - since
+        bucket_s = _window(bucket, "bucket") if bucket else stats.auto_bucket(window_s)
+        if window_s / bucket_s > 10_000:
+            raise ApiError(400, "bucket is too small for this window (over 10,000 points).", param="bucket")
+        pricing = gw.settings.pricing
+        hour0 = since - since % 3600
+        flagged = await asyncio.to_thread(gw.admin.flagged_request_ids, since)
+        return {
+            "window": window,
+            "since": since,
+            "until": until,
+            "overall": stats.summarize(rows, pricing),
+            "by_model": {m: stats.summarize(r, pricing) for m, r in stats.group(rows, "model").items()},
+            "by_tenant": {
+                gw.tenants.name_of(t): stats.summarize(r, pricing)
+                for t, r in stats.group(rows, "tenant").items()
+            },
+            "timeseries": {"bucket_s": bucket_s, "points": stats.timeseries(rows, since, until, bucket_s)},
+            "per_hour": stats.timeseries(rows, hour0, until, 3600),
+            "similarity": {
+                **stats.similarity_histogram(rows),
+                "threshold": gw.cache.threshold(
+                    model, gw.tenants.name_of(gw.tenants.id_of(tenant)) if tenant else ""
+                ),
+            },
+            "cache": {"entries": gw.cache.entries, "bytes": gw.cache.bytes},
+            "flagged": len(flagged),
+        }
+
+    @router.get("/whatif", summary="Hits and estimated false hits at a proposed threshold, from the log")
+    async def whatif(
+        request: Request,
+        threshold: float = Query(ge=0, le=1),
+        window: str = "24h",
+        tenant: str = "",
+        model: str = "",
+    ) -> dict[str, Any]:
+        gw = authed(request)
+        since, _, rows = await rows_for(gw, window, tenant, model)
+        flagged = await asyncio.to_thread(gw.admin.flagged_request_ids, since)
+        current = gw.cache.threshold(model, gw.tenants.name_of(gw.tenants.id_of(tenant)) if tenant else "")
+        at = stats.threshold_sweep(rows, flagged, [current, threshold])
+        return {
+            "requests": len(rows),
+            "current": at[0],
+            "proposed": at[1],
+            "curve": stats.threshold_sweep(rows, flagged, SWEEP),
+        }
+
+    @router.get("/entries", summary="Browse and search cache entries")
+    async def list_entries(
+        request: Request,
+        query: str = "",
+        tenant: str = "",
+        model: str = "",
+        scope: str = "",
+        bad: bool | None = None,
+        order: Literal["hits", "recent", "last_hit", "size"] = "hits",
+        limit: int = Query(50, ge=1, le=1000),
+        offset: int = Query(0, ge=0),
+    ) -> dict[str, Any]:
+        gw = authed(request)
+        tenant_key = gw.tenants.cache_key_of(tenant) if tenant else ""
+        total, data = await asyncio.to_thread(
+            gw.admin.search_entries, query, tenant_key, model, scope, bad, order, limit, offset
+        )
+        return {"total": total, "data": data}
+
+    @router.get("/entries/{entry_id}", summary="One entry with its full stored response")
+    async def get_entry(request: Request, entry_id: int) -> dict[str, Any]:
+        gw = authed(request)
+        entry = await asyncio.to_thread(gw.admin.get_entry, entry_id)
+        if entry is None:
+            raise ApiError(404, f"No cache entry {entry_id}.", param="entry_id", code="not_found")
+        return {**entry_view(entry, preview=1 << 20), "response": json.loads(entry.response)}
+
+    @router.delete("/entries/{entry_id}", summary="Delete one entry")
+    async def delete_entry(request: Request, entry_id: int) -> dict[str, Any]:
+        gw = authed(request)
+        removed = await gw.cache.delete([entry_id])
+        if not removed:
+            raise ApiError(404, f"No cache entry {entry_id}.", param="entry_id", code="not_found")
+        await asyncio.to_thread(gw.admin.audit, actor(request), "entries.delete", f"entry {entry_id}")
+        return {"deleted": removed}
+
+    @router.delete("/entries", summary="Delete every entry of a tenant, model and/or scope")
+    async def delete_entries(
+        request: Request, tenant: str = "", model: str = "", scope: str = ""
+    ) -> dict[str, Any]:
+        gw = authed(request)
+        if not (tenant or model or scope):
+            raise ApiError(400, "Give tenant, model or scope (POST /admin/api/flush deletes everything).")
+        tenant_key = gw.tenants.cache_key_of(tenant) if tenant else ""
+        ids = await asyncio.to_thread(gw.admin.entry_ids, tenant_key, model, scope)
+        removed = await gw.cache.delete(ids)
+        target = ",".join(
+            f"{k}={v}" for k, v in (("tenant", tenant), ("model", model), ("scope", scope)) if v
+        )
+        await asyncio.to_thread(
+            gw.admin.audit, actor(request), "entries.delete", target, None, {"deleted": removed}
+        )
+        return {"deleted": removed}
+
+    @router.post("/flush", summary="Delete every cache entry")
+    async def flush(request: Request) -> dict[str, Any]:
+        gw = authed(request)
+        ids = await asyncio.to_thread(gw.admin.entry_ids)
+        removed = await gw.cache.delete(ids)
+        await asyncio.to_thread(gw.admin.audit, actor(request), "flush", "all", None, {"deleted": removed})
+        return {"deleted": removed}
+
+    @router.get("/audit", summary="Who changed what, newest first")
+    async def audit(
+        request: Request, limit: int = Query(100, ge=1, le=1000), offset: int = Query(0, ge=0)
+    ) -> dict[str, Any]:
+        gw = authed(request)
+        return {"data": await asyncio.to_thread(gw.admin.audit_log, limit, offset)}
+
+    @router.get("/feedback", summary="Hits flagged bad, newest first")
+    async def flagged(request: Request, limit: int = Query(50, ge=1, le=1000)) -> dict[str, Any]:
+        gw = authed(request)
+        return {"data": await asyncio.to_thread(gw.admin.feedback, limit)}
+
+    @router.post("/feedback", summary="Flag a bad answer by request id or entry id")
+    async def admin_feedback(request: Request) -> dict[str, Any]:
+        gw = authed(request)
+        request_id, entry_id = parse_feedback(await json_body(request), admin=True)
+        return await report_bad(gw, actor(request), request_id, entry_id, tenant=None)
+
+    return router
+
+
+def dashboard_page() -> HTMLResponse:
+    """The page holds no data and no secret: it asks for the token and calls the API with it."""
+    return HTMLResponse(DASHBOARD.read_text(encoding="utf-8"), headers={"cache-control": "no-store"})

@@ -1,0 +1,184 @@
+"""Hit-rate statistics over request-log rows: one implementation for the admin API, the dashboard
+and `cachegw analyze`.
+
+Rows are dicts with the columns of ``RequestRecord`` (from the database or a JSONL export), so the
+numbers a report prints are the numbers the dashboard shows.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from gateway.config import PricingConfig
+
+RESULTS = ("exact-hit", "semantic-hit", "miss", "bypass")
+HITS = frozenset({"exact-hit", "semantic-hit"})
+_WINDOW = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+Row = dict[str, Any]
+
+
+def parse_window(text: str) -> float:
+    """'90s', '15m', '1h', '7d', '2w' -> seconds."""
+    m = _WINDOW.match(text or "")
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"window must look like 15m, 1h, 7d (got {text!r})")
+    return float(m.group(1)) * _UNIT_S[m.group(2)]
+
+
+def _pct(values: Sequence[float], q: float) -> float | None:
+    return round(float(np.percentile(values, q)), 2) if len(values) else None
+
+
+def _num(row: Row, key: str) -> float:
+    v = row.get(key)
+    return float(v) if v is not None else 0.0
+
+
+def saved_usd(row: Row, pricing: PricingConfig) -> float:
+    """What a request saved: a hit the whole backend call, a miss its prefix-cached prompt tokens."""
+    price = pricing.price(row.get("model") or "")
+    if row.get("cache_result") in HITS:
+        cost = _num(row, "prompt_tokens") * price.input_per_mtok
+        cost += _num(row, "completion_tokens") * price.output_per_mtok
+        return cost / 1e6
+    return _num(row, "cached_tokens") * price.input_per_mtok * pricing.cached_input_discount / 1e6
+
+
+def summarize(rows: Sequence[Row], pricing: PricingConfig) -> dict[str, Any]:
+    """Counts, ratios, latency percentiles, tokens and money saved."""
+    counts = Counter(r.get("cache_result") for r in rows)
+    n = len(rows)
+    hits = counts["exact-hit"] + counts["semantic-hit"]
+    backend = [r for r in rows if r.get("cache_result") in ("miss", "bypass") and r.get("prompt_tokens")]
+    prompt = sum(_num(r, "prompt_tokens") for r in backend)
+    cached = sum(_num(r, "cached_tokens") for r in backend)
+    latency: dict[str, dict[str, float | None]] = {}
+    for name, results in (("hit", HITS), ("miss", {"miss"}), ("bypass", {"bypass"})):
+        ms = [float(r["total_ms"]) for r in rows if r.get("cache_result") in results and r.get("total_ms")]
+        latency[name] = {"p50": _pct(ms, 50), "p99": _pct(ms, 99), "n": len(ms)}
+    hit_rows = [r for r in rows if r.get("cache_result") in HITS]
+    return {
+        "requests": n,
+        "exact_hits": counts["exact-hit"],
+        "semantic_hits": counts["semantic-hit"],
+        "misses": counts["miss"],
+        "bypasses": counts["bypass"],
+        "errors": sum(1 for r in rows if (r.get("status") or 200) >= 400),
+        "hit_ratio": round(hits / n, 4) if n else 0.0,
+        "prompt_tokens": int(prompt),
+        "cached_tokens": int(cached),
+        "prefix_cache_ratio": round(cached / prompt, 4) if prompt else None,
+        "tokens_saved": int(sum(_num(r, "prompt_tokens") + _num(r, "completion_tokens") for r in hit_rows)),
+        "cost_saved_usd": round(sum(saved_usd(r, pricing) for r in rows), 6),
+        "latency_ms": latency,
+    }
+
+
+def group(rows: Iterable[Row], key: str) -> dict[str, list[Row]]:
+    out: dict[str, list[Row]] = defaultdict(list)
+    for r in rows:
+        out[str(r.get(key) or "")].append(r)
+    return dict(out)
+
+
+def timeseries(rows: Sequence[Row], since: float, until: float, bucket_s: float) -> list[dict[str, Any]]:
+    """Counts and ratios per time bucket, empty buckets included (a chart needs the gaps)."""
+    n_buckets = max(1, math.ceil((until - since) / bucket_s))
+    buckets: list[list[Row]] = [[] for _ in range(n_buckets)]
+    for r in rows:
+        i = int((float(r["ts"]) - since) // bucket_s)
+        if 0 <= i < n_buckets:
+            buckets[i].append(r)
+    points = []
+    for i, b in enumerate(buckets):
+        c = Counter(r.get("cache_result") for r in b)
+        prompt = sum(_num(r, "prompt_tokens") for r in b if r.get("cache_result") in ("miss", "bypass"))
+        cached = sum(_num(r, "cached_tokens") for r in b if r.get("cache_result") in ("miss", "bypass"))
+        points.append(
+            {
+                "t": since + i * bucket_s,
+                "requests": len(b),
+                "exact_hits": c["exact-hit"],
+                "semantic_hits": c["semantic-hit"],
+                "misses": c["miss"],
+                "bypasses": c["bypass"],
+                "hit_ratio": round((c["exact-hit"] + c["semantic-hit"]) / len(b), 4) if b else None,
+                "prefix_cache_ratio": round(cached / prompt, 4) if prompt else None,
+            }
+        )
+    return points
+
+
+def auto_bucket(window_s: float) -> float:
+    """About 60 points per chart, on round bucket sizes."""
+    for b in (10, 30, 60, 300, 600, 1800, 3600, 3 * 3600, 6 * 3600, 86400):
+        if window_s / b <= 90:
+            return b
+    return 86400
+
+
+def semantic_rows(rows: Iterable[Row]) -> list[Row]:
+    """Requests that went through the semantic search and saw a nearest neighbour."""
+    return [
+        r
+        for r in rows
+        if r.get("cache_result") in ("semantic-hit", "miss") and r.get("similarity") is not None
+    ]
+
+
+def similarity_histogram(rows: Sequence[Row], bins: int = 50, low: float = 0.0) -> dict[str, Any]:
+    """Nearest-neighbour similarity of semantic hits and of misses, on shared bin edges."""
+    edges = np.linspace(low, 1.0, bins + 1)
+    sem = semantic_rows(rows)
+    hit = [float(r["similarity"]) for r in sem if r["cache_result"] == "semantic-hit"]
+    miss = [float(r["similarity"]) for r in sem if r["cache_result"] == "miss"]
+    return {
+        "edges": [round(float(e), 4) for e in edges],
+        "hits": np.histogram(np.clip(hit, low, 1.0), edges)[0].tolist(),
+        "misses": np.histogram(np.clip(miss, low, 1.0), edges)[0].tolist(),
+    }
+
+
+def threshold_sweep(
+    rows: Sequence[Row], flagged_request_ids: Iterable[str], thresholds: Sequence[float]
+) -> list[dict[str, Any]]:
+    """Replay the recorded nearest-neighbour similarities at other thresholds.
+
+    ``candidates``: requests whose nearest neighbour clears t (an upper bound on semantic hits: the
+    verifier still checks each). ``known_false``: of those, hits flagged bad. ``estimated_false``:
+    known ones plus the new candidates times the flag rate seen on served semantic hits.
+    """
+    sem = semantic_rows(rows)
+    flagged = set(flagged_request_ids)
+    served = [r for r in sem if r["cache_result"] == "semantic-hit"]
+    n_flagged_served = sum(1 for r in served if r["id"] in flagged)
+    flag_rate = n_flagged_served / len(served) if served else 0.0
+    total = len(rows)
+    out = []
+    for t in thresholds:
+        above = [r for r in sem if float(r["similarity"]) >= t]
+        known = sum(1 for r in above if r["id"] in flagged)
+        new = sum(1 for r in above if r["cache_result"] == "miss")
+        exact = sum(1 for r in rows if r.get("cache_result") == "exact-hit")
+        out.append(
+            {
+                "threshold": round(float(t), 4),
+                "candidates": len(above),
+                "new_candidates": new,
+                "known_false": known,
+                "estimated_false": round(known + new * flag_rate, 2),
+                "hit_ratio_upper": round((len(above) + exact) / total, 4) if total else 0.0,
+            }
+        )
+    return out
+
+
+def top(rows: Iterable[Row], key: str, n: int = 10) -> list[tuple[str, int]]:
+    return Counter(str(r.get(key)) for r in rows if r.get(key)).most_common(n)
