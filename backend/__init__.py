@@ -1,7 +1,25 @@
-"""cachegw's built-in inference engine: a small paged-KV engine in the spirit of vLLM."""
+"""cachegw's built-in inference engine: a small paged-KV engine in the spirit of vLLM.
 
-from backend.llm import LLM
-from backend.outputs import CompletionOutput, RequestOutput
-from backend.sampling_params import InvalidParameter, SamplingParams
+The public names load on first use, so tools that only read configuration (`cachegw analyze`)
+do not pay for importing torch.
+"""
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "InvalidParameter"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "LLM": "backend.llm",
+    "SamplingParams": "backend.sampling_params",
+    "InvalidParameter": "backend.sampling_params",
+    "RequestOutput": "backend.outputs",
+    "CompletionOutput": "backend.outputs",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'backend' has no attribute {name!r}")

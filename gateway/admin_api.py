@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 
 DASHBOARD = Path(__file__).resolve().parent / "static" / "admin.html"
 ADMIN_BODY_BYTES = 1 << 20
-SWEEP = [round(0.5 + i * 0.01, 2) for i in range(51)]
 
 
 def actor(request: Request) -> str:
@@ -135,7 +134,7 @@ def admin_router(get_gw: Callable[[], Gateway]) -> APIRouter:
             "requests": len(rows),
             "current": at[0],
             "proposed": at[1],
-            "curve": stats.threshold_sweep(rows, flagged, SWEEP),
+            "curve": stats.threshold_sweep(rows, flagged, stats.SWEEP),
         }
 
     @router.get("/entries", summary="Browse and search cache entries")

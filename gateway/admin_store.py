@@ -9,8 +9,9 @@ import time
 from typing import Any
 
 from sqlalchemy import func, or_, select
+from sqlalchemy.orm import Session, sessionmaker
 
-from gateway.store import AuditEvent, CacheEntry, Feedback, RequestRecord, Setting, Store
+from gateway.store import AuditEvent, CacheEntry, Feedback, RequestRecord, Setting
 
 ENTRY_ORDER = {
     "hits": (CacheEntry.hit_count.desc(), CacheEntry.id.desc()),
@@ -53,8 +54,10 @@ def entry_view(e: CacheEntry, preview: int = 300) -> dict[str, Any]:
 
 
 class AdminStore:
-    def __init__(self, store: Store) -> None:
-        self.session = store.session
+    """Takes the sessions of a ``Store`` (or of a read-only engine: `cachegw analyze`)."""
+
+    def __init__(self, session: sessionmaker[Session]) -> None:
+        self.session = session
 
     # Settings
 

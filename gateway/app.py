@@ -79,7 +79,7 @@ class Gateway:
         self.live = live
         self.settings = live.current
         self.store, self.cache, self.backends = store, cache, backends
-        self.admin = AdminStore(store)
+        self.admin = AdminStore(store.session)
         self.auth = AdminAuth(admin_token)
         self.tenants = Tenants(self.settings.tenants)
         self.policy = CachePolicy(
@@ -284,7 +284,8 @@ def build_app(gateway_factory) -> FastAPI:
             state["gw"] = gw
             yield
 
-    app = FastAPI(title="cachegw gateway", lifespan=lifespan)
+    # /openapi.json documents the API; FastAPI's /docs pages would load their scripts from a CDN.
+    app = FastAPI(title="cachegw gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
     app.include_router(admin_router(lambda: state["gw"]))
 

@@ -250,7 +250,8 @@ class ResponseCache:
             self.index.remove([entry_id])
             self._drop_exact(entry_id)
             return "entry marked bad: never served again"
-        threshold = max(entry.threshold or 0.0, similarity + self.config.feedback_margin)
+        # capped at 1: a paraphrase flagged that close leaves the entry to its own exact repeats
+        threshold = min(1.0, max(entry.threshold or 0.0, similarity + self.config.feedback_margin))
         await asyncio.to_thread(self.store.set_entry_threshold, entry_id, threshold)
         entry.threshold = threshold
         return f"entry threshold raised to {threshold:.4f}"

@@ -98,10 +98,10 @@ class PricingConfig(_Strict):
     cached_input_discount: float = Field(ge=0, le=1)
     models: dict[str, ModelPrice]
 
-    def price(self, model: str) -> ModelPrice:
-        return self.models.get(model) or ModelPrice(
-            input_per_mtok=self.input_per_mtok, output_per_mtok=self.output_per_mtok
-        )
+    def price(self, model: str) -> tuple[float, float]:
+        """(input, output) USD per million tokens of ``model``."""
+        p = self.models.get(model)
+        return (p.input_per_mtok, p.output_per_mtok) if p else (self.input_per_mtok, self.output_per_mtok)
 
 
 class Settings(_Strict):

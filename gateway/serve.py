@@ -35,7 +35,7 @@ async def started_gateway(settings: Settings, progress: bool = True) -> AsyncIte
     data_dir = settings.data_dir
     data_dir.mkdir(parents=True, exist_ok=True)
     store = Store(settings.gateway.resolved_database_url(data_dir))
-    live = LiveSettings(settings, AdminStore(store))
+    live = LiveSettings(settings, AdminStore(store.session))
     settings = await asyncio.to_thread(live.load)  # run-time changes saved earlier win over the file
     admin_token = resolve_admin_token(settings.admin.token, data_dir)
     c = settings.cache

@@ -22,6 +22,7 @@ HITS = frozenset({"exact-hit", "semantic-hit"})
 _WINDOW = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 Row = dict[str, Any]
+SWEEP = tuple(round(0.5 + 0.01 * i, 2) for i in range(51))  # thresholds of what-if curves and reports
 
 
 def parse_window(text: str) -> float:
@@ -43,12 +44,11 @@ def _num(row: Row, key: str) -> float:
 
 def saved_usd(row: Row, pricing: PricingConfig) -> float:
     """What a request saved: a hit the whole backend call, a miss its prefix-cached prompt tokens."""
-    price = pricing.price(row.get("model") or "")
+    input_price, output_price = pricing.price(row.get("model") or "")
     if row.get("cache_result") in HITS:
-        cost = _num(row, "prompt_tokens") * price.input_per_mtok
-        cost += _num(row, "completion_tokens") * price.output_per_mtok
+        cost = _num(row, "prompt_tokens") * input_price + _num(row, "completion_tokens") * output_price
         return cost / 1e6
-    return _num(row, "cached_tokens") * price.input_per_mtok * pricing.cached_input_discount / 1e6
+    return _num(row, "cached_tokens") * input_price * pricing.cached_input_discount / 1e6
 
 
 def summarize(rows: Sequence[Row], pricing: PricingConfig) -> dict[str, Any]:
@@ -61,7 +61,11 @@ def summarize(rows: Sequence[Row], pricing: PricingConfig) -> dict[str, Any]:
     cached = sum(_num(r, "cached_tokens") for r in backend)
     latency: dict[str, dict[str, float | None]] = {}
     for name, results in (("hit", HITS), ("miss", {"miss"}), ("bypass", {"bypass"})):
-        ms = [float(r["total_ms"]) for r in rows if r.get("cache_result") in results and r.get("total_ms")]
+        ms = [
+            float(r["total_ms"])
+            for r in rows
+            if r.get("cache_result") in results and r.get("total_ms") is not None
+        ]
         latency[name] = {"p50": _pct(ms, 50), "p99": _pct(ms, 99), "n": len(ms)}
     hit_rows = [r for r in rows if r.get("cache_result") in HITS]
     return {
@@ -151,30 +155,36 @@ def threshold_sweep(
 ) -> list[dict[str, Any]]:
     """Replay the recorded nearest-neighbour similarities at other thresholds.
 
-    ``candidates``: requests whose nearest neighbour clears t (an upper bound on semantic hits: the
-    verifier still checks each). ``known_false``: of those, hits flagged bad. ``estimated_false``:
+    ``candidates``: semantic lookups whose nearest neighbour clears t (an upper bound on semantic
+    hits: the verifier still checks each). ``known_false``: of those, semantic hits flagged bad
+    (a flagged exact hit is a wrong stored answer, not a threshold question). ``estimated_false``:
     known ones plus the new candidates times the flag rate seen on served semantic hits.
     """
     sem = semantic_rows(rows)
     flagged = set(flagged_request_ids)
-    served = [r for r in sem if r["cache_result"] == "semantic-hit"]
-    n_flagged_served = sum(1 for r in served if r["id"] in flagged)
-    flag_rate = n_flagged_served / len(served) if served else 0.0
+    sims = np.array([float(r["similarity"]) for r in sem])
+    is_miss = np.array([r["cache_result"] == "miss" for r in sem], dtype=bool)
+    is_flag = np.array([r["id"] in flagged for r in sem], dtype=bool) & ~is_miss
+    served = int((~is_miss).sum())
+    flag_rate = float(is_flag.sum()) / served if served else 0.0
+    order = np.argsort(-sims, kind="stable")  # descending: rows above t are a prefix
+    sims_desc = sims[order]
+    new_cum = np.concatenate([[0], np.cumsum(is_miss[order])])
+    flag_cum = np.concatenate([[0], np.cumsum(is_flag[order])])
     total = len(rows)
+    exact = sum(1 for r in rows if r.get("cache_result") == "exact-hit")
     out = []
     for t in thresholds:
-        above = [r for r in sem if float(r["similarity"]) >= t]
-        known = sum(1 for r in above if r["id"] in flagged)
-        new = sum(1 for r in above if r["cache_result"] == "miss")
-        exact = sum(1 for r in rows if r.get("cache_result") == "exact-hit")
+        n_above = int(np.searchsorted(-sims_desc, -float(t), side="right"))
+        new, known = int(new_cum[n_above]), int(flag_cum[n_above])
         out.append(
             {
                 "threshold": round(float(t), 4),
-                "candidates": len(above),
+                "candidates": n_above,
                 "new_candidates": new,
                 "known_false": known,
                 "estimated_false": round(known + new * flag_rate, 2),
-                "hit_ratio_upper": round((len(above) + exact) / total, 4) if total else 0.0,
+                "hit_ratio_upper": round((n_above + exact) / total, 4) if total else 0.0,
             }
         )
     return out

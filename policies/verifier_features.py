@@ -8,6 +8,7 @@ classifier weigh softer differences (question word, unshared content words, char
 from __future__ import annotations
 
 import re
+import unicodedata
 from dataclasses import dataclass
 from difflib import SequenceMatcher
 from functools import lru_cache
@@ -101,6 +102,7 @@ class ParsedQuery:
     n_chars: int
     persons: tuple[bool, ...]
     n_questions: int
+    foreign: str  # letters outside the Latin script, in order
 
 
 _IS_CONTRACTION_RE = re.compile(r"\b(what|how|who|where|when|why|which|that|there|it|he|she)'s\b")
@@ -151,7 +153,19 @@ def parse(text: str) -> ParsedQuery:
         n_chars=len(squashed),
         persons=tuple(bool(p & set(tokens)) for p in _PERSONS),
         n_questions=text.count("?"),
+        foreign=_foreign_letters(text),
     )
+
+
+@lru_cache(maxsize=4096)
+def _is_latin(ch: str) -> bool:
+    return unicodedata.name(ch, "").startswith("LATIN")
+
+
+def _foreign_letters(text: str) -> str:
+    """MiniLM is an English model: words of other scripts often become the same [UNK] token, so two
+    different Chinese questions can embed identically (cosine 1.0 on QQP). Such letters must match."""
+    return "".join(ch for ch in unicodedata.normalize("NFC", text) if ch.isalpha() and not _is_latin(ch))
 
 
 def _entity_mismatch(a: ParsedQuery, b: ParsedQuery) -> int:
@@ -168,7 +182,7 @@ def _antonym_flip(a: ParsedQuery, b: ParsedQuery) -> bool:
     return False
 
 
-GUARD_NAMES: tuple[str, ...] = ("numbers", "negation", "antonym")
+GUARD_NAMES: tuple[str, ...] = ("numbers", "negation", "antonym", "script")
 
 
 def guard_reason(q_a: str, q_b: str) -> str | None:
@@ -180,6 +194,8 @@ def guard_reason(q_a: str, q_b: str) -> str | None:
         return "negation"
     if _antonym_flip(a, b):
         return "antonym"
+    if a.foreign != b.foreign:
+        return "script"
     return None
 
 

@@ -77,6 +77,15 @@ def test_negation_rejected(verifier: Verifier, encoder: Encoder, a: str, b: str)
     assert not _check(verifier, encoder, a, b)[0]
 
 
+def test_different_words_of_a_script_minilm_cannot_read_never_hit(verifier, encoder) -> None:
+    # MiniLM maps both words to [UNK]: the embeddings are identical (seen on QQP, cosine 1.0)
+    a, b = 'What does "无语" mean?', 'What does "装逼" mean?'
+    assert guard_reason(a, b) == "script"
+    assert not _check(verifier, encoder, a, b)[0]
+    assert guard_reason("What is a café?", "What is a cafe?") is None  # Latin accents are fine
+    assert guard_reason("Что такое кот?", "Что такое  кот ?") is None  # same letters, same meaning
+
+
 def test_negation_idioms_are_neutral() -> None:
     assert guard_reason("Should I learn Rust?", "Should I learn Rust or not?") is None
 
