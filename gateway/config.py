@@ -70,6 +70,7 @@ class CacheConfig(_Strict):
     embed_batch_window_ms: float = Field(ge=0)
     embed_max_batch: int = Field(gt=0)
     feedback_margin: float = Field(ge=0, le=1)
+    embed_backend: Literal["auto", "onnx", "torch"]
     embed_threads: int = Field(gt=0)
 
     @field_validator("thresholds_by_model", "thresholds_by_tenant")

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 import uvicorn
 
 from embeddings.batcher import EmbeddingBatcher
-from embeddings.encoder import Encoder
+from embeddings.encoder import make_encoder
 from embeddings.index import ScopedIndex
 from gateway.admin_auth import resolve_admin_token
 from gateway.admin_store import AdminStore
@@ -39,7 +39,10 @@ async def started_gateway(settings: Settings, progress: bool = True) -> AsyncIte
     settings = await asyncio.to_thread(live.load)  # run-time changes saved earlier win over the file
     admin_token = resolve_admin_token(settings.admin.token, data_dir)
     c = settings.cache
-    encoder = Encoder()
+    # exported to ONNX on the first start (seconds), so off the event loop
+    encoder = await asyncio.to_thread(
+        make_encoder, c.embed_backend, c.embed_threads, None, settings.engine.resolved_cache_dir
+    )
     batcher = EmbeddingBatcher(encoder, window_ms=c.embed_batch_window_ms, max_batch=c.embed_max_batch)
     await asyncio.to_thread(encoder.encode, ["warm-up"])
     verifier = Verifier.load() if c.verifier else None

@@ -15,13 +15,15 @@ import argparse
 import functools
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from embeddings.encoder import Encoder
+from embeddings.batcher import SupportsEncode
+from embeddings.encoder import make_encoder
 from gateway.cache_keys import request_keys
 from policies.canonicalize import CanonicalizeConfig, canonicalize
 from policies.verifier import DecisionRule, Verifier, VerifierDataError, read_pairs
@@ -37,9 +39,10 @@ class CalibrateError(Exception):
 
 
 @functools.cache
-def _encoder() -> Encoder:
-    """One model load per process (tests call ``main_calibrate`` several times)."""
-    return Encoder()
+def _encoder(backend: str) -> SupportsEncode:
+    """The gateway's encoder (``[cache] embed_backend``), loaded once per process; all cores, since
+    calibration embeds in batches and nothing else runs."""
+    return make_encoder(backend, threads=os.cpu_count() or 1)
 
 
 def gateway_query(question: str, cfg: CanonicalizeConfig) -> str | None:
@@ -49,7 +52,12 @@ def gateway_query(question: str, cfg: CanonicalizeConfig) -> str | None:
 
 
 def score_pairs(
-    q1: list[str], q2: list[str], cfg: CanonicalizeConfig, verifier: Verifier | None, min_prob: float
+    q1: list[str],
+    q2: list[str],
+    cfg: CanonicalizeConfig,
+    verifier: Verifier | None,
+    min_prob: float,
+    backend: str = "auto",
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per pair: the cosine, and whether every check but the cosine floor passes (floor = THRESHOLDS[0])."""
     a = [gateway_query(q, cfg) for q in q1]
@@ -58,7 +66,7 @@ def score_pairs(
     ua, ub = [str(a[i]) for i in ok], [str(b[i]) for i in ok]
     texts = sorted(set(ua) | set(ub))
     log.info("embedding %d distinct questions from %d pairs", len(texts), len(q1))
-    emb = _encoder().encode(texts, show_progress=len(texts) >= PROGRESS_FROM)
+    emb = _encoder(backend).encode(texts, show_progress=len(texts) >= PROGRESS_FROM)
     row = {t: i for i, t in enumerate(texts)}
     ea, eb = emb[[row[t] for t in ua]], emb[[row[t] for t in ub]]
     cos = np.full(len(q1), -1.0)  # a pair the gateway cannot look up semantically is never a hit
@@ -273,7 +281,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         verifier = Verifier.load() if use_verifier else None
     except (OSError, ValueError) as e:
         raise CalibrateError(f"cannot load the verifier: {e}") from None
-    cos, passes = score_pairs(q1, q2, settings.canonicalize, verifier, settings.cache.verifier_threshold)
+    c = settings.cache
+    cos, passes = score_pairs(q1, q2, settings.canonicalize, verifier, c.verifier_threshold, c.embed_backend)
     res = sweep(cos, passes, y, args.precision)
     res["verifier"] = use_verifier
     res["verifier_threshold"] = settings.cache.verifier_threshold if use_verifier else None

@@ -1,0 +1,467 @@
+"""The MiniLM sentence encoder on ONNX Runtime: same vectors as ``Encoder``, a fraction of the latency.
+
+A semantic-cache hit costs one query embedding. sentence-transformers on torch spends 12-14 ms on one short
+query on a 2-core box (mostly framework overhead on a 6-layer, 384-wide BERT); ONNX Runtime runs the same
+graph in a few ms. Everything around the transformer is replicated exactly in numpy so the vectors match the
+torch ones (cosine >= 0.9999) and the verifier trained on them needs no re-validation:
+
+* tokenizer: the model folder's ``tokenizer.json`` through the ``tokenizers`` backend directly (no
+  transformers wrapper per call), truncated to ``max_seq_length`` from ``sentence_bert_config.json`` (256;
+  the file's own default of 128 would silently differ); padding is excluded from the pooling, so texts
+  are batched by length to pad little;
+* mean pooling over the attention mask, then L2 normalization.
+
+The transformer is exported once, on first use, with torch's TorchScript exporter (needs ``onnx``, not
+onnxscript) into ``$CACHEGW_CACHE_DIR/embeddings/<model>-<hash>/model.onnx`` where the hash covers the
+weights file and the torch/transformers/onnx/onnxruntime versions. ORT fuses the graph at load (level ALL,
+for the CPU it runs on); ORT's offline BERT fusion (``optimize=True``) is exact too but measured no better
+on a 2-core EPYC: about 4% faster for one short query, 5-20% slower for batches (bench/encoder_latency.py).
+The file is written atomically and carries the torch embedding of two probe texts in its metadata: every
+load re-embeds them, and a file that fails to load or disagrees (corrupt, truncated, wrong) is exported
+again instead of serving bad vectors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+import warnings
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+# Bump when the exported graph changes meaning (inputs, outputs, fusion): old cache folders are then ignored.
+EXPORT_FORMAT = "1"
+PROBE_TEXTS = ["cachegw onnx probe: how do I reset my password?", "short"]
+PROBE_MIN_COSINE = 0.99999  # what an export, and a later load of it, must reach against torch
+_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+_META_PROBE = "cachegw.probe"
+CALL_COST_TOKENS = 24  # fixed cost of one ORT call in padded-token equivalents (see _plan_batches)
+STALE_TEMP_S = 600  # an export temp file this old belongs to a dead process, not a concurrent export
+
+
+def cache_root() -> Path:
+    """``$CACHEGW_CACHE_DIR`` (the engine's converted models live there too), else ``~/.cache/cachegw``."""
+    return Path(os.environ.get("CACHEGW_CACHE_DIR") or "~/.cache/cachegw").expanduser()
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "none"
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _model_name(model_dir: Path) -> str:
+    """A readable folder name: the packaged model's folder is just ``model``, so name it after its package."""
+    name = model_dir.name
+    if name == "model" and model_dir.parent.name:
+        name = model_dir.parent.name
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "model"
+
+
+def _mean_pool_normalize(hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """sentence-transformers' mean pooling (padding excluded, count clamped at 1e-9) then L2 normalization."""
+    m = mask.astype(np.float32)
+    summed = np.einsum("bsd,bs->bd", hidden, m)
+    vecs = summed / np.maximum(m.sum(axis=1, keepdims=True), 1e-9)
+    norms = np.linalg.norm(vecs, axis=1, keepdims=True)
+    return (vecs / np.maximum(norms, 1e-12)).astype(np.float32, copy=False)
+
+
+class OnnxEncoder:
+    """Drop-in for ``embeddings.encoder.Encoder`` (``dim``, ``encode``) running MiniLM on ONNX Runtime.
+
+    ``threads`` is ORT's intra-op thread count: 1 by default because the gateway embeds on one worker thread
+    of a small box and extra threads only spin against the event loop. Loading (and exporting the first time)
+    is lazy, on first ``encode`` or an explicit ``load()``.
+    """
+
+    def __init__(
+        self,
+        model_path: str | None = None,
+        threads: int = 1,
+        batch_size: int = 64,
+        cache_dir: str | os.PathLike[str] | None = None,
+        optimize: bool = False,
+    ) -> None:
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self._model_path = model_path
+        self._threads = threads
+        self._batch_size = batch_size
+        self._cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else None
+        self._optimize = optimize
+        self._lock = threading.Lock()
+        self._session: Any = None
+        self._tokenizer: Any = None  # _Tokenizer once loaded
+        self._output: str = "last_hidden_state"
+        self._dim = 384
+        self.model_file: Path | None = None  # the cached model.onnx in use, once loaded
+        self.exported = False  # whether this instance had to export (tests and logs)
+
+    @property
+    def dim(self) -> int:
+        """Embedding width (384 for MiniLM-L6); known without loading the model."""
+        return self._dim
+
+    # ---- loading -------------------------------------------------------------------------------------
+
+    def load(self) -> OnnxEncoder:
+        """Export if needed and open the ORT session; raises when that cannot work (``auto`` falls back)."""
+        with self._lock:
+            if self._session is None:
+                self._load_locked()
+        return self
+
+    def _load_locked(self) -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+        import onnxruntime  # noqa: F401  (fail fast, before any export work)
+
+        from embeddings.encoder import default_model_path
+
+        model_dir = Path(self._model_path or default_model_path())
+        st_cfg = _read_json(model_dir / "sentence_bert_config.json")
+        max_len = int(st_cfg.get("max_seq_length") or 512)
+        if st_cfg.get("do_lower_case"):
+            raise ValueError(f"{model_dir}: do_lower_case models are not replicated by the ONNX encoder")
+        self._dim = _check_pipeline(model_dir)
+        self._tokenizer = _Tokenizer(model_dir / "tokenizer.json", max_len)
+
+        path = self._cache_path(model_dir)
+        t0 = time.perf_counter()
+        session = None
+        if path.exists():
+            try:
+                session = self._open(path)
+            except Exception as exc:  # corrupt, truncated or stale: a fresh export fixes all of them
+                log.warning("cached ONNX encoder %s is unusable (%s); exporting it again", path, exc)
+                path.unlink(missing_ok=True)
+        if session is None:
+            _export(model_dir, path, self._tokenizer, optimize=self._optimize)
+            self.exported = True
+            session = self._open(path)
+        self._session = session
+        self.model_file = path
+        log.info(
+            "loaded ONNX sentence encoder %s (%d thread%s) in %.1fs",
+            path,
+            self._threads,
+            "" if self._threads == 1 else "s",
+            time.perf_counter() - t0,
+        )
+
+    def _cache_path(self, model_dir: Path) -> Path:
+        weights = next((model_dir / f for f in _WEIGHT_FILES if (model_dir / f).exists()), None)
+        if weights is None:
+            raise FileNotFoundError(f"no weights ({' or '.join(_WEIGHT_FILES)}) in {model_dir}")
+        key = "|".join(
+            [
+                _file_sha256(weights),
+                _version("torch"),
+                _version("transformers"),
+                _version("onnx"),
+                _version("onnxruntime"),
+                EXPORT_FORMAT,
+                "fused" if self._optimize else "plain",
+            ]
+        )
+        short = hashlib.sha256(key.encode()).hexdigest()[:12]
+        root = self._cache_dir or cache_root()
+        return root / "embeddings" / f"{_model_name(model_dir)}-{short}" / "model.onnx"
+
+    def _open(self, path: Path) -> Any:
+        """An ORT session on ``path`` that reproduces the probe embeddings stored in the file at export."""
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = self._threads
+        so.inter_op_num_threads = 1
+        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.log_severity_level = 3
+        if self._threads > 1:  # idle workers must not busy-wait against the gateway's event loop
+            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        self._output = session.get_outputs()[0].name
+        probe = session.get_modelmeta().custom_metadata_map.get(_META_PROBE)
+        if probe is None:
+            raise ValueError("no probe embedding in the model metadata")
+        want = np.asarray(json.loads(probe), dtype=np.float32)
+        got = self._embed(session, PROBE_TEXTS)
+        if got.shape != want.shape:
+            raise ValueError(f"probe embeddings have shape {got.shape}, expected {want.shape}")
+        cos = float((got * want).sum(axis=1).min())
+        if not cos >= PROBE_MIN_COSINE:
+            raise ValueError(f"probe embeddings differ from torch's (cosine {cos:.6f})")
+        return session
+
+    # ---- encoding ------------------------------------------------------------------------------------
+
+    def _run(self, session: Any, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """One ORT call on a padded batch, pooled and normalized in numpy."""
+        hidden = session.run([self._output], {"input_ids": ids, "attention_mask": mask})[0]
+        return _mean_pool_normalize(hidden, mask)
+
+    def _embed(self, session: Any, texts: list[str]) -> np.ndarray:
+        return self._run(session, *self._tokenizer.batch(texts))
+
+    def encode(self, texts: list[str], show_progress: bool = False) -> np.ndarray:
+        """Embed ``texts`` into a [n, dim] float32 array with unit-norm rows (same as ``Encoder.encode``).
+
+        Several texts are sorted by token count and cut into runs that pad little (``_plan_batches``): a
+        micro-batch of 64 short queries with one long one would otherwise pay 64 times the long one. A
+        text's vector does not depend on its batch (checked in the tests), so this changes only the time.
+        """
+        texts = [str(t) for t in texts]
+        if not texts:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        if self._session is None:
+            self.load()
+        rows = self._tokenizer.ids(texts)
+        if len(rows) == 1:
+            return self._run(self._session, *self._tokenizer.pad(rows))
+        lengths = np.array([len(r) for r in rows])
+        order = np.argsort(lengths, kind="stable")
+        runs: Any = _plan_batches(lengths[order].tolist(), self._batch_size)
+        if show_progress:
+            from tqdm import tqdm
+
+            runs = tqdm(runs, desc="embedding", unit="batch")
+        out = np.empty((len(texts), self.dim), dtype=np.float32)
+        for start, end in runs:
+            idx = order[start:end]
+            out[idx] = self._run(self._session, *self._tokenizer.pad([rows[i] for i in idx]))
+        return out
+
+
+# ---- pipeline checks and tokenizer --------------------------------------------------------------------
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _check_pipeline(model_dir: Path) -> int:
+    """The width, after checking the folder is Transformer, mean Pooling, Normalize (what is replicated)."""
+    modules = json.loads((model_dir / "modules.json").read_text())
+    kinds = [m["type"].rsplit(".", 1)[-1] for m in modules]
+    if kinds != ["Transformer", "Pooling", "Normalize"]:
+        raise ValueError(f"{model_dir}: pipeline {kinds} is not Transformer, Pooling, Normalize")
+    pooling = _read_json(model_dir / modules[1]["path"] / "config.json")
+    modes = [k for k, v in pooling.items() if k.startswith("pooling_mode") and v]
+    if modes != ["pooling_mode_mean_tokens"]:
+        raise ValueError(f"{model_dir}: pooling {modes} is not mean pooling")
+    return int(pooling["word_embedding_dimension"])
+
+
+class _Tokenizer:
+    """The folder's fast tokenizer, truncating like sentence-transformers (checked in the tests).
+
+    Padding is done here in numpy rather than by the tokenizer, so that ``encode`` can pad each run of
+    similar lengths on its own.
+    """
+
+    def __init__(self, path: Path, max_len: int) -> None:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(path))
+        pad = tok.padding or {}
+        pad_id = tok.token_to_id(pad.get("pad_token", "[PAD]"))
+        self.pad_id = int(pad.get("pad_id", 0) if pad_id is None else pad_id)
+        tok.no_padding()
+        tok.enable_truncation(max_length=max_len, strategy="longest_first")
+        self._tok = tok
+
+    def ids(self, texts: list[str]) -> list[list[int]]:
+        if len(texts) == 1:  # encode_batch's overhead is not worth it for the common single query
+            return [self._tok.encode(texts[0]).ids]
+        return [e.ids for e in self._tok.encode_batch(texts)]
+
+    def pad(self, rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """input_ids and attention_mask, right-padded to the longest row."""
+        width = max(len(r) for r in rows)
+        ids = np.full((len(rows), width), self.pad_id, dtype=np.int64)
+        mask = np.zeros((len(rows), width), dtype=np.int64)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)] = r
+            mask[i, : len(r)] = 1
+        return ids, mask
+
+    def batch(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        return self.pad(self.ids(texts))
+
+
+def _plan_batches(
+    lengths: list[int], max_batch: int, call_cost: int = CALL_COST_TOKENS
+) -> list[tuple[int, int]]:
+    """Cut ascending token ``lengths`` into ``[start, end)`` runs of at most ``max_batch`` rows.
+
+    Minimizes the padded tokens computed (a run pads to its last, longest row) plus a fixed ``call_cost``
+    per run (an ORT call streams all weights once: about 24 tokens' worth at batch 1 on a 2-core EPYC), by
+    dynamic programming over the cut points: O(n * max_batch), well under a millisecond for 64 texts.
+    """
+    n = len(lengths)
+    best = [0] + [float("inf")] * n
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        width = lengths[j - 1]
+        for i in range(max(0, j - max_batch), j):
+            cost = best[i] + call_cost + (j - i) * width
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    runs = []
+    while n > 0:
+        runs.append((cut[n], n))
+        n = cut[n]
+    return runs[::-1]
+
+
+# ---- export ---------------------------------------------------------------------------------------------
+
+
+def _export(model_dir: Path, dest: Path, tokenizer: _Tokenizer, optimize: bool) -> None:
+    """Export the transformer to ``dest`` atomically, verified against torch on the probe texts.
+
+    With ``optimize``, the graph fused by ORT's BERT optimizer (Attention, EmbedLayerNormalization,
+    SkipLayerNormalization) is kept only if it matches torch as well; otherwise the plain one is written.
+    """
+    import onnx
+    import torch
+    from transformers import AutoModel
+
+    t0 = time.perf_counter()
+    log.info("exporting sentence encoder %s to ONNX (one time, a few seconds) -> %s", model_dir, dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    for stale in dest.parent.glob(".export-*"):  # left by a process killed mid-export (90 MB each)
+        if time.time() - stale.stat().st_mtime > STALE_TEMP_S:
+            stale.unlink(missing_ok=True)
+    # eager attention: plain matmul/softmax ops, and the mask graph ORT's attention fusion recognizes.
+    model = AutoModel.from_pretrained(str(model_dir), attn_implementation="eager", dtype=torch.float32).eval()
+
+    class _Hidden(torch.nn.Module):
+        """input_ids + attention_mask -> last_hidden_state; token types are all 0 for single sentences."""
+
+        def __init__(self, bert: torch.nn.Module) -> None:
+            super().__init__()
+            self.bert = bert
+
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            token_type_ids = torch.zeros_like(input_ids)
+            out = self.bert(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+            return out.last_hidden_state
+
+    np_ids, np_mask = tokenizer.batch(PROBE_TEXTS)  # padded: the trace sees a real mask
+    ids, mask = torch.from_numpy(np_ids), torch.from_numpy(np_mask)
+    with torch.no_grad():
+        hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state.numpy()
+    ref = _mean_pool_normalize(hidden, mask.numpy())
+
+    fd, tmp_name = tempfile.mkstemp(prefix=".export-", suffix=".onnx", dir=dest.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")  # legacy-exporter deprecation and tracer warnings: benign here
+            torch.onnx.export(
+                _Hidden(model),
+                (ids, mask),
+                str(tmp),
+                input_names=["input_ids", "attention_mask"],
+                output_names=["last_hidden_state"],
+                dynamic_axes={
+                    "input_ids": {0: "batch", 1: "sequence"},
+                    "attention_mask": {0: "batch", 1: "sequence"},
+                    "last_hidden_state": {0: "batch", 1: "sequence"},
+                },
+                opset_version=17,
+                dynamo=False,  # TorchScript exporter: needs neither onnxscript nor torch.export
+            )
+        proto = onnx.load(str(tmp))
+        plain_cos = _ort_cosine(proto, tokenizer, ref)
+        if not plain_cos >= PROBE_MIN_COSINE:  # NaN included
+            raise RuntimeError(f"ONNX export disagrees with torch (probe cosine {plain_cos:.6f})")
+        kind = "plain"
+        if optimize:
+            fused, stats = _fuse(proto, model.config)
+            fused_cos = _ort_cosine(fused, tokenizer, ref) if fused is not None else float("nan")
+            if fused is not None and fused_cos >= PROBE_MIN_COSINE:
+                proto, kind = fused, f"fused {stats}"
+            else:
+                log.warning("ORT's BERT fusion misses torch (cosine %s); keeping the plain graph", fused_cos)
+        meta = {"cachegw.probe": json.dumps(ref.round(7).tolist()), "cachegw.source": str(model_dir)}
+        for key, value in meta.items():
+            proto.metadata_props.add(key=key, value=value)
+        with tmp.open("wb") as f:
+            f.write(proto.SerializeToString())
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.chmod(0o644)  # mkstemp's 0600 would be odd for a cache file
+        os.replace(tmp, dest)  # atomic: readers see the old file, no file, or the whole new one
+    finally:
+        tmp.unlink(missing_ok=True)
+    mb = dest.stat().st_size / 1e6
+    log.info("exported ONNX sentence encoder (%s, %.0f MB) in %.1fs", kind, mb, time.perf_counter() - t0)
+
+
+def _fuse(proto: Any, config: Any) -> tuple[Any | None, str]:
+    """ORT's offline BERT fusions (pure graph rewrites, fp32); ``None`` when the optimizer is unavailable."""
+    try:
+        from onnxruntime.transformers.optimizer import optimize_model
+    except ImportError as exc:
+        log.warning("onnxruntime.transformers unavailable (%s); exporting without fusion", exc)
+        return None, ""
+    # Its modules log each fusion at INFO under top-level names (fusion_base, onnx_model...): keep them quiet.
+    noisy = [logging.getLogger(n) for n in ("fusion_base", "onnx_model", "onnx_model_bert", "fusion_utils")]
+    levels = [lg.level for lg in noisy]
+    for lg in noisy:
+        lg.setLevel(logging.WARNING)
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            src = Path(d) / "plain.onnx"
+            src.write_bytes(proto.SerializeToString())
+            opt = optimize_model(
+                str(src),
+                model_type="bert",
+                num_heads=config.num_attention_heads,
+                hidden_size=config.hidden_size,
+                opt_level=0,  # Python fusions only: ORT's own level-ALL passes run at load, on the target CPU
+                use_gpu=False,
+            )
+    finally:
+        for lg, level in zip(noisy, levels, strict=True):
+            lg.setLevel(level)
+    counts = {k: v for k, v in opt.get_fused_operator_statistics().items() if v}
+    stats = ", ".join(f"{k} {v}" for k, v in counts.items())
+    return opt.model, stats
+
+
+def _ort_cosine(proto: Any, tokenizer: _Tokenizer, ref: np.ndarray) -> float:
+    """Lowest cosine between ``ref`` and what ORT computes for the probe texts with ``proto``."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    so.log_severity_level = 3
+    session = ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    ids, mask = tokenizer.batch(PROBE_TEXTS)
+    hidden = session.run(None, {"input_ids": ids, "attention_mask": mask})[0]
+    return float((_mean_pool_normalize(hidden, mask) * ref).sum(axis=1).min())
