@@ -216,16 +216,15 @@ class Gateway:
         """Remember the reply's exact bytes, and store the answer when policy and quality allow."""
         choice = (data.get("choices") or [{}])[0]
         text = (choice.get("message") or {}).get("content") if flow.endpoint == "chat" else choice.get("text")
+        replies = {reply_key(normalize_for_match(text)): text} if isinstance(text, str) and text else {}
         try:
-            if isinstance(text, str) and text:
-                await asyncio.to_thread(
-                    self.store.remember_replies, {reply_key(normalize_for_match(text)): text}
-                )
             if store and flow.keys is not None and not (choice.get("message") or {}).get("tool_calls"):
                 embedding = flow.lookup.embedding if flow.lookup else None
                 flow.stored_entry = await self.cache.insert(
-                    flow.tenant.cache_key, flow.model, flow.endpoint, flow.keys, embedding, data, ttl
+                    flow.tenant.cache_key, flow.model, flow.endpoint, flow.keys, embedding, data, ttl, replies
                 )
+            if replies and flow.stored_entry is None:  # not stored: the reply text alone (one commit)
+                await asyncio.to_thread(self.store.remember_replies, replies)
         except Exception:  # a storage problem must not fail an answer the client already has
             log.exception("could not store the answer of %s", flow.id)
 

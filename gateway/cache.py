@@ -190,8 +190,10 @@ class ResponseCache:
         embedding: np.ndarray | None,
         response: dict,
         ttl_seconds: int,
+        replies: dict[str, str] | None = None,
     ) -> int | None:
-        """Store a completed answer; returns its entry id (None if it may not be stored)."""
+        """Store a completed answer, with ``replies`` (Store.remember_replies) in the same commit;
+        returns its entry id (None if it may not be stored, and then nothing is written)."""
         choice = (response.get("choices") or [{}])[0]
         finish = choice.get("finish_reason")
         if finish not in ("stop", "length"):
@@ -220,7 +222,7 @@ class ResponseCache:
             created_at=now,
             expires_at=now + ttl_seconds,
         )
-        entry_id = await asyncio.to_thread(self.store.add_entry, entry)
+        entry_id = await asyncio.to_thread(self.store.add_entry, entry, replies)
         self._remember(entry)
         self._index_exact(keys.exact, entry_id)
         if entry.embedding is not None:

@@ -30,7 +30,7 @@ from sqlalchemy import (
     text,
     update,
 )
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 
 class Base(DeclarativeBase):
@@ -191,8 +191,11 @@ class Store:
 
     # Entries
 
-    def add_entry(self, entry: CacheEntry) -> int:
+    def add_entry(self, entry: CacheEntry, replies: dict[str, str] | None = None) -> int:
+        """Store an entry, and the reply texts of the same answer in the same commit."""
         with self.session.begin() as s:
+            if replies:
+                self._add_replies(s, replies)
             s.add(entry)
             s.flush()
             return entry.id
@@ -310,9 +313,13 @@ class Store:
         if not replies:
             return
         with self.session.begin() as s:
-            known = set(s.scalars(select(Reply.key).where(Reply.key.in_(list(replies)))))
-            now = time.time()
-            s.add_all(Reply(key=k, text=t, created_at=now) for k, t in replies.items() if k not in known)
+            self._add_replies(s, replies)
+
+    @staticmethod
+    def _add_replies(s: Session, replies: dict[str, str]) -> None:
+        known = set(s.scalars(select(Reply.key).where(Reply.key.in_(list(replies)))))
+        now = time.time()
+        s.add_all(Reply(key=k, text=t, created_at=now) for k, t in replies.items() if k not in known)
 
     def lookup_reply(self, key: str) -> str | None:
         with self.session() as s:
