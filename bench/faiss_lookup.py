@@ -143,11 +143,12 @@ def corpus(
 
 
 def embed_cached(texts: list[str], desc: str) -> np.ndarray:
-    """MiniLM embeddings of texts, cached per chunk under /tmp by content hash."""
-    from embeddings.encoder import Encoder
+    """MiniLM embeddings of texts, cached per chunk under /tmp by content hash (the gateway's encoder:
+    ONNX Runtime on every core, same vectors as sentence-transformers, so older chunks stay valid)."""
+    from embeddings.encoder import make_encoder
 
     CACHE.mkdir(parents=True, exist_ok=True)
-    encoder, parts = Encoder(), []
+    encoder, parts = make_encoder("auto", threads=os.cpu_count() or 1), []
     with tqdm(total=len(texts), desc=f"embed {desc}", file=sys.stderr, unit="text") as bar:
         for start in range(0, len(texts), CHUNK):
             chunk = texts[start : start + CHUNK]
@@ -301,9 +302,9 @@ async def _batcher_rounds(encoder: Any, lone: list[str], work: list[str], client
 
 def bench_batcher(texts: list[str], clients: int = 32, per_client: int = 8) -> dict:
     """Lone-request latency and `clients` concurrent callers' throughput vs one-by-one encoder calls."""
-    from embeddings.encoder import Encoder
+    from embeddings.encoder import make_encoder
 
-    enc, work = Encoder(), texts[: clients * per_client]
+    enc, work = make_encoder("auto"), texts[: clients * per_client]
     enc.encode(texts[:64])  # load and warm up
     r = asyncio.run(_batcher_rounds(enc, texts[len(work) : len(work) + 100], work, clients))
     overhead = asyncio.run(_batcher_rounds(_Instant(), texts[:300], [], clients))["via"]

@@ -97,4 +97,5 @@ def run_gateway(settings: Settings) -> None:
     app = build_app(lambda: started_gateway(settings))
     g = settings.gateway
     log.info("gateway on http://%s:%d/v1 (data in %s)", g.host, g.port, settings.data_dir)
+    log.info("dashboard on http://%s:%d/admin (admin token: see docs/admin.md)", g.host, g.port)
     uvicorn.run(app, host=g.host, port=g.port, log_level="info")
