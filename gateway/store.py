@@ -161,7 +161,8 @@ def _sqlite_pragmas(dbapi_conn, _record) -> None:
 
 
 def _add_missing_columns(engine) -> None:
-    """Databases made by an older cachegw get the nullable columns added since (no data is touched)."""
+    """Databases made by an older cachegw get the nullable columns (and indexes) added since; no data
+    is touched."""
     present = {t: {c["name"] for c in inspect(engine).get_columns(t)} for t in Base.metadata.tables}
     with engine.begin() as conn:
         for table in Base.metadata.sorted_tables:
@@ -169,6 +170,8 @@ def _add_missing_columns(engine) -> None:
                 if col.name not in present[table.name] and col.nullable:
                     kind = col.type.compile(dialect=engine.dialect)
                     conn.execute(text(f'ALTER TABLE {table.name} ADD COLUMN "{col.name}" {kind}'))
+            for index in table.indexes:  # and their indexes (create_all makes them only with a new table)
+                index.create(conn, checkfirst=True)
 
 
 def reply_key(normalized_text: str) -> str:

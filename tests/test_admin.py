@@ -364,3 +364,43 @@ def test_settings_and_learned_thresholds_survive_a_restart(backend_url, tmp_path
         _, h, _ = chat(url, ask("What is the fastest way to learn Python?"))
         assert h["x-cache"] == "miss"  # the learned entry threshold came back from the database
         assert any(e["action"] == "feedback.bad" for e in api(url, "GET", "/audit").json()["data"])
+
+
+def test_a_database_from_an_older_version_gets_the_new_columns(tmp_path):
+    import sqlite3
+
+    from gateway.store import Store
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    Store(url).close()
+    with sqlite3.connect(tmp_path / "old.db") as conn:  # as session 1's schema had it
+        conn.execute("DROP INDEX ix_requests_response_id")
+        for table, column in (
+            ("requests", "response_id"),
+            ("requests", "query"),
+            ("cache_entries", "threshold"),
+        ):
+            conn.execute(f'ALTER TABLE {table} DROP COLUMN "{column}"')
+    store = Store(url)
+    with sqlite3.connect(tmp_path / "old.db") as conn:
+        cols = {r[1] for r in conn.execute("PRAGMA table_info(requests)")}
+        assert {"response_id", "query"} <= cols
+        assert "threshold" in {r[1] for r in conn.execute("PRAGMA table_info(cache_entries)")}
+        assert "ix_requests_response_id" in {r[1] for r in conn.execute("PRAGMA index_list(requests)")}
+    store.log_requests(
+        [
+            {
+                "id": "r1",
+                "ts": 1.0,
+                "tenant": "t",
+                "model": "m",
+                "endpoint": "chat",
+                "stream": False,
+                "cache_result": "miss",
+                "total_ms": 1.0,
+                "status": 200,
+                "response_id": "chatcmpl-1",
+            }
+        ]
+    )
+    store.close()
