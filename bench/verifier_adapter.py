@@ -47,20 +47,18 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import RESULTS as RESULTS_DIR  # noqa: E402
 from bench.common import machine  # noqa: E402
-from bench.verifier_quality import CACHE_DIR as EMB_DIR  # noqa: E402
-from bench.verifier_quality import _read_csv, split_qqp  # noqa: E402
-from bench.verifier_token_alignment import (  # noqa: E402
+from bench.verifier_eval import (  # noqa: E402
     TARGET_RECALL,
     PairSet,
     auc,
-    choose_prob,
+    operating_points,
     oracle,
     pair_set,
-    precision_at_recalls,
-    prf,
-    print_table,
-    train,
+    subset,
 )
+from bench.verifier_quality import CACHE_DIR as EMB_DIR  # noqa: E402
+from bench.verifier_quality import _read_csv, split_qqp  # noqa: E402
+from bench.verifier_token_alignment import print_table, train  # noqa: E402
 from policies.verifier import DEFAULT_RULE, Verifier, _val_mask  # noqa: E402
 
 VAL_FRACTION = 0.15  # the verifier's validation slice (``train_verifier``)
@@ -252,11 +250,6 @@ class Variant:
     adapter: Adapter | None
 
 
-def subset(ps: PairSet, mask: np.ndarray) -> PairSet:
-    idx = np.flatnonzero(mask)
-    return PairSet([ps.q1[i] for i in idx], [ps.q2[i] for i in idx], ps.y[mask], ps.vetoed[mask])
-
-
 def score_pairs(ver: Verifier, raw: EmbStore, var: Variant, ps: PairSet) -> tuple[np.ndarray, np.ndarray]:
     """(raw cosine for the gate, MLP prob, 0 where a guard fires) as in the harness's ``score``."""
     from bench.verifier_token_alignment import features
@@ -283,22 +276,11 @@ def evaluate(var: Variant, raw: EmbStore, tr: PairSet, te: PairSet, args: argpar
         vcos, vprob = score_pairs(ver, raw, var, va)
         tcos, tprob = score_pairs(ver, raw, var, te)
         fcos, fprob = score_pairs(ver, raw, var, fit_part)
-        t = choose_prob(va.y, vcos, vprob)
-        passed = ~te.vetoed
         runs.append(
             {
                 "seed": seed,
-                "val_chosen_min_prob": t,
-                "val_at_chosen": prf(va.y, (vcos >= DEFAULT_RULE.min_cosine) & (vprob >= t)),
-                "test_at_val_chosen": prf(te.y, (tcos >= DEFAULT_RULE.min_cosine) & (tprob >= t)),
-                "test_default_rule": prf(
-                    te.y, (tcos >= DEFAULT_RULE.min_cosine) & (tprob >= DEFAULT_RULE.min_prob)
-                ),
-                "test_oracle_recall_ge_0.3": oracle(te.y, tcos, tprob),
-                "val_oracle_recall_ge_0.3": oracle(va.y, vcos, vprob),
+                **operating_points(va, vcos, vprob, te, tcos, tprob),
                 "train_oracle_recall_ge_0.3": oracle(fit_part.y, fcos, fprob),
-                "test_precision_at_recall": precision_at_recalls(te.y, tcos, tprob),
-                "test_auc_unvetoed": round(auc(te.y[passed], tprob[passed]), 4),
                 "train_auc_unvetoed": round(auc(fit_part.y[~fit_part.vetoed], fprob[~fit_part.vetoed]), 4),
             }
         )

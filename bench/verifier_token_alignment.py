@@ -46,14 +46,13 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import RESULTS as RESULTS_DIR  # noqa: E402
 from bench.common import machine  # noqa: E402
+from bench.verifier_eval import PairSet, auc, operating_points, pair_set, subset  # noqa: E402
 from bench.verifier_quality import _read_csv, split_qqp  # noqa: E402
 from embeddings.onnx_encoder import OnnxEncoder, _plan_batches  # noqa: E402
 from policies.verifier import DEFAULT_RULE, Verifier, _fit_ensemble, _val_mask  # noqa: E402
-from policies.verifier_features import LEXICAL_NAMES, STOPWORDS, guard_reason, pair_features  # noqa: E402
+from policies.verifier_features import LEXICAL_NAMES, STOPWORDS, pair_features  # noqa: E402
 
 CACHE_DIR = Path(tempfile.gettempdir()) / "cachegw-token-align"
-TARGET_RECALL = 0.30
-PROB_GRID = np.round(np.arange(0.30, 0.995, 0.005), 3)
 LOW_MATCH = (0.5, 0.6, 0.7)
 ALIGN_NAMES = (
     "tok_f1",
@@ -257,21 +256,6 @@ def idf_table(store: TokenStore, texts: list[str], vocab: int = 32_000) -> np.nd
 # ---------------------------------------------------------------------------------- training and scoring
 
 
-@dataclass
-class PairSet:
-    q1: list[str]
-    q2: list[str]
-    y: np.ndarray  # bool
-    vetoed: np.ndarray  # bool: a hard guard fires (never reaches the MLP, prob 0)
-
-
-def pair_set(rows: list[dict[str, str]]) -> PairSet:
-    q1, q2 = [r["question1"] for r in rows], [r["question2"] for r in rows]
-    y = np.array([r["is_duplicate"] == "1" for r in rows])
-    vetoed = np.array([guard_reason(a, b) is not None for a, b in zip(q1, q2, strict=True)])
-    return PairSet(q1, q2, y, vetoed)
-
-
 def features(store: TokenStore, aligner: Aligner | None, q1: list[str], q2: list[str]) -> np.ndarray:
     """The shipped ``pair_features`` (on the pooled vectors), plus alignment features when ``aligner``."""
     u = store.pooled[[store.index[t] for t in q1]]
@@ -310,54 +294,6 @@ def score(ver: Verifier, store: TokenStore, aligner: Aligner | None, ps: PairSet
     return cos, prob
 
 
-def prf(y: np.ndarray, acc: np.ndarray) -> dict[str, float]:
-    tp = float((acc & y).sum())
-    p, r = tp / max(float(acc.sum()), 1.0), tp / max(float(y.sum()), 1.0)
-    return {"precision": round(p, 4), "recall": round(r, 4), "accepted": int(acc.sum())}
-
-
-def choose_prob(y: np.ndarray, cos: np.ndarray, prob: np.ndarray) -> float:
-    """Highest-precision ``min_prob`` (at the shipped cosine floor) with recall >= TARGET_RECALL."""
-    gate = cos >= DEFAULT_RULE.min_cosine
-    best = (-1.0, float(PROB_GRID[0]))
-    for t in PROB_GRID:
-        m = prf(y, gate & (prob >= t))
-        if m["recall"] >= TARGET_RECALL and m["precision"] > best[0]:
-            best = (m["precision"], float(t))
-    return best[1]
-
-
-def oracle(y: np.ndarray, cos: np.ndarray, prob: np.ndarray) -> dict[str, float]:
-    """Best precision over every ``min_prob`` cut at the cosine floor with recall >= TARGET_RECALL."""
-    s = np.where(cos >= DEFAULT_RULE.min_cosine, prob, -1.0)
-    order = np.argsort(-s, kind="stable")
-    tp = np.cumsum(y[order])
-    k = np.arange(1, len(y) + 1)
-    ok = (tp / max(y.sum(), 1) >= TARGET_RECALL) & (s[order] > 0)
-    if not ok.any():
-        return {"precision": 0.0, "recall": 0.0, "min_prob": 1.0}
-    i = int(np.argmax(np.where(ok, tp / k, -1.0)))
-    return {
-        "precision": round(float(tp[i] / k[i]), 4),
-        "recall": round(float(tp[i] / y.sum()), 4),
-        "min_prob": round(float(s[order][i]), 4),
-    }
-
-
-def precision_at_recalls(
-    y: np.ndarray, cos: np.ndarray, prob: np.ndarray, recalls: tuple[float, ...] = (0.1, 0.2, 0.25, 0.3)
-) -> dict[str, float]:
-    """Test precision of the shortest ranking prefix (cosine floor, then prob) reaching each recall."""
-    s = np.where(cos >= DEFAULT_RULE.min_cosine, prob, -1.0)
-    order = np.argsort(-s, kind="stable")
-    tp = np.cumsum(y[order])
-    out = {}
-    for r in recalls:
-        i = int(np.searchsorted(tp, r * y.sum()))
-        out[f"R{r:.2f}"] = round(float(tp[i] / (i + 1)), 4) if i < len(y) and s[order][i] > 0 else 0.0
-    return out
-
-
 def feature_auc(store: TokenStore, aligner: Aligner, tr: PairSet) -> dict[str, float]:
     """Univariate AUC (max of both directions) of each feature on the training pairs that reach the MLP
     at the shipped cosine floor: the region where the hard negatives live."""
@@ -375,14 +311,6 @@ def feature_auc(store: TokenStore, aligner: Aligner, tr: PairSet) -> dict[str, f
     return out
 
 
-def auc(y: np.ndarray, s: np.ndarray) -> float:
-    from scipy.stats import rankdata
-
-    ranks = rankdata(s)
-    n_pos, n_neg = int(y.sum()), int((~y).sum())
-    return float((ranks[y].sum() - n_pos * (n_pos + 1) / 2) / max(n_pos * n_neg, 1))
-
-
 def evaluate(
     name: str, store: TokenStore, aligner: Aligner | None, tr: PairSet, te: PairSet, args: argparse.Namespace
 ) -> dict[str, Any]:
@@ -392,25 +320,14 @@ def evaluate(
         seed = args.seed + 100 * rep
         print(f"[train] {name} (seed {seed})", flush=True)
         ver, val = train(store, aligner, tr, hidden=args.hidden, members=args.members, seed=seed)
-        va = PairSet([tr.q1[i] for i in np.flatnonzero(val)], [tr.q2[i] for i in np.flatnonzero(val)],
-                     tr.y[val], tr.vetoed[val])  # fmt: skip
+        va = subset(tr, val)
         vcos, vprob = score(ver, store, aligner, va)
         tcos, tprob = score(ver, store, aligner, te)
-        t = choose_prob(va.y, vcos, vprob)
         passed, gated = ~te.vetoed, tcos >= DEFAULT_RULE.min_cosine
         runs.append(
             {
                 "seed": seed,
-                "val_chosen_min_prob": t,
-                "val_at_chosen": prf(va.y, (vcos >= DEFAULT_RULE.min_cosine) & (vprob >= t)),
-                "test_at_val_chosen": prf(te.y, (tcos >= DEFAULT_RULE.min_cosine) & (tprob >= t)),
-                "test_default_rule": prf(
-                    te.y, (tcos >= DEFAULT_RULE.min_cosine) & (tprob >= DEFAULT_RULE.min_prob)
-                ),
-                "test_oracle_recall_ge_0.3": oracle(te.y, tcos, tprob),
-                "val_oracle_recall_ge_0.3": oracle(va.y, vcos, vprob),
-                "test_precision_at_recall": precision_at_recalls(te.y, tcos, tprob),
-                "test_auc_unvetoed": round(auc(te.y[passed], tprob[passed]), 4),
+                **operating_points(va, vcos, vprob, te, tcos, tprob),
                 "test_auc_unvetoed_cos_ge_floor": round(auc(te.y[passed & gated], tprob[passed & gated]), 4),
             }
         )
