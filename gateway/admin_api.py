@@ -53,6 +53,11 @@ def _window(text: str, param: str = "window") -> float:
         raise ApiError(400, str(exc), param=param) from exc
 
 
+def scope_threshold(gw: Gateway, model: str, tenant: str) -> float:
+    """The threshold in force for a model and a tenant given by name or key hash ("" = any)."""
+    return gw.cache.threshold(model, gw.tenants.name_of(gw.tenants.id_of(tenant)) if tenant else "")
+
+
 def admin_router(get_gw: Callable[[], Gateway]) -> APIRouter:
     router = APIRouter(prefix="/admin/api", tags=["admin"])
 
@@ -77,7 +82,7 @@ def admin_router(get_gw: Callable[[], Gateway]) -> APIRouter:
         gw = authed(request)
         body = await json_body(request)
         new = await asyncio.to_thread(gw.live.patch, body, actor(request))
-        gw.apply_settings(new)
+        gw.apply_settings()
         if gw.cache.entries > new.cache.max_entries or gw.cache.bytes > new.cache.max_bytes:
             await gw.cache.evict()
         return {**live_settings.view(new), "version": gw.live.version}
@@ -109,9 +114,7 @@ def admin_router(get_gw: Callable[[], Gateway]) -> APIRouter:
             "per_hour": stats.timeseries(rows, hour0, until, 3600),
             "similarity": {
                 **stats.similarity_histogram(rows),
-                "threshold": gw.cache.threshold(
-                    model, gw.tenants.name_of(gw.tenants.id_of(tenant)) if tenant else ""
-                ),
+                "threshold": scope_threshold(gw, model, tenant),
             },
             "cache": {"entries": gw.cache.entries, "bytes": gw.cache.bytes},
             "flagged": len(flagged),
@@ -128,7 +131,7 @@ def admin_router(get_gw: Callable[[], Gateway]) -> APIRouter:
         gw = authed(request)
         since, _, rows = await rows_for(gw, window, tenant, model)
         flagged = await asyncio.to_thread(gw.admin.flagged_request_ids, since)
-        current = gw.cache.threshold(model, gw.tenants.name_of(gw.tenants.id_of(tenant)) if tenant else "")
+        current = scope_threshold(gw, model, tenant)
         at = stats.threshold_sweep(rows, flagged, [current, threshold])
         return {
             "requests": len(rows),

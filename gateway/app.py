@@ -77,27 +77,33 @@ class Gateway:
         self, live: LiveSettings, store: Store, cache: ResponseCache, backends: Backends, admin_token: str
     ) -> None:
         self.live = live
-        self.settings = live.current
         self.store, self.cache, self.backends = store, cache, backends
         self.admin = AdminStore(store.session)
         self.auth = AdminAuth(admin_token)
         self.tenants = Tenants(self.settings.tenants)
-        self.policy = CachePolicy(
-            serve_temperature_above_zero=self.settings.cache.serve_temperature_above_zero
-        )
+        self.policy: CachePolicy
+        self.apply_settings()
         self.metrics = GatewayMetrics(lambda: float(cache.entries))
         self.recorder = Recorder(store)
 
-    def apply_settings(self, settings: Settings) -> None:
-        """Swap in settings changed at run time; requests already under way keep the ones they read."""
-        self.settings = settings
-        self.cache.config = settings.cache
-        self.policy = CachePolicy(serve_temperature_above_zero=settings.cache.serve_temperature_above_zero)
+    @property
+    def settings(self) -> Settings:
+        """The settings in force: config.toml with the run-time changes over it."""
+        return self.live.current
+
+    def apply_settings(self) -> None:
+        """Pass changed settings on to the parts that keep their own copy; requests already under way
+        keep the view they read."""
+        self.cache.config = self.settings.cache
+        self.policy = CachePolicy(
+            serve_temperature_above_zero=self.settings.cache.serve_temperature_above_zero
+        )
 
     async def refresh_settings(self) -> None:
         """Pick up a change another replica made (a cheap version read)."""
         if await asyncio.to_thread(self.live.changed_elsewhere):
-            self.apply_settings(await asyncio.to_thread(self.live.load))
+            await asyncio.to_thread(self.live.load)
+            self.apply_settings()
 
     def _restore(self, normalized: str) -> str | None:
         return self.store.lookup_reply(reply_key(normalized))

@@ -235,28 +235,32 @@ class ResponseCache:
             await self.evict()
         return entry_id
 
-    async def flag_bad(self, entry_id: int, similarity: float | None, whole_entry: bool) -> str:
-        """Act on a hit reported bad; returns what was done.
+    async def flag_bad(
+        self, entry_id: int, similarity: float | None, whole_entry: bool
+    ) -> tuple[CacheEntry, str] | None:
+        """Act on a hit reported bad; returns the entry and what was done (None: no such entry).
 
         ``whole_entry``: the answer is wrong for its own query (an exact hit, or a stored miss): it is
         never served again. Otherwise a paraphrase got an answer that does not fit it: the entry's own
         threshold rises above that similarity, so this query and anything further away stop hitting
         while closer paraphrases still do.
         """
-        entry = (await self._get_entries([entry_id])).get(entry_id)
+        # from the database, not the memo: another replica may have deleted or flagged it
+        entry = (await asyncio.to_thread(self.store.get_entries, [entry_id])).get(entry_id)
         if entry is None:
-            return "entry already gone"
+            return None
+        self._remember(entry)  # replaces a stale memo copy; updated below with the database
         if whole_entry or similarity is None:
             await asyncio.to_thread(self.store.mark_bad, entry_id)
             entry.bad = True
             self.index.remove([entry_id])
             self._drop_exact(entry_id)
-            return "entry marked bad: never served again"
+            return entry, "entry marked bad: never served again"
         # capped at 1: a paraphrase flagged that close leaves the entry to its own exact repeats
         threshold = min(1.0, max(entry.threshold or 0.0, similarity + self.config.feedback_margin))
         await asyncio.to_thread(self.store.set_entry_threshold, entry_id, threshold)
         entry.threshold = threshold
-        return f"entry threshold raised to {threshold:.4f}"
+        return entry, f"entry threshold raised to {threshold:.4f}"
 
     def _drop_exact(self, entry_id: int) -> None:
         key = self._exact_of.pop(entry_id, None)

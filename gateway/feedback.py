@@ -64,12 +64,12 @@ async def report_bad(
                 code="not_cached",
             )
     assert entry_id is not None
-    entry = await asyncio.to_thread(gw.admin.get_entry, entry_id)
-    if entry is None:
+    flagged = await gw.cache.flag_bad(entry_id, similarity, whole_entry)
+    if flagged is None:
         raise ApiError(
             404, f"No cache entry {entry_id} (deleted or expired).", param="entry_id", code="not_found"
         )
-    action = await gw.cache.flag_bad(entry_id, similarity, whole_entry)
+    entry, action = flagged
     row = {
         "request_id": record["id"] if record else None,
         "entry_id": entry_id,
