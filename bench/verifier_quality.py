@@ -1,12 +1,15 @@
 """Held-out quality of the semantic-cache verifier vs. cosine thresholds alone.
 
 Usage (from the project root):
-    HF_HUB_OFFLINE=1 .venv/bin/python bench/verifier_quality.py [--retrain]
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/verifier_quality.py [--retrain] [--retrain-cross]
 
 Reads ../shared/data/qqp_dev.csv and banking77_train.csv (never copied into the project). QQP is split
 deterministically by hashing the pair id (30% test); training pairs that share any question text with a
 test pair are dropped, so no test question is ever seen in training. ``--retrain`` refits the shipped
-artifact on the training side of that split. banking77 is scored without retraining.
+artifact on the training side of that split; ``--retrain-cross`` refits the cross-encoder stage too (about
+20 minutes on 2 cores). The default verifier is scored as the gateway loads it (``load_verifier`` with the
+shipped config: MLP plus the int8 ONNX cross-encoder), and the MLP alone next to it. banking77 is scored
+without retraining.
 Writes bench/results/verifier_quality.json and verifier_quality.png, prints a table.
 """
 
@@ -33,7 +36,14 @@ from bench.common import RESULTS as RESULTS_DIR  # noqa: E402
 from bench.common import SHARED_DATA as DATA_DIR  # noqa: E402
 from bench.common import machine  # noqa: E402
 from embeddings.encoder import Encoder  # noqa: E402
-from policies.verifier import ARTIFACT_PATH, DEFAULT_RULE, Verifier, train_verifier  # noqa: E402
+from gateway.config import load_settings  # noqa: E402
+from policies.verifier import (  # noqa: E402
+    ARTIFACT_PATH,
+    DEFAULT_RULE,
+    Verifier,
+    load_verifier,
+    train_verifier,
+)
 from policies.verifier_features import guard_reason  # noqa: E402
 
 TEST_PERCENT = 30
@@ -247,10 +257,16 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 5))
     for ax, name in zip(axes, names, strict=True):
         r = results[name]
-        for key, label in (("curve_cosine_alone", "cosine alone"), ("curve_verifier_at_default_cosine", "")):
-            pts = [(c["recall"], c["precision"]) for c in r[key] if c["recall"] > 0]
-            label = label or f"cosine>={DEFAULT_RULE.min_cosine} + verifier (sweep prob)"
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label)
+        mlp = results.get(f"{name}_mlp_only", {}).get("curve_verifier_at_default_cosine", [])
+        floor = DEFAULT_RULE.min_cosine
+        for pts_src, label in (
+            (r["curve_cosine_alone"], "cosine alone"),
+            (mlp, f"cosine>={floor} + MLP only (sweep prob)"),
+            (r["curve_verifier_at_default_cosine"], f"cosine>={floor} + MLP + cross-encoder (sweep prob)"),
+        ):
+            pts = [(c["recall"], c["precision"]) for c in pts_src if c["recall"] > 0]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label)
         for b in r["baselines"]:
             ca = b["cosine_alone"]
             ax.scatter(ca["recall"], ca["precision"], marker="x", color="gray")
@@ -267,7 +283,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def _retrain(train_rows: list[dict[str, str]], enc: CachedEncoder) -> dict[str, Any]:
+def _retrain(train_rows: list[dict[str, str]], enc: CachedEncoder, cross: bool) -> dict[str, Any]:
+    """Refit the shipped artifacts on the train split exactly as ``cachegw train-verifier [--cross]`` does."""
     with tempfile.TemporaryDirectory() as tmp:
         csv_path = Path(tmp) / "qqp_train_split.csv"
         with open(csv_path, "w", newline="", encoding="utf-8") as f:
@@ -276,7 +293,13 @@ def _retrain(train_rows: list[dict[str, str]], enc: CachedEncoder) -> dict[str, 
             )
             w.writeheader()
             w.writerows(train_rows)
-        return train_verifier(str(csv_path), str(ARTIFACT_PATH), encoder=enc)
+        out = {"mlp": train_verifier(str(csv_path), str(ARTIFACT_PATH), encoder=enc)}
+        if cross:
+            from policies.cross_encoder import ARTIFACT_PATH as CROSS_PATH
+            from policies.cross_encoder import train_cross_from_csv
+
+            out["cross_encoder"] = train_cross_from_csv(csv_path, CROSS_PATH)
+        return out
 
 
 def _row(name: str, m: dict[str, float]) -> str:
@@ -290,6 +313,7 @@ def print_table(results: dict[str, Any]) -> None:
         print(f"{'setting':<44} {'precision':>9} {'recall':>7} {'F1':>6}")
         d = r["default_rule"]
         print(_row(f"DEFAULT cos>={d['min_cosine']:.2f} + verifier p>={d['min_prob']:.2f}", d))
+        print(_row("  same rule, MLP only (no cross-encoder)", results[f"{name}_mlp_only"]["default_rule"]))
         print(_row("cosine alone at the default's recall", r["cosine_alone_at_default_recall"]))
         for b in r["baselines"]:
             t = b["cosine_threshold"]
@@ -304,7 +328,10 @@ def print_table(results: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
-        "--retrain", action="store_true", help="refit the shipped artifact on the QQP train split"
+        "--retrain", action="store_true", help="refit the shipped MLP artifact on the QQP train split"
+    )
+    ap.add_argument(
+        "--retrain-cross", action="store_true", help="also refit the cross-encoder stage (~20 min on 2 cores)"
     )
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
@@ -313,26 +340,38 @@ def main(argv: list[str] | None = None) -> int:
     train, test, split_info = split_qqp(_read_csv("qqp_dev.csv"))
     print(f"  {json.dumps(split_info)}")
     results: dict[str, Any] = {"machine": machine(), "split": split_info}
-    if args.retrain or not ARTIFACT_PATH.exists():
+    if args.retrain or args.retrain_cross or not ARTIFACT_PATH.exists():
         print(f"[2/4] training the verifier on {len(train):,} pairs -> {ARTIFACT_PATH}", flush=True)
-        results["training"] = _retrain(train, enc)
+        results["training"] = _retrain(train, enc, args.retrain_cross)
     else:
-        print("[2/4] using the shipped artifact (pass --retrain to refit)", flush=True)
-    verifier = Verifier.load()
+        print("[2/4] using the shipped artifacts (pass --retrain / --retrain-cross to refit)", flush=True)
+    verifier = load_verifier(load_settings(None).cache)  # what the gateway serves with
+    mlp_only = Verifier.load()
     results["artifact"] = {
         "path": str(ARTIFACT_PATH.relative_to(ROOT)),
         "bytes": ARTIFACT_PATH.stat().st_size,
     }
     results["artifact"]["trained"] = verifier.meta.get("metrics", {})
+    from policies.cross_encoder import ARTIFACT_PATH as CROSS_PATH
+
+    results["cross_encoder_artifact"] = {
+        "path": str(CROSS_PATH.relative_to(ROOT)),
+        "bytes": CROSS_PATH.stat().st_size,
+        "serving": type(verifier.cross).__name__,  # CrossScorer = int8 ONNX, as the gateway runs it
+        "trained": json.loads(str(np.load(CROSS_PATH)["meta"])),
+    }
     print("[3/4] evaluating on the held-out QQP split", flush=True)
     q1, q2 = [r["question1"] for r in test], [r["question2"] for r in test]
     y = np.array([r["is_duplicate"] == "1" for r in test])
     results["qqp_test"] = evaluate(verifier, q1, q2, y, enc)
+    results["qqp_test_mlp_only"] = evaluate(mlp_only, q1, q2, y, enc)
     e1, e2 = _embed_pairs(enc, q1, q2)
     results["latency"] = latency(verifier, q1, q2, e1, e2)
+    results["latency_mlp_only"] = latency(mlp_only, q1, q2, e1, e2)
     print("[4/4] banking77 (no retraining)", flush=True)
     for name, (b1, b2, by) in banking77_pairs(enc).items():
         results[f"banking77_{name}"] = evaluate(verifier, b1, b2, by, enc)
+        results[f"banking77_{name}_mlp_only"] = evaluate(mlp_only, b1, b2, by, enc)
     results["seconds"] = round(time.perf_counter() - t_start, 1)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     (RESULTS_DIR / "verifier_quality.json").write_text(json.dumps(results, indent=1))

@@ -31,6 +31,7 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -84,6 +85,39 @@ def _mean_pool_normalize(hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
     vecs = summed / np.maximum(m.sum(axis=1, keepdims=True), 1e-9)
     norms = np.linalg.norm(vecs, axis=1, keepdims=True)
     return (vecs / np.maximum(norms, 1e-12)).astype(np.float32, copy=False)
+
+
+def cpu_session(path: Path, threads: int) -> Any:
+    """An ORT CPU session with the graph fused, ``threads`` intra-op threads that never spin idle."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.log_severity_level = 3
+    if threads > 1:  # idle workers must not busy-wait against the gateway's event loop
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def open_or_export(
+    path: Path, open_fn: Callable[[Path], Any], export_fn: Callable[[], None]
+) -> tuple[Any, bool]:
+    """``(session, exported)``: the cached model at ``path`` if ``open_fn`` accepts it, else a fresh export.
+
+    ``open_fn`` raises on anything wrong (corrupt, truncated, stale, a probe that disagrees); such a file is
+    deleted and exported again, so a bad cache can never serve.
+    """
+    if path.exists():
+        try:
+            return open_fn(path), False
+        except Exception as exc:
+            log.warning("cached ONNX model %s is unusable (%s); exporting it again", path, exc)
+            path.unlink(missing_ok=True)
+    export_fn()
+    return open_fn(path), True
 
 
 class OnnxEncoder:
@@ -148,17 +182,10 @@ class OnnxEncoder:
 
         path = self._cache_path(model_dir)
         t0 = time.perf_counter()
-        session = None
-        if path.exists():
-            try:
-                session = self._open(path)
-            except Exception as exc:  # corrupt, truncated or stale: a fresh export fixes all of them
-                log.warning("cached ONNX encoder %s is unusable (%s); exporting it again", path, exc)
-                path.unlink(missing_ok=True)
-        if session is None:
-            _export(model_dir, path, self._tokenizer, optimize=self._optimize)
-            self.exported = True
-            session = self._open(path)
+        tokenizer = self._tokenizer
+        session, self.exported = open_or_export(
+            path, self._open, lambda: _export(model_dir, path, tokenizer, optimize=self._optimize)
+        )
         self._session = session
         self.model_file = path
         log.info(
@@ -190,17 +217,7 @@ class OnnxEncoder:
 
     def _open(self, path: Path) -> Any:
         """An ORT session on ``path`` that reproduces the probe embeddings stored in the file at export."""
-        import onnxruntime as ort
-
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = self._threads
-        so.inter_op_num_threads = 1
-        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        so.log_severity_level = 3
-        if self._threads > 1:  # idle workers must not busy-wait against the gateway's event loop
-            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        session = cpu_session(path, self._threads)
         self._output = session.get_outputs()[0].name
         probe = session.get_modelmeta().custom_metadata_map.get(_META_PROBE)
         if probe is None:

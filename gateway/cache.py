@@ -141,20 +141,24 @@ class ResponseCache:
                     continue
                 if entry.threshold is not None and sim < entry.threshold:  # learned from feedback
                     continue
-                if self._verified(keys.query, vec, entry, sim, threshold):
+                if await self._verified(keys.query, vec, entry, sim, threshold):
                     result.result, result.entry, result.similarity = "semantic-hit", entry, sim
                     break
         result.lookup_ms = _ms(start)
         return result
 
-    def _verified(self, query: str, vec: np.ndarray, entry: CacheEntry, sim: float, threshold: float) -> bool:
+    async def _verified(
+        self, query: str, vec: np.ndarray, entry: CacheEntry, sim: float, threshold: float
+    ) -> bool:
         if not self.config.verifier or self.verifier is None or entry.embedding is None:
             return True
         stored = np.frombuffer(entry.embedding, dtype=np.float32)
         rule = DecisionRule(min_cosine=threshold, min_prob=self.config.verifier_threshold)
-        return self.verifier.check_batch([query], [entry.query_text], vec[None], stored[None], rule)[
-            0
-        ].accepted
+        args = ([query], [entry.query_text], vec[None], stored[None], rule)
+        if self.verifier.cross is None:  # the MLP alone takes ~0.1 ms: not worth a thread hop
+            return self.verifier.check_batch(*args)[0].accepted
+        # the cross-encoder (~2 ms) runs off the event loop; ORT releases the GIL
+        return (await asyncio.to_thread(self.verifier.check_batch, *args))[0].accepted
 
     async def _get_entries(self, ids: list[int]) -> dict[int, CacheEntry]:
         found = {i: self._memo[i] for i in ids if i in self._memo}

@@ -61,6 +61,9 @@ class CacheConfig(_Strict):
     thresholds_by_tenant: dict[str, Threshold]
     verifier: bool
     verifier_threshold: float = Field(ge=0, le=1)
+    verifier_path: str  # "" = the artifact shipped in policies/artifacts
+    cross_verifier: bool
+    cross_verifier_path: str
     ttl_seconds: int = Field(gt=0)
     max_ttl_seconds: int = Field(gt=0)
     max_entries: int = Field(gt=0)

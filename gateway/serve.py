@@ -22,7 +22,7 @@ from gateway.live_settings import LiveSettings
 from gateway.proxy import Backends
 from gateway.store import Store
 from gateway.supervisor import BuiltinBackend
-from policies.verifier import Verifier
+from policies.verifier import load_verifier
 
 log = logging.getLogger("cachegw.gateway")
 EXPIRY_EVERY_S = 60.0
@@ -45,7 +45,8 @@ async def started_gateway(settings: Settings, progress: bool = True) -> AsyncIte
     )
     batcher = EmbeddingBatcher(encoder, window_ms=c.embed_batch_window_ms, max_batch=c.embed_max_batch)
     await asyncio.to_thread(encoder.encode, ["warm-up"])
-    verifier = Verifier.load() if c.verifier else None
+    # loaded even when switched off: the admin API can switch it on at run time
+    verifier = await asyncio.to_thread(load_verifier, c, settings.engine.resolved_cache_dir)
     cache = ResponseCache(c, store, ScopedIndex(dim=encoder.dim), batcher, verifier)
     n = await asyncio.to_thread(cache.rebuild_index, progress)
     log.info("cache: %d entries, %d in the vector index", cache.entries, n)

@@ -26,7 +26,7 @@ from embeddings.batcher import SupportsEncode
 from embeddings.encoder import make_encoder
 from gateway.cache_keys import request_keys
 from policies.canonicalize import CanonicalizeConfig, canonicalize
-from policies.verifier import DecisionRule, Verifier, VerifierDataError, read_pairs
+from policies.verifier import DecisionRule, Verifier, VerifierDataError, load_verifier, read_pairs
 
 log = logging.getLogger(__name__)
 
@@ -278,7 +278,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             )
     use_verifier = settings.cache.verifier and not args.no_verifier
     try:
-        verifier = Verifier.load() if use_verifier else None
+        cache_dir = settings.engine.resolved_cache_dir
+        verifier = load_verifier(settings.cache, cache_dir) if use_verifier else None
     except (OSError, ValueError) as e:
         raise CalibrateError(f"cannot load the verifier: {e}") from None
     c = settings.cache

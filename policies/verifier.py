@@ -5,9 +5,11 @@ Cosine similarity alone tops out near 0.93 precision on QQP because hard negativ
 
 1. the candidate's cosine clears ``DEFAULT_RULE.min_cosine`` (cheap pre-filter, the ANN threshold);
 2. no hard guard fires (numbers, negation, antonyms; see ``verifier_features.guard_reason``);
-3. a small MLP over pair features gives probability >= ``DEFAULT_RULE.min_prob``.
+3. a small MLP over pair features gives probability >= ``DEFAULT_RULE.min_prob``; with the optional
+   cross-encoder stage (``policies/cross_onnx.py``), the geometric mean of the MLP's and the
+   cross-encoder's probabilities must clear it instead.
 
-Inference is numpy only; training uses torch (``train_verifier`` / ``cachegw train-verifier``).
+The MLP is numpy only; training uses torch (``train_verifier`` / ``cachegw train-verifier``).
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ import csv
 import hashlib
 import json
 import logging
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -71,19 +74,28 @@ def _as_matrix(emb: np.ndarray, n: int) -> np.ndarray:
     return m / np.maximum(norms, 1e-12)
 
 
-class Verifier:
-    """Pair classifier (2-layer MLP) plus hard guards; see the module docstring for the rule."""
+class PairScorer(Protocol):
+    """A second stage that reads both questions together (``policies.cross_onnx.CrossScorer``)."""
 
-    def __init__(self, params: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+    def score_batch(self, q_new: list[str], q_old: list[str]) -> np.ndarray: ...
+
+
+class Verifier:
+    """Pair classifier (2-layer MLP) plus hard guards, and optionally a cross-encoder stage."""
+
+    def __init__(
+        self, params: dict[str, np.ndarray], meta: dict[str, Any], cross: PairScorer | None = None
+    ) -> None:
         missing = [k for k in _PARAM_KEYS if k not in params]
         if missing:
             raise ValueError(f"verifier artifact lacks arrays {missing}")
         self.params = {k: np.asarray(params[k], dtype=np.float32) for k in _PARAM_KEYS}
         self.meta = meta
+        self.cross = cross
         self._inv_std = 1.0 / self.params["std"]
 
     @classmethod
-    def load(cls, path: str | Path | None = None) -> Verifier:
+    def load(cls, path: str | Path | None = None, cross: PairScorer | None = None) -> Verifier:
         """Load an artifact written by ``save``; ``None`` loads the one shipped with the package."""
         p = Path(path) if path is not None else ARTIFACT_PATH
         with np.load(p, allow_pickle=False) as z:
@@ -92,7 +104,7 @@ class Verifier:
         if meta.get("format_version", FORMAT_VERSION) != FORMAT_VERSION:
             raise ValueError(f"{p}: unsupported verifier format {meta.get('format_version')}")
         log.info("loaded verifier %s (%d features)", p, params["mean"].shape[0])
-        return cls(params, meta)
+        return cls(params, meta, cross)
 
     def save(self, path: str | Path) -> None:
         p = Path(path)
@@ -118,8 +130,23 @@ class Verifier:
         keep = [i for i in range(n) if guard_reason(q_new[i], q_old[i]) is None]
         if keep:
             u, v = _as_matrix(emb_new, n)[keep], _as_matrix(emb_old, n)[keep]
-            feats = pair_features([q_new[i] for i in keep], [q_old[i] for i in keep], u, v)
-            out[keep] = self._mlp(feats)
+            a, b = [q_new[i] for i in keep], [q_old[i] for i in keep]
+            out[keep] = self._combine(a, b, self._mlp(pair_features(a, b, u, v)))
+        return out
+
+    def _combine(self, a: list[str], b: list[str], p_mlp: np.ndarray, min_prob: float = 0.0) -> np.ndarray:
+        """The final probability: the MLP's, or its geometric mean with the cross-encoder's.
+
+        A pair whose MLP probability is under ``min_prob ** 2`` cannot reach ``min_prob`` whatever the
+        cross-encoder says, so it is not sent there; it keeps the upper bound ``sqrt(p_mlp)`` instead.
+        """
+        if self.cross is None:
+            return p_mlp
+        out = np.sqrt(p_mlp).astype(np.float32)
+        ask = np.flatnonzero(p_mlp >= min_prob**2)
+        if len(ask):
+            p_cross = self.cross.score_batch([a[i] for i in ask], [b[i] for i in ask])
+            out[ask] = np.sqrt(p_mlp[ask] * p_cross)
         return out
 
     def score(self, q_new: str, q_old: str, emb_new: np.ndarray, emb_old: np.ndarray) -> float:
@@ -148,8 +175,9 @@ class Verifier:
             else:
                 todo.append(i)
         if todo:
-            feats = pair_features([q_new[i] for i in todo], [q_old[i] for i in todo], u[todo], v[todo])
-            for i, prob in zip(todo, self._mlp(feats), strict=True):
+            a, b = [q_new[i] for i in todo], [q_old[i] for i in todo]
+            probs = self._combine(a, b, self._mlp(pair_features(a, b, u[todo], v[todo])), rule.min_prob)
+            for i, prob in zip(todo, probs, strict=True):
                 ok = rule.decide(float(cos[i]), float(prob))
                 verdicts[i] = Verdict(ok, float(prob), float(cos[i]), "hit" if ok else "low_prob")
         return [v for v in verdicts if v is not None]
@@ -180,6 +208,30 @@ class Verifier:
         min_cosine: float | None = None,
     ) -> bool:
         return self.accept_batch([q_new], [q_old], emb_new, emb_old, threshold, min_cosine)[0]
+
+
+def load_verifier(cache: Any, cache_dir: str | os.PathLike[str] | None = None) -> Verifier:
+    """The gateway's verifier from ``[cache]`` settings (``verifier_path``, ``cross_verifier``...).
+
+    The cross-encoder stage runs on int8 ONNX Runtime; when that cannot load (onnxruntime missing, export
+    failure) it falls back to the same model on torch, slower (~12 ms per candidate) but the same decisions
+    within int8 noise, rather than silently dropping the stage.
+    """
+    cross: PairScorer | None = None
+    if cache.cross_verifier:
+        from policies.cross_encoder import ARTIFACT_PATH as CROSS_PATH
+        from policies.cross_encoder import CrossEncoder
+        from policies.cross_onnx import CrossScorer
+
+        artifact = Path(cache.cross_verifier_path or CROSS_PATH)
+        if not artifact.is_file():
+            raise FileNotFoundError(f"cross_verifier_path {artifact} does not exist")
+        try:
+            cross = CrossScorer(artifact, cache_dir=cache_dir).load()
+        except Exception as exc:
+            log.warning("cross-encoder on ONNX unusable (%s: %s); using torch", type(exc).__name__, exc)
+            cross = CrossEncoder(artifact)
+    return Verifier.load(cache.verifier_path or None, cross)
 
 
 # ---------------------------------------------------------------------------------------------- training
@@ -391,13 +443,30 @@ def main_train(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="verifier.npz", help="artifact to write (default: %(default)s)")
     parser.add_argument("--hidden", type=int, default=64, help="MLP hidden units (default: %(default)s)")
     parser.add_argument("--epochs", type=int, default=40, help="max epochs (default: %(default)s)")
+    parser.add_argument(
+        "--cross",
+        action="store_true",
+        help="also train the cross-encoder stage (LoRA on MiniLM; about 20 min per 17k pairs on 2 CPU cores)",
+    )
+    parser.add_argument("--cross-out", default=None, help="its artifact (default: <out>-cross.npz)")
+    parser.add_argument("--cross-epochs", type=float, default=4.0, help="its passes over the pairs")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.cross_epochs <= 0:
+        print("error: --cross-epochs must be > 0", file=sys.stderr)
+        return 2
     try:
         metrics = train_verifier(args.pairs, args.out, hidden=args.hidden, epochs=args.epochs)
+        print(json.dumps({k: v for k, v in metrics.items() if k != "val_curve_at_default_cosine"}, indent=2))
+        print(f"wrote {args.out}; use it with [cache] verifier_path = {str(args.out)!r}")
+        if args.cross:
+            from policies.cross_encoder import CrossConfig, train_cross_from_csv
+
+            out = args.cross_out or str(Path(args.out).with_suffix("")) + "-cross.npz"
+            meta = train_cross_from_csv(args.pairs, out, CrossConfig(epochs=args.cross_epochs))
+            print(json.dumps(meta, indent=2))
+            print(f"wrote {out}; use it with [cache] cross_verifier_path = {out!r}")
     except VerifierDataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps({k: v for k, v in metrics.items() if k != "val_curve_at_default_cosine"}, indent=2))
-    print(f"wrote {args.out}; load it with Verifier.load({args.out!r})")
     return 0
