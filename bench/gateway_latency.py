@@ -142,7 +142,10 @@ async def hit_throughput(url: str, payloads: list[dict], clients: int, seconds: 
 async def run(args: argparse.Namespace, work: Path) -> dict:
     bport, gport = 18401, 18400
     config = work / "cachegw.toml"
-    config.write_text(f'[gateway]\nbackends = ["http://127.0.0.1:{bport}/v1"]\n[engine]\nmax_num_seqs = 32\n')
+    cache = "" if args.cross_verifier else "[cache]\ncross_verifier = false\nverifier_threshold = 0.80\n"
+    config.write_text(
+        f'[gateway]\nbackends = ["http://127.0.0.1:{bport}/v1"]\n[engine]\nmax_num_seqs = 32\n{cache}'
+    )
     exe = [sys.executable, "-m", "gateway.cli"]
     backend = start([*exe, "backend", "--port", str(bport), "--config", str(config)], work / "backend.log")
     gw = start(
@@ -237,10 +240,17 @@ def main() -> None:
     ap.add_argument("--miss-pairs", type=int, default=40)
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument(
+        "--no-cross-verifier",
+        dest="cross_verifier",
+        action="store_false",
+        help="MLP-only verifier (cross_verifier = false, verifier_threshold 0.80): the stage's cost",
+    )
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="cachegw-bench-") as tmp:
         result = asyncio.run(run(args, Path(tmp)))
-    save("gateway_latency", result)
+    result["cross_verifier"] = args.cross_verifier
+    save("gateway_latency" if args.cross_verifier else "gateway_latency_mlp_only", result)
     s, m, h = result["semantic_hit_ms"], result["miss_overhead_ms"], result["hit_throughput"]
     print(
         f"semantic hit p50 {s['p50']} ms p99 {s['p99']} ms | miss overhead p50 {m['paired_diff_p50']} ms "

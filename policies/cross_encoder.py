@@ -44,6 +44,7 @@ class CrossConfig:
     lr: float = 5e-4
     weight_decay: float = 0.01
     seed: int = 0
+    identity_fraction: float = 0.1  # extra positives: a question against a re-typed copy of itself
 
 
 def _torch() -> Any:
@@ -176,6 +177,39 @@ class CrossEncoder:
         return out
 
 
+def retyped(text: str, rng: np.random.Generator) -> str:
+    """The same question as another user types it: casing, spacing and end punctuation only.
+
+    QQP never pairs a question with itself, and its few near-identical pairs are often labelled "not
+    duplicate" (label noise). Without these, the model learned to doubt "Where is my order?" against
+    "where is my order ??" (p = 0.25).
+    """
+    t = text.strip()
+    choice = int(rng.integers(6))
+    if choice == 0:
+        t = t[:1].lower() + t[1:]
+    elif choice == 1:
+        t = t.lower()
+    elif choice == 2:
+        t = t.rstrip("?.! ") + rng.choice(["", " ?", "??", "?!", "."])
+    elif choice == 3:
+        t = " ".join(t.split()) + " "
+    elif choice == 4:
+        t = t[:1].upper() + t[1:].rstrip("?") + "?"
+    return t
+
+
+def _with_identities(
+    q1: Sequence[str], q2: Sequence[str], y: np.ndarray, fraction: float, rng: np.random.Generator
+) -> tuple[list[str], list[str], np.ndarray]:
+    texts = sorted(set(q1) | set(q2))
+    n = min(len(texts), int(round(len(q1) * fraction)))
+    picked = [texts[i] for i in rng.choice(len(texts), size=n, replace=False)] if n else []
+    a = list(q1) + picked
+    b = list(q2) + [retyped(t, rng) for t in picked]
+    return a, b, np.concatenate([np.asarray(y, dtype=np.float32), np.ones(n, dtype=np.float32)])
+
+
 def merged_model(ce: CrossEncoder) -> Any:
     """The torch model with each LoRA update folded into its base weight (plain Linear layers again)."""
     torch = _torch()
@@ -215,6 +249,7 @@ def train_cross_encoder(
     rng = np.random.default_rng(cfg.seed)
     path = model_path or default_model_path()
     model, tok = _build(path, cfg.rank, cfg.alpha), _tokenizer(path)
+    q1, q2, y = _with_identities(q1, q2, y, cfg.identity_fraction, rng)
     a, b = list(q1) + list(q2), list(q2) + list(q1)
     labels = torch.from_numpy(np.concatenate([y, y]).astype(np.float32))
     n = len(a)
@@ -254,6 +289,7 @@ def train_cross_encoder(
         "epochs": cfg.epochs,
         "steps": steps,
         "pairs": len(q1),
+        "identity_fraction": cfg.identity_fraction,
         "max_len": MAX_LEN,
         "seconds": round(time.perf_counter() - t0, 1),
     }

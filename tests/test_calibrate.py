@@ -15,7 +15,7 @@ import pytest
 from embeddings.encoder import Encoder
 from gateway.config import load_settings
 from policies.calibrate import THRESHOLDS, gateway_query, main_calibrate
-from policies.verifier import DecisionRule, Verifier
+from policies.verifier import DecisionRule, load_verifier
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,7 +80,8 @@ def direct(encoder):
     y = np.array([lab for _, _, lab in PAIRS], dtype=bool)
     e1, e2 = encoder.encode(q1), encoder.encode(q2)
     cos = np.sum(e1 * e2, axis=1)
-    verifier = Verifier.load()
+    verifier = load_verifier(settings.cache, settings.engine.resolved_cache_dir)  # as the gateway does
+    assert verifier.cross is not None  # the shipped config has the cross-encoder stage on
 
     def curve(use_verifier: bool) -> dict[str, list]:
         out: dict[str, list] = {"precision": [], "recall": [], "f1": [], "accepted": []}
