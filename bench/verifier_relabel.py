@@ -1,21 +1,22 @@
 """How much of the verifier's QQP "precision" gap is the labels? A blind re-annotation of what it accepts.
 
 Usage (from the project root):
-    HF_HUB_OFFLINE=1 .venv/bin/python -m bench.verifier_relabel sample --out DIR   # pairs still to judge
-    HF_HUB_OFFLINE=1 .venv/bin/python -m bench.verifier_relabel score              # the figures
+    HF_HUB_OFFLINE=1 .venv/bin/python -m bench.verifier_relabel sample --out DIR [--rejected N]
+    HF_HUB_OFFLINE=1 .venv/bin/python -m bench.verifier_relabel score
 
-``sample`` takes the pairs the shipped verifier accepts on the held-out QQP split (``split_qqp``), every one
-labelled "not duplicate" (the false positives) and an equal number of randomly drawn labelled duplicates, and
-writes those not judged yet into DIR/judge_in.csv (item, question_a, question_b; order within a pair
-shuffled; no label, no score) for annotators. It appends them to ``bench/results/qqp_relabel/key.csv``
-(item, QQP id, QQP label: ids only, the question texts stay in ../shared/data). Each annotator's answers go
-to ``bench/results/qqp_relabel/judge_<name>.csv`` (item, duplicate, sure).
+``sample`` writes pairs not judged yet into DIR/judge_in.csv (item, question_a, question_b; order within a
+pair shuffled; no label, no score) for annotators, and appends them to
+``bench/results/qqp_relabel/key.csv`` (item, QQP id, QQP label, how it was drawn: ids only, the question
+texts stay in ../shared/data). Without ``--rejected`` it takes, from what the shipped verifier (default, and
+MLP only) accepts on the held-out QQP split, every pair labelled "not duplicate" and as many randomly drawn
+labelled duplicates (for precision). With ``--rejected N`` it draws N random pairs of each QQP label among
+those the default rejects (for recall). Each annotator's answers go to
+``bench/results/qqp_relabel/judge_<name>.csv`` (item, duplicate, sure); the guideline they were given is
+GUIDELINE.md there.
 
-``score`` reports inter-annotator agreement (Cohen's kappa), how often the annotators call QQP's negatives
-and positives duplicates, and the precision of each verifier setting against the labels the annotators agree
-on: every false positive of the setting is judged; the true positives are a sample, so their rate is
-estimated from it (95% bootstrap interval over both strata). Recall is not re-estimated (that would need
-judging the negatives the verifier rejects) and stays on QQP's labels.
+``score`` reports inter-annotator agreement (Cohen's kappa), how often the annotators call QQP's accepted
+negatives and positives duplicates, and each setting's precision (and, for the default, recall) against the
+labels the annotators agree on, estimated per stratum with a 95% bootstrap interval (``relabelled``).
 Writes bench/results/verifier_relabel.json.
 """
 
@@ -58,6 +59,8 @@ def accepted_sets(test: list[dict[str, str]]) -> dict[str, np.ndarray]:
 
 
 def read_key() -> list[dict[str, str]]:
+    """Rows of item, qqp_id, qqp_label, drawn ("accepted": from the accepted sets; "rejected": a uniform
+    draw, per QQP label, from the pairs the default rejected when it was drawn)."""
     if not KEY.exists():
         return []
     with KEY.open(newline="") as f:
@@ -75,20 +78,25 @@ def read_judges() -> dict[str, dict[str, int]]:
     return out
 
 
-def sample(out_dir: Path, seed: int) -> int:
+def sample(out_dir: Path, seed: int, rejected: int) -> int:
     _, test, _ = split_qqp(_read_csv("qqp_dev.csv"))
     sets = accepted_sets(test)
     y = np.array([r["is_duplicate"] == "1" for r in test])
     union = np.logical_or.reduce(list(sets.values()))
     key = read_key()
     judged = {k["qqp_id"] for k in key}
-    fps = [i for i in np.flatnonzero(union & ~y) if test[i]["id"] not in judged]
-    n_tp_judged = sum(1 for k in key if k["qqp_label"] == "1")
-    n_fp_judged = sum(1 for k in key if k["qqp_label"] == "0") + len(fps)
     rng = random.Random(seed)
-    pool = [i for i in np.flatnonzero(union & y) if test[i]["id"] not in judged]
-    tps = rng.sample(pool, min(len(pool), max(0, n_fp_judged - n_tp_judged)))
-    todo = fps + tps
+    fresh = [i for i in range(len(test)) if test[i]["id"] not in judged]
+    if rejected:  # for recall: what the default turns away, uniformly, per QQP label
+        todo = [(i, "rejected") for lab in (True, False) for i in rng.sample(
+            [i for i in fresh if not sets["default"][i] and y[i] == lab], rejected
+        )]  # fmt: skip
+    else:  # for precision: every accepted QQP negative, and as many accepted QQP positives
+        fps = [i for i in fresh if union[i] and not y[i]]
+        n_tp = sum(1 for k in key if k["qqp_label"] == "1" and k["drawn"] == "accepted")
+        n_fp = sum(1 for k in key if k["qqp_label"] == "0" and k["drawn"] == "accepted") + len(fps)
+        pool = [i for i in fresh if union[i] and y[i]]
+        todo = [(i, "accepted") for i in fps + rng.sample(pool, min(len(pool), max(0, n_fp - n_tp)))]
     rng.shuffle(todo)
     start = max((int(k["item"]) for k in key), default=-1) + 1
     RELABEL_DIR.mkdir(parents=True, exist_ok=True)
@@ -97,15 +105,15 @@ def sample(out_dir: Path, seed: int) -> int:
     with KEY.open("a", newline="") as fk, (out_dir / "judge_in.csv").open("w", newline="") as fj:
         wk, wj = csv.writer(fk), csv.writer(fj)
         if new_key:
-            wk.writerow(["item", "qqp_id", "qqp_label"])
+            wk.writerow(["item", "qqp_id", "qqp_label", "drawn"])
         wj.writerow(["item", "question_a", "question_b"])
-        for n, i in enumerate(todo, start):
+        for n, (i, drawn) in enumerate(todo, start):
             a, b = test[i]["question1"], test[i]["question2"]
             if rng.random() < 0.5:
                 a, b = b, a
-            wk.writerow([n, test[i]["id"], test[i]["is_duplicate"]])
+            wk.writerow([n, test[i]["id"], test[i]["is_duplicate"], drawn])
             wj.writerow([n, a, b])
-    print(f"{len(todo)} new pairs to judge ({len(fps)} QQP negatives, {len(tps)} positives) -> {out_dir}")
+    print(f"{len(todo)} new pairs to judge -> {out_dir}")
     return 0
 
 
@@ -115,35 +123,62 @@ def _kappa(a: np.ndarray, b: np.ndarray) -> float:
     return (po - pe) / (1 - pe) if pe < 1 else 1.0
 
 
-def precision_relabelled(
-    acc: np.ndarray, y: np.ndarray, agreed: dict[int, int], rng: np.random.Generator
+def relabelled(
+    acc: np.ndarray,
+    y: np.ndarray,
+    agreed: dict[int, int],
+    draws: dict[str, set[int]],
+    rng: np.random.Generator,
 ) -> dict[str, Any]:
-    """Precision against the annotators' agreed label; ``agreed`` maps test index -> 1/0 (both said 1)."""
-    fp_idx = np.flatnonzero(acc & ~y)
-    tp_idx = np.flatnonzero(acc & y)
-    fp_judged = [agreed[i] for i in fp_idx if i in agreed]
-    tp_judged = np.array([agreed[i] for i in tp_idx if i in agreed])
-    fp_dup = np.array(fp_judged + [0] * (len(fp_idx) - len(fp_judged)))  # unjudged count as wrong
-    n = len(fp_idx) + len(tp_idx)
+    """Precision (and recall, given uniform draws among rejected pairs) against the agreed labels.
 
-    def estimate(tp_rate: float, fp_rate: float) -> float:
-        return (len(tp_idx) * tp_rate + len(fp_idx) * fp_rate) / max(n, 1)
+    ``agreed`` maps test index -> 1 if both annotators said duplicate. Four strata: accepted QQP
+    negatives (all judged; unjudged ones count as wrong), accepted QQP positives (a sample), and rejected
+    QQP positives / negatives (uniform samples). Each stratum's duplicate rate times its size estimates its
+    true duplicates; the 95% interval resamples every stratum's judged items.
+    """
+    strata = {
+        "accepted_qqp_negative": acc & ~y,
+        "accepted_qqp_positive": acc & y,
+        "rejected_qqp_positive": ~acc & y,
+        "rejected_qqp_negative": ~acc & ~y,
+    }
+    sizes, votes = {}, {}
+    for name, mask in strata.items():
+        idx = np.flatnonzero(mask)
+        pool = [i for i in idx if i in draws[name.split("_")[0]]]  # only items drawn for this stratum
+        v = [agreed[i] for i in pool if i in agreed]
+        if name == "accepted_qqp_negative":
+            v += [0] * (len(idx) - len(v))
+        sizes[name], votes[name] = len(idx), np.array(v, dtype=float)
 
+    def estimate(rate: dict[str, float]) -> tuple[float, float | None]:
+        acc_dup = sizes["accepted_qqp_negative"] * rate["accepted_qqp_negative"]
+        acc_dup += sizes["accepted_qqp_positive"] * rate["accepted_qqp_positive"]
+        precision = acc_dup / max(int(acc.sum()), 1)
+        if not all(len(votes[k]) for k in ("rejected_qqp_positive", "rejected_qqp_negative")):
+            return precision, None
+        rej_dup = sum(sizes[k] * rate[k] for k in ("rejected_qqp_positive", "rejected_qqp_negative"))
+        return precision, acc_dup / max(acc_dup + rej_dup, 1e-9)
+
+    point = estimate({k: float(v.mean()) if len(v) else 0.0 for k, v in votes.items()})
     boots = [
-        estimate(rng.choice(tp_judged, len(tp_judged)).mean(), rng.choice(fp_dup, len(fp_dup)).mean())
+        estimate({k: float(rng.choice(v, len(v)).mean()) if len(v) else 0.0 for k, v in votes.items()})
         for _ in range(2000)
     ]
-    return {
-        "accepted": int(n),
-        "qqp_precision": round(len(tp_idx) / max(n, 1), 4),
-        "qqp_false_positives": int(len(fp_idx)),
-        "false_positives_judged": len(fp_judged),
-        "false_positives_both_annotators_call_duplicate": int(fp_dup.sum()),
-        "true_positives_judged": int(len(tp_judged)),
-        "true_positives_both_annotators_call_duplicate_rate": round(float(tp_judged.mean()), 4),
-        "precision_against_agreed_relabel": round(estimate(tp_judged.mean(), fp_dup.mean()), 4),
-        "ci95": [round(float(np.percentile(boots, q)), 4) for q in (2.5, 97.5)],
-    }
+    out: dict[str, Any] = {
+        "accepted": int(acc.sum()),
+        "qqp_precision": round(float((acc & y).sum() / max(acc.sum(), 1)), 4),
+        "qqp_recall": round(float((acc & y).sum() / y.sum()), 4),
+        "strata": {k: {"pairs": sizes[k], "judged": len(votes[k]), "both_call_duplicate_rate":
+                       round(float(votes[k].mean()), 4) if len(votes[k]) else None} for k in strata},
+        "precision_against_agreed_relabel": round(point[0], 4),
+        "precision_ci95": [round(float(np.percentile([b[0] for b in boots], q)), 4) for q in (2.5, 97.5)],
+    }  # fmt: skip
+    if point[1] is not None:
+        out["recall_against_agreed_relabel"] = round(point[1], 4)
+        out["recall_ci95"] = [round(float(np.percentile([b[1] for b in boots], q)), 4) for q in (2.5, 97.5)]
+    return out
 
 
 def score() -> int:
@@ -157,21 +192,28 @@ def score() -> int:
     lab = np.array([int(k["qqp_label"]) for k in items])
     votes = np.array([[judges[n][k["item"]] for n in names] for k in items])
     both = votes.all(axis=1).astype(int)
+    drawn = np.array([k["drawn"] for k in items])
     res: dict[str, Any] = {
         "annotators": names,
         "items_judged_by_all": len(items),
         "items_in_key": len(key),
         "agreement": round(float((votes[:, 0] == votes[:, 1]).mean()), 4),
         "cohen_kappa": round(_kappa(votes[:, 0], votes[:, 1]), 4),
-        "qqp_negatives_called_duplicate_by_both": round(float(both[lab == 0].mean()), 4),
-        "qqp_positives_called_duplicate_by_both": round(float(both[lab == 1].mean()), 4),
+        "accepted_qqp_negatives_called_duplicate_by_both": round(
+            float(both[(lab == 0) & (drawn == "accepted")].mean()), 4
+        ),
+        "accepted_qqp_positives_called_duplicate_by_both": round(
+            float(both[(lab == 1) & (drawn == "accepted")].mean()), 4
+        ),
     }
     agreed = {row[k["qqp_id"]]: int(b) for k, b in zip(items, both, strict=True)}
     y = np.array([r["is_duplicate"] == "1" for r in test])
     rng = np.random.default_rng(0)
-    for name, acc in accepted_sets(test).items():
-        res[name] = precision_relabelled(acc, y, agreed, rng)
-        res[name]["qqp_recall"] = round(float((acc & y).sum() / y.sum()), 4)
+    sets = accepted_sets(test)
+    drawn_as = {d: {row[k["qqp_id"]] for k in key if k["drawn"] == d} for d in ("accepted", "rejected")}
+    for name, acc in sets.items():  # the rejected draws are uniform only among the default's rejections
+        draws = drawn_as if name == "default" else {**drawn_as, "rejected": set()}
+        res[name] = relabelled(acc, y, agreed, draws, rng)
     path = RESULTS_DIR / "verifier_relabel.json"
     path.write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1))
@@ -185,9 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("sample", help="write the accepted pairs not judged yet for annotators")
     s.add_argument("--out", type=Path, required=True, help="folder for judge_in.csv (keep it out of git)")
     s.add_argument("--seed", type=int, default=7)
+    s.add_argument("--rejected", type=int, default=0, help="instead: N random rejected pairs per QQP label")
     sub.add_parser("score", help="agreement and precision against the re-annotation")
     args = ap.parse_args(argv)
-    return sample(args.out, args.seed) if args.cmd == "sample" else score()
+    return sample(args.out, args.seed, args.rejected) if args.cmd == "sample" else score()
 
 
 if __name__ == "__main__":
