@@ -53,11 +53,10 @@ from bench.verifier_eval import (  # noqa: E402
     auc,
     operating_points,
     oracle,
-    pair_set,
+    qqp_pair_sets,
     subset,
 )
 from bench.verifier_quality import CACHE_DIR as EMB_DIR  # noqa: E402
-from bench.verifier_quality import _read_csv, split_qqp  # noqa: E402
 from bench.verifier_token_alignment import print_table, train  # noqa: E402
 from policies.verifier import DEFAULT_RULE, Verifier, _val_mask  # noqa: E402
 
@@ -314,8 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     t_start = time.perf_counter()
     print("[1/5] splitting qqp_dev.csv", flush=True)
-    train_rows, test_rows, split_info = split_qqp(_read_csv("qqp_dev.csv"))
-    tr, te = pair_set(train_rows), pair_set(test_rows)
+    tr, te, split_info = qqp_pair_sets()
     print(f"  {json.dumps(split_info)}", flush=True)
     texts = sorted(set(tr.q1) | set(tr.q2) | set(te.q1) | set(te.q2))
     print(f"[2/5] cached sentence embeddings from {EMB_DIR}", flush=True)

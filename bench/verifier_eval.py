@@ -34,6 +34,14 @@ def pair_set(rows: list[dict[str, str]]) -> PairSet:
     return PairSet(q1, q2, y, vetoed)
 
 
+def qqp_pair_sets() -> tuple[PairSet, PairSet, dict[str, Any]]:
+    """The train and test PairSets of ``split_qqp`` on qqp_dev.csv, with the split's description."""
+    from bench.verifier_quality import _read_csv, split_qqp
+
+    train_rows, test_rows, info = split_qqp(_read_csv("qqp_dev.csv"))
+    return pair_set(train_rows), pair_set(test_rows), info
+
+
 def subset(ps: PairSet, mask: np.ndarray) -> PairSet:
     idx = np.flatnonzero(mask)
     return PairSet([ps.q1[i] for i in idx], [ps.q2[i] for i in idx], ps.y[mask], ps.vetoed[mask])

@@ -46,8 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import RESULTS as RESULTS_DIR  # noqa: E402
 from bench.common import machine  # noqa: E402
-from bench.verifier_eval import PairSet, auc, operating_points, pair_set, subset  # noqa: E402
-from bench.verifier_quality import _read_csv, split_qqp  # noqa: E402
+from bench.verifier_eval import PairSet, auc, operating_points, qqp_pair_sets, subset  # noqa: E402
 from embeddings.onnx_encoder import OnnxEncoder, _plan_batches  # noqa: E402
 from policies.verifier import DEFAULT_RULE, Verifier, _fit_ensemble, _val_mask  # noqa: E402
 from policies.verifier_features import LEXICAL_NAMES, STOPWORDS, pair_features  # noqa: E402
@@ -402,8 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     t_start = time.perf_counter()
     print("[1/5] splitting qqp_dev.csv", flush=True)
-    train_rows, test_rows, split_info = split_qqp(_read_csv("qqp_dev.csv"))
-    tr, te = pair_set(train_rows), pair_set(test_rows)
+    tr, te, split_info = qqp_pair_sets()
     print(f"  {json.dumps(split_info)}", flush=True)
     texts = sorted(set(tr.q1) | set(tr.q2) | set(te.q1) | set(te.q2))
     print(f"[2/5] token embeddings of {len(texts):,} distinct questions (1 thread)", flush=True)

@@ -232,7 +232,14 @@ def load_verifier(cache: Any, cache_dir: str | os.PathLike[str] | None = None) -
             cross = CrossScorer(artifact, cache_dir=cache_dir).load()
         except Exception as exc:
             log.warning("cross-encoder on ONNX unusable (%s: %s); using torch", type(exc).__name__, exc)
-            cross = CrossEncoder(artifact)
+            torch_cross = CrossEncoder(artifact)
+            try:  # loaded now: a broken artifact must stop the start, not fail every lookup later
+                torch_cross.load()
+            except Exception as exc2:
+                raise ValueError(
+                    f"cross_verifier_path {artifact} is not a usable cross-encoder: {exc2}"
+                ) from exc
+            cross = torch_cross
     return Verifier.load(cache.verifier_path or None, cross)
 
 
@@ -367,6 +374,16 @@ def _pr_at(y: np.ndarray, accepted: np.ndarray) -> dict[str, float]:
     return {"precision": prec, "recall": rec, "f1": 2 * prec * rec / max(prec + rec, 1e-12)}
 
 
+def read_guarded_pairs(pairs_csv: str | Path) -> tuple[list[str], list[str], np.ndarray, int]:
+    """The labelled pairs no hard guard vetoes (those never reach a model when serving), and the count in
+    the file; both labels must remain."""
+    q1, q2, y = read_pairs(pairs_csv)
+    keep = [i for i in range(len(y)) if guard_reason(q1[i], q2[i]) is None]
+    if len({int(y[i]) for i in keep}) < 2:
+        raise VerifierDataError(f"{pairs_csv}: after the hard guards only one label is left; need both")
+    return [q1[i] for i in keep], [q2[i] for i in keep], y[keep], len(y)
+
+
 def train_verifier(
     pairs_csv: str,
     out_path: str,
@@ -384,22 +401,18 @@ def train_verifier(
     Pairs a hard guard vetoes are dropped first: at serving time they never reach the MLP.
     ``encoder`` is anything with ``encode(texts, show_progress=...)``; default is the MiniLM Encoder.
     """
-    q1, q2, y = read_pairs(pairs_csv)
-    keep = [i for i in range(len(y)) if guard_reason(q1[i], q2[i]) is None]
-    if len({int(y[i]) for i in keep}) < 2:
-        raise VerifierDataError(f"{pairs_csv}: after the hard guards only one label is left; need both")
-    q1, q2, y_kept = [q1[i] for i in keep], [q2[i] for i in keep], y[keep]
+    q1, q2, y_kept, n_file = read_guarded_pairs(pairs_csv)
     if encoder is None:
         from embeddings.encoder import Encoder
 
         encoder = Encoder()
     texts = sorted(set(q1) | set(q2))
-    log.info("embedding %d distinct questions from %d pairs", len(texts), len(keep))
+    log.info("embedding %d distinct questions from %d pairs", len(texts), len(q1))
     emb = encoder.encode(texts, show_progress=progress)
     row = {t: i for i, t in enumerate(texts)}
     # Identical pairs are certain duplicates that QQP never shows; a few hundred anchor that corner.
     rng = np.random.default_rng(seed)
-    n_ident = min(len(texts), max(len(y) // 20, 2))
+    n_ident = min(len(texts), max(n_file // 20, 2))
     ident = [texts[i] for i in rng.choice(len(texts), size=n_ident, replace=False)]
     a, b = q1 + ident, q2 + ident
     y_all = np.concatenate([y_kept, np.ones(len(ident), dtype=np.float32)])
@@ -408,8 +421,8 @@ def train_verifier(
     val[len(q1) :] = False  # identity pairs only ever train
     params = _fit_ensemble(x, y_all, val, hidden, epochs, seed, members)
     metrics: dict[str, Any] = {
-        "pairs_in_file": int(len(y)),
-        "pairs_vetoed_by_guards": int(len(y) - len(keep)),
+        "pairs_in_file": n_file,
+        "pairs_vetoed_by_guards": n_file - len(q1),
         "pairs_trained": int((~val).sum()),
         "pairs_validation": int(val.sum()),
         "identity_pairs_added": len(ident),
@@ -451,10 +464,12 @@ def main_train(argv: list[str] | None = None) -> int:
         help="also train the cross-encoder stage (LoRA on MiniLM; about 20 min per 17k pairs on 2 CPU cores)",
     )
     parser.add_argument("--cross-out", default=None, help="its artifact (default: <out>-cross.npz)")
-    parser.add_argument("--cross-epochs", type=float, default=4.0, help="its passes over the pairs")
+    parser.add_argument(
+        "--cross-epochs", type=float, default=None, help="its passes over the pairs (default: 3, as shipped)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.cross_epochs <= 0:
+    if args.cross_epochs is not None and args.cross_epochs <= 0:
         print("error: --cross-epochs must be > 0", file=sys.stderr)
         return 2
     try:
@@ -465,7 +480,8 @@ def main_train(argv: list[str] | None = None) -> int:
             from policies.cross_encoder import CrossConfig, train_cross_from_csv
 
             out = args.cross_out or str(Path(args.out).with_suffix("")) + "-cross.npz"
-            meta = train_cross_from_csv(args.pairs, out, CrossConfig(epochs=args.cross_epochs))
+            cfg = CrossConfig() if args.cross_epochs is None else CrossConfig(epochs=args.cross_epochs)
+            meta = train_cross_from_csv(args.pairs, out, cfg)
             print(json.dumps(meta, indent=2))
             print(f"wrote {out}; use it with [cache] cross_verifier_path = {out!r}")
     except VerifierDataError as e:

@@ -131,6 +131,11 @@ def test_load_verifier_follows_the_config(cache_dir: Path, tmp_path: Path) -> No
     missing = cache.model_copy(update={"cross_verifier_path": str(tmp_path / "nope.npz")})
     with pytest.raises(FileNotFoundError):
         load_verifier(missing, cache_dir)
+    # Not an artifact: refused at start (after the torch fallback fails too), not at every lookup later.
+    (tmp_path / "broken.npz").write_bytes(b"not a cross-encoder")
+    broken = cache.model_copy(update={"cross_verifier_path": str(tmp_path / "broken.npz")})
+    with pytest.raises(ValueError, match="not a usable cross-encoder"):
+        load_verifier(broken, cache_dir)
 
 
 def test_train_verifier_cli_trains_the_cross_stage(
