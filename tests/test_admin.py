@@ -404,3 +404,24 @@ def test_a_database_from_an_older_version_gets_the_new_columns(tmp_path):
         ]
     )
     store.close()
+
+
+def test_verifier_switched_on_at_run_time_vetoes_the_next_lookup(backend_url, tmp_path):  # noqa: F811
+    """Started with the verifier off, switched on through the admin API: the next negation misses.
+
+    The gateway used to load the verifier only when the config enabled it, so switching it on at run
+    time served hits with no verification at all.
+    """
+    with gateway(admin_settings(tmp_path, backend_url, verifier=False)) as url:
+        t1, h1, _ = chat(url, ask("How do I boil an egg so the yolk stays soft?"))
+        assert h1["x-cache"] == "miss"
+        # cosine ~0.99: with the verifier off only the threshold decides, so the negation is served
+        _, h2, _ = chat(url, ask("How do I boil an egg so the yolk does not stay soft?"))
+        assert h2["x-cache"] == "semantic-hit"
+        r = api(url, "PUT", "/settings", json={"verifier": {"enabled": True}})
+        assert r.status_code == 200 and r.json()["verifier"]["enabled"] is True
+        _, h3, _ = chat(url, ask("How do I boil an egg so the yolk doesn't stay soft?"))
+        assert h3["x-cache"] == "miss"
+        # and a real paraphrase still hits, so the switch did not just disable the semantic tier
+        t4, h4, _ = chat(url, ask("how do I boil an egg so the yolk stays soft"))
+        assert h4["x-cache"] == "semantic-hit" and t4 == t1
