@@ -8,7 +8,9 @@ query here, and O(1) deletes). A scope that grows past ``hnsw_threshold`` is reb
 ~100 ms. HNSW cannot delete: removed ids become tombstones excluded by an IDSelector during the search (so
 k results still come back), and the scope is compacted once tombstones pass ``tombstone_ratio``. Rebuilds
 run outside the lock on a snapshot while the old index keeps serving; adds and removes made meanwhile are
-journaled and replayed onto the new index before it is swapped in.
+journaled and replayed onto the new index before it is swapped in. With a ``snapshot_dir`` each HNSW scope is
+saved after it is built and on shutdown, and a restart reads it back (embeddings/snapshot.py) instead of
+spending minutes rebuilding the graph.
 """
 
 from __future__ import annotations
@@ -18,11 +20,14 @@ import sys
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import faiss
 import numpy as np
 from tqdm import tqdm
+
+from embeddings import snapshot
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +90,7 @@ class _Scope:
     tombstones: set[int] = field(default_factory=set)
     params: Any = None  # cached (faiss.SearchParametersHNSW, the selectors it points to)
     journal: list[tuple[str, np.ndarray, np.ndarray | None]] | None = None
+    dirty: bool = False  # changed since its snapshot was written (or never written)
 
     @property
     def hnsw(self) -> bool:
@@ -107,6 +113,7 @@ class ScopedIndex:
         ef_search: int = EF_SEARCH,
         tombstone_ratio: float = TOMBSTONE_RATIO,
         background: bool = True,
+        snapshot_dir: Path | None = None,
     ) -> None:
         if min(dim, hnsw_threshold, hnsw_m, ef_construction, ef_search) <= 0:
             raise ValueError("dim, hnsw_threshold, hnsw_m, ef_construction and ef_search must be positive")
@@ -116,6 +123,7 @@ class ScopedIndex:
         self.ef_construction, self.ef_search = ef_construction, ef_search
         self.tombstone_ratio = tombstone_ratio
         self.background = background  # False: switches and compactions run in the calling thread
+        self.snapshot_dir = snapshot_dir  # HNSW scopes saved here (embeddings/snapshot.py); None: never
         self._lock = threading.RLock()
         self._scopes: dict[str, _Scope] = {}
         self._id_scope: dict[int, str] = {}
@@ -134,6 +142,7 @@ class ScopedIndex:
                 raise ValueError(f"ids already present: {taken[:5]}{'...' if len(taken) > 5 else ''}")
             entry = self._scopes.get(scope) or self._scopes.setdefault(scope, _Scope(_Flat(self.dim)))
             entry.index.add_with_ids(vecs, ids)
+            entry.dirty = True
             self._id_scope.update(dict.fromkeys(ids.tolist(), scope))
             if entry.journal is not None:
                 entry.journal.append(("add", ids.copy(), vecs.copy()))
@@ -165,6 +174,7 @@ class ScopedIndex:
 
     @staticmethod
     def _drop(entry: _Scope, ids: np.ndarray) -> None:
+        entry.dirty = True
         if entry.hnsw:
             entry.tombstones.update(ids.tolist())
             entry.params = None
@@ -274,6 +284,7 @@ class ScopedIndex:
             old.journal = []
         try:
             new = self._build(ids, vecs, self._wants_hnsw(len(ids), old.hnsw))
+            self._save(scope, new)  # still private here; the journal replayed below is reconciled on load
         except Exception:
             log.exception("rebuild of scope %s failed; keeping the old index", scope)
             with self._lock:
@@ -287,6 +298,7 @@ class ScopedIndex:
                     new.index.add_with_ids(op_vecs, op_ids)
                 else:
                     self._drop(new, op_ids)
+            new.dirty = new.dirty or bool(old.journal)
             self._scopes[scope] = new
             if new.live == 0:
                 del self._scopes[scope]
@@ -319,12 +331,55 @@ class ScopedIndex:
                     if id_scope.setdefault(i, name) is not name:
                         raise ValueError(f"id {i} appears in two scopes")
                 if self._wants_hnsw(len(ids), False):
-                    scopes[name] = self._build(ids, vecs, True, bar)
+                    scopes[name] = self._restore_or_build(name, ids, vecs, bar)
                 else:
                     scopes[name] = _Scope(flat)
                     bar.update(len(ids))
+        if self.snapshot_dir is not None:
+            snapshot.remove_except(self.snapshot_dir, {n for n, e in scopes.items() if e.hnsw})
         with self._lock:
             self._scopes, self._id_scope = scopes, id_scope
+
+    def _restore_or_build(self, name: str, ids: np.ndarray, vecs: np.ndarray, bar: tqdm) -> _Scope:
+        """An HNSW scope from its snapshot when one is usable, else built (and then saved)."""
+        if self.snapshot_dir is not None:
+            got = snapshot.restore(self.snapshot_dir, name, ids, vecs, self.hnsw_m, self.tombstone_ratio)
+            if got is not None:
+                got.inner.hnsw.efConstruction, got.inner.hnsw.efSearch = self.ef_construction, self.ef_search
+                bar.update(len(ids))
+                log.info(
+                    "scope %s read from its snapshot: %d entries, %d added, %d tombstoned",
+                    name,
+                    len(ids),
+                    got.added,
+                    len(got.tombstones),
+                )
+                return _Scope(got.index, got.inner, got.tombstones, dirty=bool(got.added or got.tombstones))
+        built = self._build(ids, vecs, True, bar)
+        self._save(name, built)
+        return built
+
+    def _save(self, name: str, scope: _Scope) -> None:
+        """Snapshot an HNSW scope nobody else is changing (just built, or under the lock)."""
+        if self.snapshot_dir is None or not scope.hnsw:
+            return
+        try:
+            snapshot.save(self.snapshot_dir, name, scope.index)
+            scope.dirty = False
+        except Exception:  # a full disk costs the next start time, not this index
+            log.exception("could not write the index snapshot of scope %s", name)
+
+    def save_snapshots(self) -> int:
+        """Write every HNSW scope changed since its snapshot (orderly shutdown); returns how many."""
+        if self.snapshot_dir is None:
+            return 0
+        self.wait_maintenance()
+        with self._lock:  # searches wait: this runs once the server stopped taking requests
+            todo = [(n, e) for n, e in self._scopes.items() if e.hnsw and e.dirty and e.journal is None]
+            for name, entry in todo:
+                self._save(name, entry)
+            snapshot.remove_except(self.snapshot_dir, {n for n, e in self._scopes.items() if e.hnsw})
+        return len(todo)
 
     def __len__(self) -> int:
         with self._lock:

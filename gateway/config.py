@@ -1,4 +1,4 @@
-"""The gateway's settings: config.toml's [gateway], [tenants], [cache] and [canonicalize], typed.
+"""The gateway's settings: config.toml's [gateway], [tenants], [cache], [index], [canonicalize]..., typed.
 
 Read once by ``load_settings`` and passed down; unknown keys and out-of-range values are errors
 at start-up, not surprises at request time.
@@ -85,6 +85,17 @@ class CacheConfig(_Strict):
         return values
 
 
+class IndexConfig(_Strict):
+    """The vector index's shape (``embeddings.index.ScopedIndex``) and whether it snapshots to disk."""
+
+    hnsw_threshold: int = Field(gt=0)
+    hnsw_m: int = Field(gt=0)
+    ef_construction: int = Field(gt=0)
+    ef_search: int = Field(gt=0)
+    tombstone_ratio: float = Field(gt=0, lt=1)
+    snapshots: bool
+
+
 class AdminConfig(_Strict):
     token: str
 
@@ -116,6 +127,7 @@ class Settings(_Strict):
     gateway: GatewayConfig
     tenants: TenantsConfig
     cache: CacheConfig
+    index: IndexConfig
     canonicalize: CanonicalizeConfig
     admin: AdminConfig
     pricing: PricingConfig
@@ -136,6 +148,7 @@ def load_settings(path: str | os.PathLike[str] | None = None, **gateway_override
         gateway=GatewayConfig(**gateway),
         tenants=TenantsConfig(**raw["tenants"]),
         cache=CacheConfig(**raw["cache"]),
+        index=IndexConfig(**raw["index"]),
         canonicalize=CanonicalizeConfig.from_dict(raw["canonicalize"]),
         admin=AdminConfig(**raw["admin"]),
         pricing=PricingConfig(**raw["pricing"]),

@@ -47,7 +47,17 @@ async def started_gateway(settings: Settings, progress: bool = True) -> AsyncIte
     await asyncio.to_thread(encoder.encode, ["warm-up"])
     # loaded even when switched off: the admin API can switch it on at run time
     verifier = await asyncio.to_thread(load_verifier, c, settings.engine.resolved_cache_dir)
-    cache = ResponseCache(c, store, ScopedIndex(dim=encoder.dim), batcher, verifier)
+    ix = settings.index
+    index = ScopedIndex(
+        dim=encoder.dim,
+        hnsw_threshold=ix.hnsw_threshold,
+        hnsw_m=ix.hnsw_m,
+        ef_construction=ix.ef_construction,
+        ef_search=ix.ef_search,
+        tombstone_ratio=ix.tombstone_ratio,
+        snapshot_dir=data_dir / "index" if ix.snapshots else None,
+    )
+    cache = ResponseCache(c, store, index, batcher, verifier)
     n = await asyncio.to_thread(cache.rebuild_index, progress)
     log.info("cache: %d entries, %d in the vector index", cache.entries, n)
     builtin = None
@@ -70,6 +80,9 @@ async def started_gateway(settings: Settings, progress: bool = True) -> AsyncIte
         for task in chores:
             task.cancel()
         await cache.flush_hits()
+        saved = await asyncio.to_thread(index.save_snapshots)  # the next start reads them back
+        if saved:
+            log.info("saved %d index snapshot(s) to %s", saved, data_dir / "index")
         await gw.recorder.close()
         await backends.close()
         if builtin is not None:

@@ -7,6 +7,7 @@ their own data dirs so their caches never leak into each other.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator
 
@@ -255,6 +256,25 @@ def test_entries_survive_a_restart(backend_url, tmp_path):
     with gateway(s) as url:  # a new process would rebuild the index from the database the same way
         text2, h, _ = chat(url, ask("How can I bake bread?"))
         assert h["x-cache"] == "semantic-hit" and text2 == text
+
+
+def test_hnsw_scope_is_read_back_from_its_snapshot_after_a_restart(backend_url, tmp_path, caplog):
+    """A scope past ``[index] hnsw_threshold`` is saved under <data_dir>/index and read back on start."""
+    s = settings_for(tmp_path, [backend_url])
+    s = s.model_copy(update={"index": s.index.model_copy(update={"hnsw_threshold": 3})})
+    questions = ["How do I bake bread?", "Name a planet.", "What is a prime number?", "Who wrote Hamlet?"]
+    with gateway(s) as url:
+        answers = [chat(url, ask(q))[0] for q in questions]
+    snaps = list((tmp_path / "index").glob("*.hnsw"))
+    assert len(snaps) == 1  # one scope (same model, system prompt and tenant), saved on shutdown
+    with caplog.at_level(logging.INFO, logger="embeddings.index"), gateway(s) as url:
+        text, h, _ = chat(url, ask("who wrote hamlet"))
+        assert h["x-cache"] == "semantic-hit" and text == answers[3]
+    assert "read from its snapshot: 4 entries, 0 added, 0 tombstoned" in caplog.text
+    s_off = s.model_copy(update={"index": s.index.model_copy(update={"snapshots": False})})
+    with gateway(s_off) as url:  # switched off: built from the database, and the old file is left alone
+        text, h, _ = chat(url, ask("how do I bake bread"))
+        assert h["x-cache"] == "semantic-hit" and text == answers[0]
 
 
 def test_backend_down_gives_502_while_hits_are_still_served(backend_url, tmp_path):
