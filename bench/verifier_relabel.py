@@ -16,8 +16,9 @@ GUIDELINE.md there.
 
 ``score`` reports inter-annotator agreement (Cohen's kappa), how often the annotators call QQP's accepted
 negatives and positives duplicates, and each setting's precision (and, for the default, recall) against the
-labels the annotators agree on, estimated per stratum with a 95% bootstrap interval (``relabelled``).
-Writes bench/results/verifier_relabel.json.
+labels the annotators agree on, estimated per stratum with a 95% bootstrap interval (``relabelled``), and
+the QQP precision a verifier would get if it made no mistake by the annotators' reading (the label-noise
+ceiling at this operating point). Writes bench/results/verifier_relabel.json.
 """
 
 from __future__ import annotations
@@ -161,11 +162,23 @@ def relabelled(
         rej_dup = sum(sizes[k] * rate[k] for k in ("rejected_qqp_positive", "rejected_qqp_negative"))
         return precision, acc_dup / max(acc_dup + rej_dup, 1e-9)
 
+    def perfect(rate: dict[str, float]) -> tuple[float, float | None]:
+        """QQP precision of a verifier that keeps only the annotators' duplicates among these accepted
+        pairs, and (with the rejected strata judged) of one that accepts every such duplicate."""
+        pos = sizes["accepted_qqp_positive"] * rate["accepted_qqp_positive"]
+        neg = sizes["accepted_qqp_negative"] * rate["accepted_qqp_negative"]
+        if not all(len(votes[k]) for k in ("rejected_qqp_positive", "rejected_qqp_negative")):
+            return pos / max(pos + neg, 1e-9), None
+        all_pos = pos + sizes["rejected_qqp_positive"] * rate["rejected_qqp_positive"]
+        all_neg = neg + sizes["rejected_qqp_negative"] * rate["rejected_qqp_negative"]
+        return pos / max(pos + neg, 1e-9), all_pos / max(all_pos + all_neg, 1e-9)
+
     point = estimate({k: float(v.mean()) if len(v) else 0.0 for k, v in votes.items()})
-    boots = [
-        estimate({k: float(rng.choice(v, len(v)).mean()) if len(v) else 0.0 for k, v in votes.items()})
-        for _ in range(2000)
-    ]
+    rates = [{k: float(v.mean()) if len(v) else 0.0 for k, v in votes.items()}]
+    for _ in range(2000):
+        rates.append({k: float(rng.choice(v, len(v)).mean()) if len(v) else 0.0 for k, v in votes.items()})
+    boots = [estimate(r) for r in rates[1:]]
+    ideal = [perfect(r) for r in rates]
     out: dict[str, Any] = {
         "accepted": int(acc.sum()),
         "qqp_precision": round(float((acc & y).sum() / max(acc.sum(), 1)), 4),
@@ -178,6 +191,13 @@ def relabelled(
     if point[1] is not None:
         out["recall_against_agreed_relabel"] = round(point[1], 4)
         out["recall_ci95"] = [round(float(np.percentile([b[1] for b in boots], q)), 4) for q in (2.5, 97.5)]
+    # What QQP's labels allow: a verifier that never errs by the annotators' reading still scores this
+    out["qqp_precision_if_only_agreed_duplicates_kept"] = round(ideal[0][0], 4)
+    out["qqp_precision_if_only_agreed_duplicates_kept_ci95"] = [
+        round(float(np.percentile([b[0] for b in ideal[1:]], q)), 4) for q in (2.5, 97.5)
+    ]
+    if ideal[0][1] is not None:
+        out["qqp_precision_if_every_agreed_duplicate_accepted"] = round(ideal[0][1], 4)
     return out
 
 
