@@ -59,6 +59,7 @@ class Flow:
         self.lookup: Lookup | None = None
         self.result = "bypass"
         self.backend_ms: float | None = None
+        self.backend: str | None = None  # the backend that answered a miss
         self.response_id: str | None = None  # the body's id (the backend's on a miss)
         self.stored_entry: int | None = None  # a miss stored into the cache
 
@@ -124,7 +125,7 @@ class Gateway:
         parse_request(ChatCompletionRequest if endpoint == "chat" else CompletionRequest, raw)
         body = json.loads(raw)
         model = body.get("model") or ""
-        url = await self.backends.route(model or None)
+        candidates = await self.backends.route(model or None)  # 404 for an unknown model, before any work
         ttl = self._ttl(request, settings)
         flow = Flow(endpoint, tenant, model, body, bool(body.get("stream")))
         cacheable = decide(body, request.headers, self.policy)
@@ -146,9 +147,10 @@ class Gateway:
             flow.result = "miss"
         store = use_cache and cacheable.may_store
         path = "/chat/completions" if endpoint == "chat" else "/completions"
+        urls = self.backends.order(candidates, endpoint, body)  # the canonical prefix picks the backend
         if flow.stream:
-            return await self._forward_stream(flow, url, path, body, store, ttl)
-        return await self._forward_json(flow, url, path, body, store, ttl)
+            return await self._forward_stream(flow, urls, path, body, store, ttl)
+        return await self._forward_json(flow, urls, path, body, store, ttl)
 
     async def _serve_hit(self, flow: Flow) -> Response:
         assert flow.lookup is not None and flow.lookup.entry is not None
@@ -168,9 +170,9 @@ class Gateway:
         )
 
     async def _forward_json(
-        self, flow: Flow, url: str, path: str, body: dict, store: bool, ttl: int
+        self, flow: Flow, urls: list[str], path: str, body: dict, store: bool, ttl: int
     ) -> Response:
-        status, data, flow.backend_ms = await self.backends.post_json(url, path, body)
+        status, data, flow.backend_ms, flow.backend = await self.backends.post_json(urls, path, body)
         flow.response_id = data.get("id") if isinstance(data.get("id"), str) else None
         self.metrics.backend.observe(flow.backend_ms / 1e3)
         if status == 200:
@@ -179,12 +181,12 @@ class Gateway:
         return JSONResponse(data, status_code=status, headers=flow.headers())
 
     async def _forward_stream(
-        self, flow: Flow, url: str, path: str, body: dict, store: bool, ttl: int
+        self, flow: Flow, urls: list[str], path: str, body: dict, store: bool, ttl: int
     ) -> Response:
         client_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         upstream = {**body, "stream_options": {**(body.get("stream_options") or {}), "include_usage": True}}
         start = time.perf_counter()
-        response = await self.backends.open_stream(url, path, upstream)
+        flow.backend, response = await self.backends.open_stream(urls, path, upstream)
         if response.status_code != 200:
             data = json.loads(await response.aread() or b"{}")
             await response.aclose()
@@ -263,6 +265,7 @@ class Gateway:
                 "embed_ms": lk.embed_ms if lk else None,
                 "lookup_ms": lk.lookup_ms if lk else None,
                 "backend_ms": flow.backend_ms,
+                "backend": flow.backend,
                 "total_ms": total_ms,
                 "prompt_tokens": usage.get("prompt_tokens"),
                 "completion_tokens": usage.get("completion_tokens"),

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from backend.config import BackendServerConfig, EngineConfig, load_toml, typed_section
 from policies.canonicalize import CanonicalizeConfig
+from policies.routing import RoutingMode
 
 
 class _Strict(BaseModel):
@@ -29,6 +30,7 @@ class GatewayConfig(_Strict):
     connect_timeout_s: float = Field(gt=0)
     backend_timeout_s: float = Field(gt=0)
     backends: tuple[str, ...]
+    routing: RoutingMode
     builtin_backend_port: int = Field(ge=0, le=65535)
     log_query_text: bool
 

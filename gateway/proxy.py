@@ -7,13 +7,17 @@ reads the same bytes to rebuild the complete answer for the cache and the reques
 from __future__ import annotations
 
 import json
+import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
 
 from backend.protocol import ApiError
+from policies.routing import Router, RoutingMode
+
+log = logging.getLogger("cachegw.gateway")
 
 
 def backend_unavailable(url: str, exc: Exception) -> ApiError:
@@ -32,38 +36,52 @@ def backend_unavailable(url: str, exc: Exception) -> ApiError:
     )
 
 
-class Backends:
-    """The configured backends; routing by model (and later by prefix) happens here."""
+# A backend that refused a connection is tried last for this long; a request it would have answered goes
+# to its next choice meanwhile (only refused connections are retried: the request never reached it).
+DOWN_FOR_S = 5.0
+_RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout)
 
-    def __init__(self, urls: list[str], connect_timeout: float, read_timeout: float) -> None:
+
+class Backends:
+    """The configured backends: which serve a model, in which order to try them, and the one HTTP client."""
+
+    def __init__(
+        self, urls: list[str], connect_timeout: float, read_timeout: float, routing: RoutingMode = "prefix"
+    ) -> None:
         self.urls = [u.rstrip("/") for u in urls]
         timeout = httpx.Timeout(read_timeout, connect=connect_timeout)
         limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
         self.client = httpx.AsyncClient(timeout=timeout, limits=limits)
-        self._models: dict[str, str] = {}  # model id -> backend url
+        self.router = Router(routing)
+        self._models: dict[str, list[str]] = {}  # model id -> the backends serving it, in configured order
+        self._down_until: dict[str, float] = {}
 
     async def close(self) -> None:
         await self.client.aclose()
 
     async def list_models(self) -> list[dict[str, Any]]:
-        """The union of the backends' /v1/models (a down backend contributes nothing)."""
-        cards: list[dict[str, Any]] = []
+        """The union of the backends' /v1/models, one card per model (a down backend contributes nothing)."""
+        cards: dict[str, dict[str, Any]] = {}
         for url in self.urls:
             try:
                 r = await self.client.get(f"{url}/models", timeout=5.0)
                 r.raise_for_status()
                 for card in r.json().get("data", []):
-                    self._models.setdefault(card["id"], url)
-                    cards.append(card)
+                    serving = self._models.setdefault(card["id"], [])
+                    if url not in serving:
+                        serving.append(url)
+                        serving.sort(key=self.urls.index)
+                    cards.setdefault(card["id"], card)
             except (httpx.HTTPError, ValueError, KeyError):
                 continue
-        return cards
+        return list(cards.values())
 
-    async def route(self, model: str | None) -> str:
+    async def route(self, model: str | None) -> list[str]:
+        """The backends that may answer ``model`` (404 for a model none of them serves)."""
         if model and model not in self._models:
             await self.list_models()
         if model and model in self._models:
-            return self._models[model]
+            return list(self._models[model])
         if model and self._models:
             raise ApiError(
                 404,
@@ -71,14 +89,46 @@ class Backends:
                 param="model",
                 code="model_not_found",
             )
-        return self.urls[0]
+        return list(self.urls)
 
-    async def post_json(self, url: str, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any], float]:
+    def order(self, urls: list[str], endpoint: str, body: dict[str, Any]) -> list[str]:
+        """The routing policy's order, with backends that refused a connection lately moved last."""
+        ranked = self.router.order(urls, endpoint, body)
+        now = time.monotonic()
+        return sorted(ranked, key=lambda u: self._down_until.get(u, 0.0) > now)  # stable: keeps the order
+
+    async def _send(
+        self, urls: list[str], request: Callable[[str], httpx.Request]
+    ) -> tuple[str, httpx.Response]:
+        """Send to the first backend that takes the connection; (its url, the response, body unread)."""
+        last: Exception | None = None
+        for url in urls:
+            try:
+                response = await self.client.send(request(url), stream=True)
+            except _RETRYABLE as exc:
+                self._down_until[url] = time.monotonic() + DOWN_FOR_S
+                log.warning("backend %s refused the connection (%s); next one", url, type(exc).__name__)
+                last = exc
+                continue
+            except httpx.HTTPError as exc:
+                raise backend_unavailable(url, exc) from exc
+            self._down_until.pop(url, None)
+            return url, response
+        assert last is not None, "no backend to send to"
+        raise backend_unavailable(urls[-1] if len(urls) == 1 else ", ".join(urls), last) from last
+
+    async def post_json(
+        self, urls: list[str], path: str, body: dict[str, Any]
+    ) -> tuple[int, dict[str, Any], float, str]:
+        """(status, JSON body, ms, the backend that answered)."""
         start = time.perf_counter()
+        url, r = await self._send(urls, lambda u: self.client.build_request("POST", f"{u}{path}", json=body))
         try:
-            r = await self.client.post(f"{url}{path}", json=body)
+            await r.aread()
         except httpx.HTTPError as exc:
             raise backend_unavailable(url, exc) from exc
+        finally:
+            await r.aclose()
         try:
             data = r.json()
         except ValueError as exc:
@@ -88,15 +138,13 @@ class Backends:
                 type="backend_error",
                 code="backend_bad_response",
             ) from exc
-        return r.status_code, data, (time.perf_counter() - start) * 1e3
+        return r.status_code, data, (time.perf_counter() - start) * 1e3, url
 
-    async def open_stream(self, url: str, path: str, body: dict[str, Any]) -> httpx.Response:
-        """Send the request and return the response with its body not yet read."""
-        try:
-            request = self.client.build_request("POST", f"{url}{path}", json=body)
-            return await self.client.send(request, stream=True)
-        except httpx.HTTPError as exc:
-            raise backend_unavailable(url, exc) from exc
+    async def open_stream(
+        self, urls: list[str], path: str, body: dict[str, Any]
+    ) -> tuple[str, httpx.Response]:
+        """Send the request and return the backend that took it and its response, body not yet read."""
+        return await self._send(urls, lambda u: self.client.build_request("POST", f"{u}{path}", json=body))
 
 
 class SseRecorder:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import OrderedDict
 
@@ -22,6 +23,8 @@ class Recorder:
         self.queue: asyncio.Queue[dict] = asyncio.Queue()
         self.task: asyncio.Task | None = None
         self._recent: OrderedDict[str, dict] = OrderedDict()  # by request id and by response id
+        self._batch: list[dict] = []  # taken off the queue, not written yet
+        self._writing: asyncio.Future[None] | None = None
 
     def start(self) -> None:
         self.task = asyncio.create_task(self._run(), name="cachegw-recorder")
@@ -39,11 +42,14 @@ class Recorder:
 
     async def _run(self) -> None:
         while True:
-            rows = [await self.queue.get()]
+            self._batch = [await self.queue.get()]
             await asyncio.sleep(self.flush_every_s)
-            while not self.queue.empty() and len(rows) < self.max_batch:
-                rows.append(self.queue.get_nowait())
-            await self._write(rows)
+            while not self.queue.empty() and len(self._batch) < self.max_batch:
+                self._batch.append(self.queue.get_nowait())
+            rows, self._batch = self._batch, []
+            # shielded: a close() arriving now waits for this write instead of dropping its rows
+            self._writing = asyncio.ensure_future(self._write(rows))
+            await asyncio.shield(self._writing)
 
     async def _write(self, rows: list[dict]) -> None:
         try:
@@ -52,10 +58,15 @@ class Recorder:
             log.exception("could not write %d request records", len(rows))
 
     async def close(self) -> None:
-        """Write what is queued, then stop."""
+        """Write everything recorded so far (the batch being gathered included), then stop."""
         if self.task:
             self.task.cancel()
-        rows = []
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
+        if self._writing is not None:
+            await self._writing
+        rows, self._batch = self._batch, []
         while not self.queue.empty():
             rows.append(self.queue.get_nowait())
-        await self._write(rows)
+        if rows:
+            await self._write(rows)

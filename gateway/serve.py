@@ -66,7 +66,8 @@ async def started_gateway(settings: Settings, progress: bool = True) -> AsyncIte
         builtin = BuiltinBackend("127.0.0.1", settings.gateway.builtin_backend_port, settings.config_path)
         await builtin.start()
         urls = [builtin.url]
-    backends = Backends(urls, settings.gateway.connect_timeout_s, settings.gateway.backend_timeout_s)
+    g = settings.gateway
+    backends = Backends(urls, g.connect_timeout_s, g.backend_timeout_s, g.routing)
     gw = Gateway(live, store, cache, backends, admin_token)
     gw.recorder.start()
     chores = [

@@ -84,6 +84,7 @@ class RequestRecord(Base):
     embed_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
     lookup_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
     backend_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
+    backend: Mapped[str | None] = mapped_column(String(512), nullable=True)  # the one that answered a miss
     total_ms: Mapped[float] = mapped_column(Float)
     prompt_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
     completion_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)

@@ -357,6 +357,26 @@ def _volatile_to_tail(
         content.append({"type": "text", "text": note})
 
 
+def without_volatile_note(content: Any) -> Any:
+    """A user message's content without the note ``volatile_to_tail`` appended (for keys that must be the
+    same on the turn that carried the note and on the later turns that send the message without it)."""
+
+    def cut(text: str) -> str:
+        at = text.rfind(CONTEXT_PREFIX)
+        if at < 0 or not _PLACEHOLDER_RE.match(text, at + len(CONTEXT_PREFIX)):
+            return text
+        return text[:at].removesuffix("\n\n")
+
+    if isinstance(content, str):
+        return cut(content)
+    if isinstance(content, list) and content and isinstance(content[-1], dict):
+        last = content[-1]
+        if isinstance(last.get("text"), str):
+            text = cut(last["text"])
+            return content[:-1] + ([{**last, "text": text}] if text else [])
+    return content
+
+
 def _extract(text: str, regex: re.Pattern[str], values: dict[str, int], base: int) -> str:
     """Leftmost match wins (a full timestamp is taken whole before its date part could be); a match
     touching an existing placeholder is left alone; a value is stripped of surrounding whitespace so

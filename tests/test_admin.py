@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from tests.test_gateway import MODEL, ask, backend_url, chat, gateway, settings_for  # noqa: F401
+from tests.test_recorder import row as log_row
 
 TOKEN = "test-admin-token-1234567890"
 
@@ -378,31 +379,17 @@ def test_a_database_from_an_older_version_gets_the_new_columns(tmp_path):
         for table, column in (
             ("requests", "response_id"),
             ("requests", "query"),
+            ("requests", "backend"),
             ("cache_entries", "threshold"),
         ):
             conn.execute(f'ALTER TABLE {table} DROP COLUMN "{column}"')
     store = Store(url)
     with sqlite3.connect(tmp_path / "old.db") as conn:
         cols = {r[1] for r in conn.execute("PRAGMA table_info(requests)")}
-        assert {"response_id", "query"} <= cols
+        assert {"response_id", "query", "backend"} <= cols
         assert "threshold" in {r[1] for r in conn.execute("PRAGMA table_info(cache_entries)")}
         assert "ix_requests_response_id" in {r[1] for r in conn.execute("PRAGMA index_list(requests)")}
-    store.log_requests(
-        [
-            {
-                "id": "r1",
-                "ts": 1.0,
-                "tenant": "t",
-                "model": "m",
-                "endpoint": "chat",
-                "stream": False,
-                "cache_result": "miss",
-                "total_ms": 1.0,
-                "status": 200,
-                "response_id": "chatcmpl-1",
-            }
-        ]
-    )
+    store.log_requests([log_row(1) | {"response_id": "chatcmpl-1", "backend": "http://b/v1"}])
     store.close()
 
 

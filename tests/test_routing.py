@@ -1,0 +1,230 @@
+"""Several backends behind one gateway: prefix-affine routing, spreading, and failover.
+
+The routing functions are checked on their own; then the real gateway in front of two real built-in
+engines shows what the policy is for: every turn of a conversation reaches the backend that already holds
+its prefix (its cached_tokens prove it), and a backend that stops answering is routed around.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import httpx  # noqa: E402
+import pytest  # noqa: E402
+
+from backend.async_engine import AsyncEngine  # noqa: E402
+from backend.config import load_engine_config  # noqa: E402
+from backend.engine import LLMEngine  # noqa: E402
+from backend.server import build_app as build_backend_app  # noqa: E402
+from gateway.proxy import Backends  # noqa: E402
+from policies.routing import PROMPT_PREFIX_CHARS, Router, rendezvous, routing_key  # noqa: E402
+from tests.servers import serve_in_thread  # noqa: E402
+from tests.test_gateway import MODEL, SYSTEM, backend_url, gateway, settings_for  # noqa: E402,F401
+
+
+def conversation(first: str, *later: str) -> list[list[dict]]:
+    """The message lists a client sends turn by turn (assistant replies stubbed: only the prefix matters)."""
+    turns, messages = [], [SYSTEM]
+    for i, text in enumerate((first, *later)):
+        if i:
+            messages = [*messages, {"role": "assistant", "content": f"Answer {i}."}]
+        messages = [*messages, {"role": "user", "content": text}]
+        turns.append(messages)
+    return turns
+
+
+# The policy on its own
+
+
+def test_turns_of_one_conversation_share_a_key_and_other_conversations_do_not() -> None:
+    turns = conversation("Plan a trip to Rome.", "And to Milan?", "Which is cheaper?")
+    keys = {routing_key("chat", {"messages": t}) for t in turns}
+    assert len(keys) == 1
+    other_question = routing_key("chat", {"messages": conversation("Plan a trip to Oslo.")[0]})
+    other_system = routing_key(
+        "chat", {"messages": [{"role": "system", "content": "Be terse."}, *turns[0][1:]]}
+    )
+    with_tools = routing_key("chat", {"messages": turns[0], "tools": [{"type": "function"}]})
+    assert len({*keys, other_question, other_system, with_tools}) == 4
+
+
+def test_the_volatile_note_of_the_first_turn_does_not_change_the_key() -> None:
+    """Canonicalization appends a system prompt's timestamp to the LAST user message: on turn 1 that is
+    the first user message, which later turns send without it. The key must not see the difference."""
+    from policies.canonicalize import CanonicalizeConfig, canonicalize
+
+    system = {"role": "system", "content": "Now: 2026-11-22T10:03:17Z. You are a travel agent."}
+    keys = []
+    for turn in conversation("Plan a trip to Rome.", "And to Milan?"):
+        body, fired = canonicalize({"messages": [system, *turn[1:]]}, CanonicalizeConfig(), lambda _: None)
+        assert "volatile_to_tail" in fired
+        keys.append(routing_key("chat", body))
+    first_user = json.loads(keys[0])[1][-1]["content"]
+    assert keys[0] == keys[1] and first_user == "Plan a trip to Rome."
+
+
+def test_volatile_note_removal_on_each_content_shape() -> None:
+    from policies.canonicalize import without_volatile_note as strip
+
+    note = "Context values: [volatile:1] = 2026-11-22"
+    assert strip(f"Q?\n\n{note}") == "Q?"
+    assert strip("Context values: none, user text") == "Context values: none, user text"  # not a note
+    part = {"type": "text", "text": f"Q?\n\n{note}"}
+    image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+    assert strip([image, part]) == [image, {"type": "text", "text": "Q?"}]
+    assert strip([part | {"text": "Q?"}, {"type": "text", "text": note}]) == [part | {"text": "Q?"}]
+    assert strip(None) is None and strip([image]) == [image]
+
+
+def test_completion_prompts_share_a_key_only_through_a_long_common_start() -> None:
+    preamble = "x" * PROMPT_PREFIX_CHARS
+    assert routing_key("completions", {"prompt": preamble + "A"}) == routing_key(
+        "completions", {"prompt": preamble + "B"}
+    )
+    assert routing_key("completions", {"prompt": "short A"}) != routing_key(
+        "completions", {"prompt": "short B"}
+    )
+
+
+def test_rendezvous_is_stable_even_and_moves_only_a_removed_backends_keys() -> None:
+    urls = [f"http://10.0.0.{i}:8000/v1" for i in range(3)]
+    keys = [f"conversation {i}" for i in range(3000)]
+    first = {k: rendezvous(urls, k)[0] for k in keys}
+    assert first == {
+        k: rendezvous(list(reversed(urls)), k)[0] for k in keys
+    }  # order of the list is irrelevant
+    share = Counter(first.values())
+    assert all(900 <= share[u] <= 1100 for u in urls), share  # 1000 expected each
+    after = {k: rendezvous(urls[:2], k)[0] for k in keys}
+    assert all(after[k] == first[k] for k in keys if first[k] != urls[2])  # the others' keys stay put
+
+
+def test_round_robin_and_first_modes() -> None:
+    urls, body = ["a", "b", "c"], {"messages": conversation("hi")[0]}
+    rr = Router("round_robin")
+    assert [rr.order(urls, "chat", body)[0] for _ in range(4)] == ["a", "b", "c", "a"]
+    assert Router("first").order(urls, "chat", body) == urls
+    assert Router("prefix").order(["only"], "chat", body) == ["only"]
+
+
+def test_unknown_routing_mode_stops_the_start(tmp_path: Path) -> None:
+    from pydantic import ValidationError
+
+    from gateway.config import load_settings
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[gateway]\nrouting = "random"\n')
+    with pytest.raises(ValidationError, match="routing"):
+        load_settings(cfg)
+
+
+# The real gateway in front of two real engines
+
+
+def _engine() -> AsyncEngine:
+    cfg = load_engine_config(None, device="cpu", dtype="float32", kv_cache_tokens=8192, max_num_seqs=8)
+    return AsyncEngine(LLMEngine(cfg))
+
+
+@pytest.fixture(scope="module")
+def second_backend() -> Iterator[str]:
+    engine = _engine()
+    with serve_in_thread(build_backend_app(engine, MODEL, 1 << 20)) as url:
+        yield f"{url}/v1"
+    engine.shutdown()
+
+
+def logged(data_dir: Path, n: int) -> list[tuple[str, str, int, int]]:
+    """(backend, cache result, prompt and cached tokens) of the requests, once the log holds ``n``."""
+    deadline = time.monotonic() + 10
+    query = "SELECT backend, cache_result, prompt_tokens, cached_tokens FROM requests ORDER BY ts"
+    while True:
+        with sqlite3.connect(data_dir / "cachegw.db") as db:
+            rows = db.execute(query).fetchall()
+        if len(rows) >= n or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.1)
+
+
+def send(url: str, messages: list[dict]) -> dict:
+    r = httpx.post(
+        f"{url}/v1/chat/completions",
+        headers={"authorization": "Bearer tenant-a", "cache-control": "no-cache"},
+        json={"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 4},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_prefix_routing_keeps_conversations_on_the_backend_that_cached_them(
+    backend_url: str,  # noqa: F811
+    second_backend: str,
+    tmp_path: Path,
+) -> None:
+    s = settings_for(tmp_path, [backend_url, second_backend])
+    topics = ["Rome", "Oslo", "Lima", "Kyoto", "Cairo", "Quito", "Perth", "Dakar", "Hanoi", "Sofia"]
+    opening = "I am planning a long trip to {} next spring with two children and a small budget; which "
+    opening += "areas, museums, parks and day trips would you suggest, and in what order should we see them?"
+    with gateway(s) as url:
+        seen: set[str] = set()
+        sent = 0
+        for topic in topics:  # until both backends took a conversation (1 in 2**9 to need all 10)
+            for messages in conversation(opening.format(topic), "And after that?"):
+                send(url, messages)
+                sent += 1
+            seen |= {r[0] for r in logged(tmp_path, sent)}
+            if len(seen) == 2:
+                break
+    rows = logged(tmp_path, sent)
+    assert seen == {backend_url, second_backend}
+    for first, second in zip(rows[::2], rows[1::2], strict=True):
+        assert first[0] == second[0]  # both turns of a conversation on one backend
+        assert first[1] == second[1] == "bypass"
+        # turn 2 found all of turn 1's full blocks cached, far more than the system prompt that every
+        # backend has seen: only the backend that served turn 1 holds them
+        blocks = first[2] // 16
+        assert blocks >= 4 and second[3] >= 16 * blocks, (first, second)
+
+
+def test_a_backend_that_stops_answering_is_routed_around(backend_url: str, tmp_path: Path) -> None:  # noqa: F811
+    """Discovered alive, then stopped: requests it would have taken go to the other backend, all 200."""
+    engine = _engine()
+    server = serve_in_thread(build_backend_app(engine, MODEL, 1 << 20))
+    dying = f"{server.__enter__()}/v1"
+    try:
+        with gateway(settings_for(tmp_path, [backend_url, dying])) as url:
+            models = httpx.get(f"{url}/v1/models", headers={"authorization": "Bearer k"}, timeout=30).json()
+            assert [m["id"] for m in models["data"]] == [MODEL]  # one card, though two backends serve it
+            server.__exit__(None, None, None)  # the backend goes away; the gateway keeps running
+            rerouted = 0
+            for i in range(12):
+                messages = conversation(f"Question number {i}: what is {i} squared?")[0]
+                if rendezvous([backend_url, dying], routing_key("chat", {"messages": messages}))[0] == dying:
+                    rerouted += 1
+                send(url, messages)
+                if rerouted >= 2:
+                    break
+            rows = logged(tmp_path, i + 1)
+    finally:
+        engine.shutdown()
+    assert rerouted >= 2  # requests whose first choice was the stopped backend (1 in 4096 to miss)
+    assert [r[0] for r in rows] == [backend_url] * (i + 1)
+
+
+def test_order_puts_a_refusing_backend_last_for_a_while() -> None:
+    b = Backends(["http://a/v1", "http://b/v1"], 1.0, 1.0, "first")
+    body = {"messages": conversation("hi")[0]}
+    assert b.order(b.urls, "chat", body) == b.urls
+    b._down_until["http://a/v1"] = time.monotonic() + 60
+    assert b.order(b.urls, "chat", body) == ["http://b/v1", "http://a/v1"]
+    b._down_until["http://a/v1"] = time.monotonic() - 1  # the pause is over: back in its place
+    assert b.order(b.urls, "chat", body) == b.urls
