@@ -19,7 +19,7 @@ from tests.test_gateway import MODEL, ask, backend_url  # noqa: F401  (module fi
 pytestmark = pytest.mark.slow
 
 
-def start_serve(config: Path, data_dir: Path, port: int) -> subprocess.Popen:
+def start_serve(config: Path, data_dir: Path, port: int, log: Path | None = None) -> subprocess.Popen:
     cmd = [
         sys.executable,
         "-m",
@@ -32,7 +32,9 @@ def start_serve(config: Path, data_dir: Path, port: int) -> subprocess.Popen:
         "--port",
         str(port),
     ]
-    return subprocess.Popen(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"}, start_new_session=True)
+    out = log.open("w") if log is not None else None
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.Popen(cmd, env=env, stdout=out, stderr=out, start_new_session=True)
 
 
 def wait_health(port: int, proc: subprocess.Popen, timeout: float = 180) -> None:
@@ -86,6 +88,44 @@ def test_kill_9_keeps_committed_entries(backend_url, tmp_path):  # noqa: F811
         assert again.json()["choices"][0]["message"] == first.json()["choices"][0]["message"]
         para = post(port, ask("What's the boiling point of water?"))
         assert para.headers["x-cache"] == "semantic-hit"  # the vector index was rebuilt from the database
+    finally:
+        stop(proc)
+
+
+def test_kill_9_after_an_index_snapshot_reconciles_it(backend_url, tmp_path):  # noqa: F811
+    """An HNSW scope saved when it was built, one more entry, kill -9 (no shutdown save): the restart
+    reads the stale snapshot, adds the entry it lacks, and both old and new entries hit."""
+    config = tmp_path / "cachegw.toml"
+    config.write_text(f'[gateway]\nbackends = ["{backend_url}"]\n[index]\nhnsw_threshold = 5\n')
+    questions = [
+        "How do I bake bread?",
+        "Name a planet.",
+        "What is a prime number?",
+        "Who wrote Hamlet?",
+        "How far away is the Moon?",
+        "Why is the sky blue?",  # the sixth: written after the snapshot of the first five
+    ]
+    port, data = free_port(), tmp_path / "data"
+    proc = start_serve(config, data, port)
+    try:
+        wait_health(port, proc)
+        for q in questions[:5]:
+            assert post(port, ask(q)).headers["x-cache"] == "miss"
+        deadline = time.monotonic() + 30  # the switch to HNSW and its snapshot run in the background
+        while not list((data / "index").glob("*.hnsw")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert list((data / "index").glob("*.hnsw")), "no snapshot was written"
+        assert post(port, ask(questions[5])).headers["x-cache"] == "miss"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    log = tmp_path / "restart.log"
+    proc = start_serve(config, data, port, log)
+    try:
+        wait_health(port, proc)
+        assert "read from its snapshot: 6 entries, 1 added, 0 tombstoned" in log.read_text()
+        for q in ("who wrote hamlet", "why is the sky blue"):
+            assert post(port, ask(q)).headers["x-cache"] == "semantic-hit"
     finally:
         stop(proc)
 
