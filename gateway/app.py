@@ -325,7 +325,13 @@ def build_app(gateway_factory) -> FastAPI:
     @app.get("/health")
     async def health() -> dict[str, Any]:
         gw = state["gw"]
-        return {"status": "ok", "backends": gw.backends.urls, "cache_entries": gw.cache.entries}
+        b = gw.backends
+        return {
+            "status": "ok",
+            "backends": b.urls,
+            "backends_refusing": b.refusing(),
+            "cache_entries": gw.cache.entries,
+        }
 
     @app.get("/metrics")
     async def metrics() -> Response:

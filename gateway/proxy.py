@@ -91,6 +91,11 @@ class Backends:
             )
         return list(self.urls)
 
+    def refusing(self) -> list[str]:
+        """Backends that refused a connection within the last DOWN_FOR_S (tried last meanwhile)."""
+        now = time.monotonic()
+        return [u for u in self.urls if self._down_until.get(u, 0.0) > now]
+
     def order(self, urls: list[str], endpoint: str, body: dict[str, Any]) -> list[str]:
         """The routing policy's order, with backends that refused a connection lately moved last."""
         ranked = self.router.order(urls, endpoint, body)

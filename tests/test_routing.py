@@ -208,9 +208,14 @@ def test_a_backend_that_stops_answering_is_routed_around(backend_url: str, tmp_p
             rerouted = 0
             for i in range(12):
                 messages = conversation(f"Question number {i}: what is {i} squared?")[0]
-                if rendezvous([backend_url, dying], routing_key("chat", {"messages": messages}))[0] == dying:
-                    rerouted += 1
+                key = routing_key("chat", {"messages": messages})
+                first_choice = rendezvous([backend_url, dying], key)[0]
                 send(url, messages)
+                if first_choice == dying:
+                    rerouted += 1
+                    if rerouted == 1:  # within the 5 s it is tried last, operators see it in /health
+                        health = httpx.get(f"{url}/health", timeout=30).json()
+                        assert health["backends_refusing"] == [dying]
                 if rerouted >= 2:
                     break
             rows = logged(tmp_path, i + 1)
