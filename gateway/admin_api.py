@@ -110,6 +110,7 @@ def admin_router(get_gw: Callable[[], Gateway]) -> APIRouter:
                 gw.tenants.name_of(t): stats.summarize(r, pricing)
                 for t, r in stats.group(rows, "tenant").items()
             },
+            "by_backend": stats.by_backend(rows, pricing),
             "timeseries": {"bucket_s": bucket_s, "points": stats.timeseries(rows, since, until, bucket_s)},
             "per_hour": stats.timeseries(rows, hour0, until, 3600),
             "similarity": {

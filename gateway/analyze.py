@@ -374,6 +374,7 @@ def build_summary(log: RequestLog, settings: Settings) -> dict[str, Any]:
         "overall": {**overall, "flagged": len(flagged)},
         "by_model": _sorted({m: stats.summarize(g, pricing) for m, g in stats.group(rows, "model").items()}),
         "by_tenant": _sorted({name_of(t): stats.summarize(g, pricing) for t, g in by_tenant.items()}),
+        "by_backend": _sorted(stats.by_backend(rows, pricing)),
         "timeseries": {"bucket_s": bucket, "points": stats.timeseries(rows, t0, t1, bucket)},
         "similarity": {**stats.similarity_histogram(rows), "threshold": current, "thresholds_seen": seen},
         "threshold_sweep": {"current": curve[-1], "curve": curve[:-1]},

@@ -87,6 +87,15 @@ def report_tables(s: dict[str, Any]) -> dict[str, TableSpec]:
         "overall": TableSpec("Overall", ["", "value"], overall),
         "by_model": TableSpec("By model", ["model", *heads], grouped(s["by_model"])),
         "by_tenant": TableSpec("By tenant", ["tenant", *heads], grouped(s["by_tenant"])),
+        "by_backend": TableSpec(
+            "By backend (the requests each answered)",
+            ["backend", "requests", "prefix cache", "p50 ms"],
+            [
+                [_short(k, 34), f"{g['requests']:,}", pct(g["prefix_cache_ratio"])]
+                + [ms(g["latency_ms"]["miss"]["p50"] or g["latency_ms"]["bypass"]["p50"])]
+                for k, g in list(s.get("by_backend", {}).items())[:TOP_N]
+            ],
+        ),
         "sweep": TableSpec(
             "Threshold sweep (replayed near-misses)",
             ["threshold", "candidates", "new", "known false", "est. false", "hit ratio ≤"],
@@ -165,7 +174,9 @@ def print_tables(s: Summary, console: Console) -> None:
     title = f"[bold]cachegw analyze[/]: {escape(m['source'])}, {iso(m['since'])} to {iso(m['until'])}"
     console.print(title, soft_wrap=True)
     specs = report_tables(s)
-    for key in ("overall", "by_model", "by_tenant", "sweep", "top_queries"):
+    for key in ("overall", "by_model", "by_tenant", "by_backend", "sweep", "top_queries"):
+        if key == "by_backend" and not specs[key].rows:  # a log from before backends were recorded
+            continue
         table = Table(title=specs[key].title, title_justify="left")
         width = min(16, max((len(row[0]) for row in specs[key].rows), default=0))
         table.add_column(specs[key].headers[0], min_width=width)
@@ -216,6 +227,13 @@ def sections(s: Summary) -> list[tuple[str, str, list[str], str | None]]:
             "Top repeated queries and scopes",
             "Asked twice or more in the range.",
             ["top_queries", "top_scopes"],
+            None,
+        ),
+        (
+            "Backends",
+            "The requests each backend answered (misses and bypasses) and its prefix-cache ratio: with "
+            "several backends per model, how well routing keeps conversations where their KV blocks are.",
+            ["by_backend"],
             None,
         ),
         (

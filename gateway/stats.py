@@ -92,6 +92,13 @@ def group(rows: Iterable[Row], key: str) -> dict[str, list[Row]]:
     return dict(out)
 
 
+def by_backend(rows: Iterable[Row], pricing: PricingConfig) -> dict[str, dict[str, Any]]:
+    """Requests each backend answered (misses and bypasses; hits never reach one), with its prefix-cache
+    ratio: how well the routing keeps conversations where their KV blocks are."""
+    answered = group((r for r in rows if r.get("backend")), "backend")
+    return {b: summarize(g, pricing) for b, g in answered.items()}
+
+
 def timeseries(rows: Sequence[Row], since: float, until: float, bucket_s: float) -> list[dict[str, Any]]:
     """Counts and ratios per time bucket, empty buckets included (a chart needs the gaps)."""
     n_buckets = max(1, math.ceil((until - since) / bucket_s))

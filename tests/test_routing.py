@@ -193,6 +193,14 @@ def test_prefix_routing_keeps_conversations_on_the_backend_that_cached_them(
         # backend has seen: only the backend that served turn 1 holds them
         blocks = first[2] // 16
         assert blocks >= 4 and second[3] >= 16 * blocks, (first, second)
+    # the report's per-backend table counts the same requests (`cachegw analyze`, admin stats)
+    from gateway.analyze import build_summary, read_database
+
+    summary = build_summary(read_database(f"sqlite:///{tmp_path / 'cachegw.db'}", None, None), s)
+    per = summary["by_backend"]
+    assert set(per) == seen and sum(g["requests"] for g in per.values()) == sent
+    assert all(g["requests"] == sum(r[0] == b for r in rows) for b, g in per.items())
+    assert all(g["prefix_cache_ratio"] > 0.3 for g in per.values())
 
 
 def test_a_backend_that_stops_answering_is_routed_around(backend_url: str, tmp_path: Path) -> None:  # noqa: F811
