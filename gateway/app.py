@@ -30,7 +30,7 @@ from gateway.config import Settings
 from gateway.feedback import parse_feedback, report_bad
 from gateway.hits import hit_response, hit_stream
 from gateway.live_settings import LiveSettings
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import BackendCounts, GatewayMetrics
 from gateway.proxy import Backends, SseRecorder, relay
 from gateway.recorder import Recorder
 from gateway.store import Store, reply_key
@@ -84,7 +84,9 @@ class Gateway:
         self.tenants = Tenants(self.settings.tenants)
         self.policy: CachePolicy
         self.apply_settings()
-        self.metrics = GatewayMetrics(lambda: float(cache.entries))
+        self.metrics = GatewayMetrics(
+            lambda: float(cache.entries), BackendCounts(backends.answered, backends.refused)
+        )
         self.recorder = Recorder(store)
 
     @property

@@ -2,16 +2,40 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import Counter as Tally
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
+class BackendCounts(Collector):
+    """Per backend: requests it answered, and connections it refused (each a failover to the next one).
+
+    The proxy counts in plain Counters (no Prometheus import there); this reads them at scrape time."""
+
+    def __init__(self, answered: Tally[str], refused: Tally[str]) -> None:
+        self.answered, self.refused = answered, refused
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        for name, doc, counts in (
+            ("cachegw_gateway_backend_requests", "Requests each backend answered", self.answered),
+            ("cachegw_gateway_backend_refusals", "Connections a backend refused (failovers)", self.refused),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["backend"])
+            for backend, n in sorted(counts.items()):
+                family.add_metric([backend], n)
+            yield family
+
+
 class GatewayMetrics:
-    def __init__(self, entries: Callable[[], float]) -> None:
+    def __init__(self, entries: Callable[[], float], backends: BackendCounts | None = None) -> None:
         self.registry = r = CollectorRegistry()
+        if backends is not None:
+            r.register(backends)
         self.requests = Counter(
             "cachegw_gateway_requests", "Requests by cache result", ["result"], registry=r
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -55,6 +56,8 @@ class Backends:
         self.router = Router(routing)
         self._models: dict[str, list[str]] = {}  # model id -> the backends serving it, in configured order
         self._down_until: dict[str, float] = {}
+        self.answered: Counter[str] = Counter()  # per backend, read by the Prometheus collector
+        self.refused: Counter[str] = Counter()
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -112,12 +115,14 @@ class Backends:
                 response = await self.client.send(request(url), stream=True)
             except _RETRYABLE as exc:
                 self._down_until[url] = time.monotonic() + DOWN_FOR_S
+                self.refused[url] += 1
                 log.warning("backend %s refused the connection (%s); next one", url, type(exc).__name__)
                 last = exc
                 continue
             except httpx.HTTPError as exc:
                 raise backend_unavailable(url, exc) from exc
             self._down_until.pop(url, None)
+            self.answered[url] += 1
             return url, response
         assert last is not None, "no backend to send to"
         raise backend_unavailable(urls[-1] if len(urls) == 1 else ", ".join(urls), last) from last

@@ -227,10 +227,15 @@ def test_a_backend_that_stops_answering_is_routed_around(backend_url: str, tmp_p
                 if rerouted >= 2:
                     break
             rows = logged(tmp_path, i + 1)
+            metrics = httpx.get(f"{url}/metrics", timeout=30).text
     finally:
         engine.shutdown()
     assert rerouted >= 2  # requests whose first choice was the stopped backend (1 in 4096 to miss)
     assert [r[0] for r in rows] == [backend_url] * (i + 1)
+    # Prometheus: every request answered by the live one; refusals counted (one per 5 s pause at least)
+    assert f'cachegw_gateway_backend_requests_total{{backend="{backend_url}"}} {i + 1}.0' in metrics
+    refusals = f'cachegw_gateway_backend_refusals_total{{backend="{dying}"}} '
+    assert refusals in metrics and float(metrics.split(refusals)[1].split()[0]) >= 1
 
 
 def test_order_puts_a_refusing_backend_last_for_a_while() -> None:
