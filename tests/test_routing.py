@@ -246,3 +246,31 @@ def test_order_puts_a_refusing_backend_last_for_a_while() -> None:
     assert b.order(b.urls, "chat", body) == ["http://b/v1", "http://a/v1"]
     b._down_until["http://a/v1"] = time.monotonic() - 1  # the pause is over: back in its place
     assert b.order(b.urls, "chat", body) == b.urls
+
+
+def test_each_model_goes_only_to_the_backends_that_serve_it(backend_url: str, tmp_path: Path) -> None:  # noqa: F811
+    """Two backends with different models: routing picks among a model's own backends, never across."""
+    engine = _engine()
+    try:
+        with serve_in_thread(build_backend_app(engine, "other-model", 1 << 20)) as other:
+            other_url = f"{other}/v1"
+            with gateway(settings_for(tmp_path, [backend_url, other_url])) as url:
+                listed = httpx.get(f"{url}/v1/models", headers={"authorization": "Bearer k"}, timeout=30)
+                assert sorted(m["id"] for m in listed.json()["data"]) == sorted([MODEL, "other-model"])
+                for i in range(4):
+                    for model in (MODEL, "other-model"):
+                        r = httpx.post(
+                            f"{url}/v1/chat/completions",
+                            headers={"authorization": "Bearer k", "cache-control": "no-cache"},
+                            json={
+                                "model": model,
+                                "messages": conversation(f"Count to {i}.")[0],
+                                "max_tokens": 2,
+                            },
+                            timeout=120,
+                        )
+                        assert r.status_code == 200 and r.json()["model"] == model
+                rows = logged(tmp_path, 8)
+    finally:
+        engine.shutdown()
+    assert Counter(r[0] for r in rows) == {backend_url: 4, other_url: 4}
