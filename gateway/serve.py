@@ -27,6 +27,7 @@ from policies.verifier import load_verifier
 log = logging.getLogger("cachegw.gateway")
 EXPIRY_EVERY_S = 60.0
 SETTINGS_POLL_S = 5.0  # how soon a replica sees settings another one changed
+DISCOVER_EVERY_S = 30.0  # how soon a backend that was down at start (or added a model) gets traffic
 
 
 @contextlib.asynccontextmanager
@@ -74,6 +75,7 @@ async def started_gateway(settings: Settings, progress: bool = True) -> AsyncIte
         asyncio.create_task(_every(EXPIRY_EVERY_S, cache.expire), name="cachegw-expiry"),
         asyncio.create_task(_every(HIT_FLUSH_S, cache.flush_hits), name="cachegw-hits"),
         asyncio.create_task(_every(SETTINGS_POLL_S, gw.refresh_settings), name="cachegw-settings"),
+        asyncio.create_task(_every(DISCOVER_EVERY_S, backends.list_models), name="cachegw-discovery"),
     ]
     try:
         yield gw

@@ -12,10 +12,13 @@ import uvicorn
 
 
 @contextlib.contextmanager
-def serve_in_thread(app, lifespan: str = "off", start_timeout: float = 120.0) -> Iterator[str]:
-    """Yields the base URL (http://127.0.0.1:PORT) while the server runs; stops it afterwards."""
+def serve_in_thread(app, lifespan: str = "off", start_timeout: float = 120.0, port: int = 0) -> Iterator[str]:
+    """Yields the base URL (http://127.0.0.1:PORT) while the server runs; stops it afterwards.
+
+    ``port`` 0 picks a free one; a fixed one lets a test bring a server up where a client already points."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan=lifespan))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

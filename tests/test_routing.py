@@ -26,7 +26,7 @@ from backend.engine import LLMEngine  # noqa: E402
 from backend.server import build_app as build_backend_app  # noqa: E402
 from gateway.proxy import Backends  # noqa: E402
 from policies.routing import PROMPT_PREFIX_CHARS, Router, rendezvous, routing_key  # noqa: E402
-from tests.servers import serve_in_thread  # noqa: E402
+from tests.servers import free_port, serve_in_thread  # noqa: E402
 from tests.test_gateway import MODEL, SYSTEM, backend_url, gateway, settings_for  # noqa: E402,F401
 
 
@@ -274,3 +274,33 @@ def test_each_model_goes_only_to_the_backends_that_serve_it(backend_url: str, tm
     finally:
         engine.shutdown()
     assert Counter(r[0] for r in rows) == {backend_url: 4, other_url: 4}
+
+
+def test_a_backend_down_at_start_gets_traffic_once_it_is_up(
+    backend_url: str,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import gateway.serve as serve_module
+
+    monkeypatch.setattr(serve_module, "DISCOVER_EVERY_S", 0.3)
+    engine = _engine()
+    port = free_port()
+    late = f"http://127.0.0.1:{port}/v1"
+    try:
+        with gateway(settings_for(tmp_path, [backend_url, late])) as url:
+            send(url, conversation("Before the second backend is up?")[0])  # nothing listens on it yet
+            with serve_in_thread(build_backend_app(engine, MODEL, 1 << 20), port=port):
+                time.sleep(1.0)  # a few discovery rounds
+                sent = 1
+                for i in range(12):  # until a request ranks the late backend first (1 in 4096 to miss)
+                    messages = conversation(f"After it is up, question {i}?")[0]
+                    send(url, messages)
+                    sent += 1
+                    key = routing_key("chat", {"messages": messages})
+                    if rendezvous([backend_url, late], key)[0] == late:
+                        break
+                rows = logged(tmp_path, sent)
+    finally:
+        engine.shutdown()
+    assert rows[0][0] == backend_url and rows[-1][0] == late
