@@ -146,6 +146,13 @@ def test_dashboard_end_to_end(admin_gw, browser, tmp_path):
     assert entries
     page.locator("#entries button[data-entry-id]").first.wait_for()
     assert page.locator("#flagged tbody tr td").first.inner_text() != "No hit has been flagged bad."
+    # the backend that answered the misses, with its request count and prefix-cache ratio
+    [(backend, answered)] = stats["by_backend"].items()
+    row = page.locator("#backends tbody tr", has_text=backend)
+    row.wait_for()
+    cells = row.locator("td").all_inner_texts()
+    assert cells[1] == str(answered["requests"]) and cells[2] == pct(answered["prefix_cache_ratio"])
+    assert answered["requests"] == stats["overall"]["misses"] + stats["overall"]["bypasses"]
     # user text is shown as text, never parsed as markup
     page.locator("#entries td", has_text=MARKUP).wait_for()
     assert page.locator("#entries img, #entries b").count() == 0
