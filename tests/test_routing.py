@@ -41,6 +41,22 @@ def conversation(first: str, *later: str) -> list[list[dict]]:
     return turns
 
 
+def ranked_first(urls: list[str], want: str, n: int, template: str) -> list[str]:
+    """``n`` first questions (``template`` filled with a number) whose conversations rank ``want`` first.
+
+    The test ports are random, so which backend a given question lands on is too; picking questions by
+    the routing function itself makes the tests deterministic (and checks the gateway follows it: these
+    plain messages are their own canonical form)."""
+    out = []
+    for i in range(1000):
+        text = template.format(i)
+        if rendezvous(urls, routing_key("chat", {"messages": conversation(text)[0]}))[0] == want:
+            out.append(text)
+            if len(out) == n:
+                return out
+    raise AssertionError(f"no {n} questions rank {want} first")  # 2**-1000-ish: the hash is broken
+
+
 # The policy on its own
 
 
@@ -186,28 +202,25 @@ def test_prefix_routing_keeps_conversations_on_the_backend_that_cached_them(
     tmp_path: Path,
 ) -> None:
     s = settings_for(tmp_path, [backend_url, second_backend])
-    topics = ["Rome", "Oslo", "Lima", "Kyoto", "Cairo", "Quito", "Perth", "Dakar", "Hanoi", "Sofia"]
-    opening = "I am planning a long trip to {} next spring with two children and a small budget; which "
-    opening += "areas, museums, parks and day trips would you suggest, and in what order should we see them?"
+    urls = [backend_url, second_backend]
+    opening = "I am planning a long trip to destination number {} next spring with two children and a small "
+    opening += "budget; which areas, museums, parks and day trips would you suggest, and in what order?"
+    plan = [(b, text) for b in urls for text in ranked_first(urls, b, 2, opening)]
     with gateway(s) as url:
-        seen: set[str] = set()
-        sent = 0
-        for topic in topics:  # until both backends took a conversation (1 in 2**9 to need all 10)
-            for messages in conversation(opening.format(topic), "And after that?"):
+        for _, text in plan:
+            for messages in conversation(text, "And after that?"):
                 send(url, messages)
-                sent += 1
-            seen |= {r[0] for r in logged(tmp_path, sent)}
-            if len(seen) == 2:
-                break
+    sent = 2 * len(plan)
     rows = logged(tmp_path, sent)
-    assert seen == {backend_url, second_backend}
-    for first, second in zip(rows[::2], rows[1::2], strict=True):
-        assert first[0] == second[0]  # both turns of a conversation on one backend
+    assert len(rows) == sent
+    for (backend, _), first, second in zip(plan, rows[::2], rows[1::2], strict=True):
+        assert first[0] == second[0] == backend  # both turns where the routing function says
         assert first[1] == second[1] == "bypass"
         # turn 2 found all of turn 1's full blocks cached, far more than the system prompt that every
         # backend has seen: only the backend that served turn 1 holds them
         blocks = first[2] // 16
         assert blocks >= 4 and second[3] >= 16 * blocks, (first, second)
+    seen = {r[0] for r in rows}
     # the report's per-backend table counts the same requests (`cachegw analyze`, admin stats)
     from gateway.analyze import build_summary, read_database
 
@@ -228,30 +241,23 @@ def test_a_backend_that_stops_answering_is_routed_around(backend_url: str, tmp_p
             models = httpx.get(f"{url}/v1/models", headers={"authorization": "Bearer k"}, timeout=30).json()
             assert [m["id"] for m in models["data"]] == [MODEL]  # one card, though two backends serve it
             server.__exit__(None, None, None)  # the backend goes away; the gateway keeps running
-            rerouted = 0
-            for i in range(12):
-                messages = conversation(f"Question number {i}: what is {i} squared?")[0]
-                key = routing_key("chat", {"messages": messages})
-                first_choice = rendezvous([backend_url, dying], key)[0]
-                if first_choice == dying and rerouted == 0:  # the stream path fails over the same way
-                    assert stream_text(url, messages).strip()
-                else:
-                    send(url, messages)
-                if first_choice == dying:
-                    rerouted += 1
-                    if rerouted == 1:  # within the 5 s it is tried last, operators see it in /health
-                        health = httpx.get(f"{url}/health", timeout=30).json()
-                        assert health["backends_refusing"] == [dying]
-                if rerouted >= 2:
-                    break
-            rows = logged(tmp_path, i + 1)
+            urls = [backend_url, dying]
+            template = "Question number {}: what is it squared?"
+            first_dying, second_dying = ranked_first(urls, dying, 2, template)
+            [normal] = ranked_first(urls, backend_url, 1, template)
+            send(url, conversation(normal)[0])
+            # the first-choice backend is gone: refused, the stream goes to the next one and ends well
+            assert stream_text(url, conversation(first_dying)[0]).strip()
+            health = httpx.get(f"{url}/health", timeout=30).json()  # within the 5 s it is tried last
+            assert health["backends_refusing"] == [dying]
+            send(url, conversation(second_dying)[0])
+            rows = logged(tmp_path, 3)
             metrics = httpx.get(f"{url}/metrics", timeout=30).text
     finally:
         engine.shutdown()
-    assert rerouted >= 2  # requests whose first choice was the stopped backend (1 in 4096 to miss)
-    assert [r[0] for r in rows] == [backend_url] * (i + 1)
+    assert [r[0] for r in rows] == [backend_url] * 3
     # Prometheus: every request answered by the live one; refusals counted (one per 5 s pause at least)
-    assert f'cachegw_gateway_backend_requests_total{{backend="{backend_url}"}} {i + 1}.0' in metrics
+    assert f'cachegw_gateway_backend_requests_total{{backend="{backend_url}"}} 3.0' in metrics
     refusals = f'cachegw_gateway_backend_refusals_total{{backend="{dying}"}} '
     assert refusals in metrics and float(metrics.split(refusals)[1].split()[0]) >= 1
 
@@ -310,14 +316,9 @@ def test_a_backend_down_at_start_gets_traffic_once_it_is_up(
             send(url, conversation("Before the second backend is up?")[0])  # nothing listens on it yet
             with serve_in_thread(build_backend_app(engine, MODEL, 1 << 20), port=port):
                 time.sleep(1.0)  # a few discovery rounds
-                sent = 1
-                for i in range(12):  # until a request ranks the late backend first (1 in 4096 to miss)
-                    messages = conversation(f"After it is up, question {i}?")[0]
-                    send(url, messages)
-                    sent += 1
-                    key = routing_key("chat", {"messages": messages})
-                    if rendezvous([backend_url, late], key)[0] == late:
-                        break
+                [text] = ranked_first([backend_url, late], late, 1, "After it is up, question {}?")
+                send(url, conversation(text)[0])
+                sent = 2
                 rows = logged(tmp_path, sent)
     finally:
         engine.shutdown()
