@@ -10,7 +10,7 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -101,18 +101,16 @@ class Backends:
 
     def order(self, urls: list[str], endpoint: str, body: dict[str, Any]) -> list[str]:
         """The routing policy's order, with backends that refused a connection lately moved last."""
-        ranked = self.router.order(urls, endpoint, body)
-        now = time.monotonic()
-        return sorted(ranked, key=lambda u: self._down_until.get(u, 0.0) > now)  # stable: keeps the order
+        refusing = set(self.refusing())
+        return sorted(self.router.order(urls, endpoint, body), key=lambda u: u in refusing)  # stable sort
 
-    async def _send(
-        self, urls: list[str], request: Callable[[str], httpx.Request]
-    ) -> tuple[str, httpx.Response]:
-        """Send to the first backend that takes the connection; (its url, the response, body unread)."""
+    async def _send(self, urls: list[str], path: str, body: dict[str, Any]) -> tuple[str, httpx.Response]:
+        """POST to the first backend that takes the connection; (its url, the response, body unread)."""
         last: Exception | None = None
         for url in urls:
             try:
-                response = await self.client.send(request(url), stream=True)
+                request = self.client.build_request("POST", f"{url}{path}", json=body)
+                response = await self.client.send(request, stream=True)
             except _RETRYABLE as exc:
                 self._down_until[url] = time.monotonic() + DOWN_FOR_S
                 self.refused[url] += 1
@@ -125,14 +123,14 @@ class Backends:
             self.answered[url] += 1
             return url, response
         assert last is not None, "no backend to send to"
-        raise backend_unavailable(urls[-1] if len(urls) == 1 else ", ".join(urls), last) from last
+        raise backend_unavailable(", ".join(urls), last) from last
 
     async def post_json(
         self, urls: list[str], path: str, body: dict[str, Any]
     ) -> tuple[int, dict[str, Any], float, str]:
         """(status, JSON body, ms, the backend that answered)."""
         start = time.perf_counter()
-        url, r = await self._send(urls, lambda u: self.client.build_request("POST", f"{u}{path}", json=body))
+        url, r = await self._send(urls, path, body)
         try:
             await r.aread()
         except httpx.HTTPError as exc:
@@ -154,7 +152,7 @@ class Backends:
         self, urls: list[str], path: str, body: dict[str, Any]
     ) -> tuple[str, httpx.Response]:
         """Send the request and return the backend that took it and its response, body not yet read."""
-        return await self._send(urls, lambda u: self.client.build_request("POST", f"{u}{path}", json=body))
+        return await self._send(urls, path, body)
 
 
 class SseRecorder:
