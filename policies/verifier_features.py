@@ -16,6 +16,9 @@ from functools import lru_cache
 import numpy as np
 
 _WORD_RE = re.compile(r"[a-z0-9]+(?:'[a-z]+)?")
+_SEQ_RE = re.compile(r"[a-z0-9]+(?:'[a-z]+)?|[,&/]")
+# Words that join symmetric conjuncts: "Java or Python" and "Python or Java" ask the same question.
+_COORDINATORS = frozenset({"and", "or", "nor", "vs", "versus", "v", "&", ",", "/"})
 _RAW_WORD_RE = re.compile(r"[A-Za-z][A-Za-z0-9'&.-]*[A-Za-z0-9]|[A-Za-z]")
 _NUMBER_RE = re.compile(r"\d+(?:[.,]\d+)*")
 # Idioms that contain a negation word without negating the question ("why or why not?", "not only").
@@ -103,6 +106,7 @@ class ParsedQuery:
     persons: tuple[bool, ...]
     n_questions: int
     foreign: str  # letters outside the Latin script, in order
+    seq: tuple[str, ...]  # words with plural -s dropped, plus "," "&" "/", in order (for the swap guard)
 
 
 _IS_CONTRACTION_RE = re.compile(r"\b(what|how|who|where|when|why|which|that|there|it|he|she)'s\b")
@@ -112,6 +116,11 @@ def _norm(text: str) -> str:
     """Lowercase, straight apostrophes, and "what's" -> "what is" so question words line up."""
     lower = text.lower().replace("\u2019", "'").replace("`", "'")
     return _IS_CONTRACTION_RE.sub(r"\1 is", lower)
+
+
+def _singular(word: str) -> str:
+    """Crude plural stripping, enough to line up "Muslims" with "Muslim" for the swap guard."""
+    return word[:-1] if len(word) > 3 and word.endswith("s") and not word.endswith("ss") else word
 
 
 def _numbers(lower: str, tokens: tuple[str, ...]) -> tuple[str, ...]:
@@ -154,6 +163,7 @@ def parse(text: str) -> ParsedQuery:
         persons=tuple(bool(p & set(tokens)) for p in _PERSONS),
         n_questions=text.count("?"),
         foreign=_foreign_letters(text),
+        seq=tuple(_singular(t) for t in _SEQ_RE.findall(lower)),
     )
 
 
@@ -182,7 +192,32 @@ def _antonym_flip(a: ParsedQuery, b: ParsedQuery) -> bool:
     return False
 
 
-GUARD_NAMES: tuple[str, ...] = ("numbers", "negation", "antonym", "script")
+def _role_swap(a: ParsedQuery, b: ParsedQuery, min_overlap: float = 0.5) -> bool:
+    """Two content words trade places around the same relation: "convert dollars to rupees" vs "rupees
+    to dollars", "what do Croats think of Turks" vs the reverse. Cosine is near 1.0 for these and QQP
+    labels them different (in the training split 5 of 25 such pairs are duplicates). Words swapped
+    across a coordinator ("Java or Python") are symmetric and pass.
+    """
+
+    def is_content(t: str) -> bool:
+        return t not in STOPWORDS and t not in _COORDINATORS
+
+    once = [t for t in dict.fromkeys(a.seq) if is_content(t) and a.seq.count(t) == 1 and b.seq.count(t) == 1]
+    pos_a, pos_b = {t: a.seq.index(t) for t in once}, {t: b.seq.index(t) for t in once}
+    for i, x in enumerate(once):
+        for y in once[i + 1 :]:
+            if (pos_a[x] - pos_a[y]) * (pos_b[x] - pos_b[y]) > 0:
+                continue  # same order on both sides
+            mid_a = set(a.seq[min(pos_a[x], pos_a[y]) + 1 : max(pos_a[x], pos_a[y])])
+            mid_b = set(b.seq[min(pos_b[x], pos_b[y]) + 1 : max(pos_b[x], pos_b[y])])
+            if not mid_a or not mid_b or mid_a & _COORDINATORS or mid_b & _COORDINATORS:
+                continue  # adjacent words, or conjuncts of a symmetric list
+            if len(mid_a & mid_b) / len(mid_a | mid_b) >= min_overlap:
+                return True  # the words between them, the relation, stayed the same
+    return False
+
+
+GUARD_NAMES: tuple[str, ...] = ("numbers", "negation", "antonym", "script", "swap")
 
 
 def guard_reason(q_a: str, q_b: str) -> str | None:
@@ -196,6 +231,8 @@ def guard_reason(q_a: str, q_b: str) -> str | None:
         return "antonym"
     if a.foreign != b.foreign:
         return "script"
+    if _role_swap(a, b):
+        return "swap"
     return None
 
 

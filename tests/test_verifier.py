@@ -93,6 +93,39 @@ def test_negation_idioms_are_neutral() -> None:
 @pytest.mark.parametrize(
     ("a", "b"),
     [
+        ("How can I convert dollars to rupees?", "How can I convert rupees to dollars?"),
+        ("What do Croats think of Turks?", "What do Turks think of Croats?"),
+        ("What percentage of terrorists are Muslim?", "What percentage of Muslims are terrorists?"),
+        ("Do Indian women find Pakistani men attractive?", "Do Pakistani women find Indian men attractive?"),
+    ],
+)
+def test_role_swap_rejected(verifier: Verifier, encoder: Encoder, a: str, b: str) -> None:
+    # cosine >= 0.98 for all four, and without this guard the verifier accepts all four (p 0.87-0.96)
+    assert guard_reason(a, b) == "swap"
+    assert not _check(verifier, encoder, a, b)[0]
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        ("Which is better, Java or Python?", "Which is better, Python or Java?"),
+        (
+            "What is the difference between a crocodile and an alligator?",
+            "Alligator vs crocodile: what is the difference?",
+        ),
+        (
+            "What are some fun things to do with an 8 year old?",
+            "What are some fun things for 8 year olds to do?",
+        ),
+    ],
+)
+def test_symmetric_reorderings_are_not_swaps(a: str, b: str) -> None:
+    assert guard_reason(a, b) is None
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
         ("How can I lose weight fast?", "How do I lose weight quickly?"),
         ("What are the health benefits of green tea?", "What are the benefits of drinking green tea?"),
         ("How do I reset my password?", "How can I reset my password?"),
