@@ -89,10 +89,10 @@ def report_tables(s: dict[str, Any]) -> dict[str, TableSpec]:
         "by_tenant": TableSpec("By tenant", ["tenant", *heads], grouped(s["by_tenant"])),
         "by_backend": TableSpec(
             "By backend (the requests each answered)",
-            ["backend", "requests", "prefix cache", "p50 ms"],
+            ["backend", "requests", "prefix cache", "p50 ms", "p99 ms"],
             [
                 [_short(k, 34), f"{g['requests']:,}", pct(g["prefix_cache_ratio"])]
-                + [ms(g["latency_ms"]["miss"]["p50"] or g["latency_ms"]["bypass"]["p50"])]
+                + [ms(g.get("answered_ms", {}).get(q)) for q in ("p50", "p99")]
                 for k, g in list(s.get("by_backend", {}).items())[:TOP_N]
             ],
         ),

@@ -96,7 +96,15 @@ def by_backend(rows: Iterable[Row], pricing: PricingConfig) -> dict[str, dict[st
     """Requests each backend answered (misses and bypasses; hits never reach one), with its prefix-cache
     ratio: how well the routing keeps conversations where their KV blocks are."""
     answered = group((r for r in rows if r.get("backend")), "backend")
-    return {b: summarize(g, pricing) for b, g in answered.items()}
+    out = {}
+    for b, g in answered.items():
+        ms = [float(r["total_ms"]) for r in g if r.get("total_ms") is not None]
+        # whole-request latency of everything this backend answered, misses and bypasses together
+        out[b] = {
+            **summarize(g, pricing),
+            "answered_ms": {"p50": _pct(ms, 50), "p99": _pct(ms, 99), "n": len(ms)},
+        }
+    return out
 
 
 def timeseries(rows: Sequence[Row], since: float, until: float, bucket_s: float) -> list[dict[str, Any]]:
