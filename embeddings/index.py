@@ -385,6 +385,10 @@ class ScopedIndex:
         with self._lock:
             return len(self._id_scope)
 
+    def __contains__(self, entry_id: object) -> bool:
+        with self._lock:
+            return entry_id in self._id_scope
+
     def scope_size(self, scope: str) -> int:
         with self._lock:
             entry = self._scopes.get(scope)

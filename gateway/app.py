@@ -85,7 +85,10 @@ class Gateway:
         self.policy: CachePolicy
         self.apply_settings()
         self.metrics = GatewayMetrics(
-            lambda: float(cache.entries), BackendCounts(backends.answered, backends.refused)
+            lambda: float(cache.entries),
+            BackendCounts(backends.answered, backends.refused),
+            index_entries=lambda: float(len(cache.index)),
+            sync_age=(lambda: time.time() - cache.synced_at) if self.settings.cache.sync_interval_s else None,
         )
         self.recorder = Recorder(store)
 
@@ -333,6 +336,7 @@ def build_app(gateway_factory) -> FastAPI:
             "backends": b.urls,
             "backends_refusing": b.refusing(),
             "cache_entries": gw.cache.entries,
+            "index_entries": len(gw.cache.index),  # vectors this replica searches (docs/replicas.md)
         }
 
     @app.get("/metrics")

@@ -30,6 +30,8 @@ log = logging.getLogger("cachegw.gateway")
 CANDIDATES = 4  # nearest neighbours checked per semantic lookup
 MEMO_ENTRIES = 10_000  # entries kept in memory
 HIT_FLUSH_S = 1.0  # how often hit counts reach the database
+SYNC_OVERLAP_S = 60.0  # how far back each sync looks again: late commits, replica clocks that differ
+DELETION_LOG_S = 3600.0  # deleted ids are kept this long for other replicas' syncs to see
 
 
 @dataclass
@@ -77,6 +79,7 @@ class ResponseCache:
         # query; a key it does not know is still looked up in the database (another replica's).
         self._exact: dict[str, list[int]] = {}
         self._exact_of: dict[int, str] = {}
+        self.synced_at = time.time()  # of the last successful ``sync`` (a metric)
 
     def threshold(self, model: str, tenant_name: str) -> float:
         """Per-tenant over per-model over the global threshold."""
@@ -229,7 +232,7 @@ class ResponseCache:
         entry_id = await asyncio.to_thread(self.store.add_entry, entry, replies)
         self._remember(entry)
         self._index_exact(keys.exact, entry_id)
-        if entry.embedding is not None:
+        if entry.embedding is not None and entry_id not in self.index:  # ``sync`` may have been first
             self.index.add(
                 keys.scope, np.array([entry_id], dtype=np.int64), embedding[None].astype(np.float32)
             )
@@ -266,6 +269,52 @@ class ResponseCache:
         entry.threshold = threshold
         return entry, f"entry threshold raised to {threshold:.4f}"
 
+    async def sync(self) -> int:
+        """Apply what other replicas on the same database did since the last call: entries they stored
+        join the index and the exact tier, entries they flagged or re-thresholded are re-read, entries
+        they deleted are dropped. Returns how many entries were added here or dropped.
+
+        The window reaches ``SYNC_OVERLAP_S`` back, so a commit that landed late or a replica whose
+        clock is behind is still seen; what is already known is skipped.
+        """
+        now = time.time()
+        changed, deleted = await asyncio.to_thread(self.store.changes_since, self.synced_at - SYNC_OVERLAP_S)
+        self.synced_at = now
+        # counters move by what others did: their deletions of entries known here, their new entries
+        gone = [i for i, _ in deleted if i in self._exact_of or i in self.index or i in self._memo]
+        freed = {i: size for i, size in deleted if i in self._exact_of}
+        wanted = [i for i, updated in changed if updated or i not in self._exact_of]
+        fresh = await asyncio.to_thread(self.store.get_entries, wanted) if wanted else {}
+        added = 0
+        for entry_id, entry in fresh.items():
+            known = entry_id in self._exact_of
+            if entry.bad:
+                if known or entry_id in self._memo:
+                    gone.append(entry_id)
+                continue
+            if entry_id in self._memo:
+                self._memo[entry_id] = entry  # a learned threshold another replica set
+            if not known:
+                added += 1
+                self.entries += 1
+                self.bytes += entry.size_bytes
+                self._index_exact(entry.exact_key, entry_id)
+            if entry.embedding is not None and entry.scope and entry_id not in self.index:
+                vec = np.frombuffer(entry.embedding, dtype=np.float32)[None]
+                self.index.add(entry.scope, np.array([entry_id], dtype=np.int64), vec)
+        self._forget(gone)
+        self.entries -= len(freed)
+        self.bytes -= sum(freed.values())
+        return added + len(set(gone))
+
+    def _forget(self, ids: list[int]) -> None:
+        """Drop entries from every in-memory view (the database is handled by the caller)."""
+        self.index.remove(ids)
+        for i in ids:
+            self._memo.pop(i, None)
+            self._pending_hits.pop(i, None)
+            self._drop_exact(i)
+
     def _drop_exact(self, entry_id: int) -> None:
         key = self._exact_of.pop(entry_id, None)
         if key is not None and entry_id in self._exact.get(key, []):
@@ -276,11 +325,7 @@ class ResponseCache:
     async def delete(self, ids: list[int]) -> int:
         """Remove entries from the database first, then from the index."""
         removed = await asyncio.to_thread(self.store.delete_entries, ids)
-        self.index.remove(ids)
-        for i in ids:
-            self._memo.pop(i, None)
-            self._pending_hits.pop(i, None)
-            self._drop_exact(i)
+        self._forget(ids)
         self.entries, self.bytes = await asyncio.to_thread(self.store.totals)
         return removed
 
@@ -304,8 +349,15 @@ class ResponseCache:
             return removed
 
     async def expire(self) -> int:
-        ids = await asyncio.to_thread(self.store.expired_ids, time.time())
-        return await self.delete(ids) if ids else 0
+        """Delete expired entries; also prunes the deletion log and recounts the totals, which other
+        replicas' inserts racing this one's can leave a little off."""
+        now = time.time()
+        await asyncio.to_thread(self.store.prune_deletions, now - DELETION_LOG_S)
+        ids = await asyncio.to_thread(self.store.expired_ids, now)
+        if ids:
+            return await self.delete(ids)
+        self.entries, self.bytes = await asyncio.to_thread(self.store.totals)
+        return 0
 
 
 def _ms(start: float) -> float:

@@ -77,6 +77,7 @@ class CacheConfig(_Strict):
     feedback_margin: float = Field(ge=0, le=1)
     embed_backend: Literal["auto", "onnx", "torch"]
     embed_threads: int = Field(gt=0)
+    sync_interval_s: float = Field(ge=0)
 
     @field_validator("thresholds_by_model", "thresholds_by_tenant")
     @classmethod

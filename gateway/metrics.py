@@ -32,7 +32,13 @@ class BackendCounts(Collector):
 
 
 class GatewayMetrics:
-    def __init__(self, entries: Callable[[], float], backends: BackendCounts | None = None) -> None:
+    def __init__(
+        self,
+        entries: Callable[[], float],
+        backends: BackendCounts | None = None,
+        index_entries: Callable[[], float] | None = None,
+        sync_age: Callable[[], float] | None = None,
+    ) -> None:
         self.registry = r = CollectorRegistry()
         if backends is not None:
             r.register(backends)
@@ -75,6 +81,13 @@ class GatewayMetrics:
         self.entries.set_function(entries)
         self.hit_ratio = Gauge("cachegw_gateway_hit_ratio", "Exact and semantic hits / requests", registry=r)
         self.hit_ratio.set_function(self._hit_ratio)
+        for name, doc, fn in (
+            ("cachegw_gateway_index_entries", "Vectors in this replica's index", index_entries),
+            # grows when syncing with other replicas fails (docs/replicas.md): alert on it
+            ("cachegw_gateway_sync_age_seconds", "Seconds since this replica's last sync", sync_age),
+        ):
+            if fn is not None:
+                Gauge(name, doc, registry=r).set_function(fn)
 
     def _hit_ratio(self) -> float:
         counts = {

@@ -77,6 +77,8 @@ async def started_gateway(settings: Settings, progress: bool = True) -> AsyncIte
         asyncio.create_task(_every(SETTINGS_POLL_S, gw.refresh_settings), name="cachegw-settings"),
         asyncio.create_task(_every(DISCOVER_EVERY_S, backends.list_models), name="cachegw-discovery"),
     ]
+    if c.sync_interval_s > 0:  # other replicas' entries, flags and deletions
+        chores.append(asyncio.create_task(_every(c.sync_interval_s, cache.sync), name="cachegw-sync"))
     try:
         yield gw
     finally:
@@ -111,6 +113,8 @@ def run_gateway(settings: Settings) -> None:
     # One-query embeddings are tiny: extra OpenMP threads only spin against the event loop (a
     # single-sentence encode took 80-260 ms with 2 threads on a busy 2-core machine, 13 ms with 1).
     torch.set_num_threads(settings.cache.embed_threads)
+    # a database that cannot be opened stops the start with one line, not a lifespan traceback
+    Store(settings.gateway.resolved_database_url(settings.data_dir)).close()
     app = build_app(lambda: started_gateway(settings))
     g = settings.gateway
     log.info("gateway on http://%s:%d/v1 (data in %s)", g.host, g.port, settings.data_dir)

@@ -24,12 +24,15 @@ from sqlalchemy import (
     create_engine,
     delete,
     event,
+    exists,
     func,
     inspect,
     select,
     text,
     update,
 )
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 
@@ -41,6 +44,9 @@ class CacheEntry(Base):
     """One stored answer: what was asked, in which scope, and the full non-stream response."""
 
     __tablename__ = "cache_entries"
+    # ids are never reused (SQLite reuses the highest deleted one otherwise): replicas, the index
+    # snapshots and the deletion log all name entries by id
+    __table_args__ = {"sqlite_autoincrement": True}
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     tenant: Mapped[str] = mapped_column(String(64), index=True)
     model: Mapped[str] = mapped_column(String(256), index=True)
@@ -55,13 +61,25 @@ class CacheEntry(Base):
     prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
     completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
     size_bytes: Mapped[int] = mapped_column(Integer, default=0)
-    created_at: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[float] = mapped_column(Float, index=True)
+    # Set when the entry is flagged bad or gets a learned threshold, so other replicas re-read it.
+    updated_at: Mapped[float | None] = mapped_column(Float, nullable=True, index=True)
     last_hit_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     hit_count: Mapped[int] = mapped_column(Integer, default=0)
     expires_at: Mapped[float] = mapped_column(Float, index=True)
     bad: Mapped[bool] = mapped_column(Boolean, default=False)
     # Learned from bad-hit feedback: a semantic hit on this entry needs at least this similarity.
     threshold: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class EntryDeletion(Base):
+    """An entry id deleted (evicted, expired, purged), kept a while so other replicas drop it too."""
+
+    __tablename__ = "entry_deletions"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    entry_id: Mapped[int] = mapped_column(Integer)
+    size_bytes: Mapped[int] = mapped_column(Integer, default=0)  # so replicas keep their byte count
+    ts: Mapped[float] = mapped_column(Float, index=True)
 
 
 class RequestRecord(Base):
@@ -179,15 +197,28 @@ def reply_key(normalized_text: str) -> str:
     return hashlib.sha256(normalized_text.encode()).hexdigest()
 
 
+class StoreError(RuntimeError):
+    """The database cannot be opened: a missing driver, a server that refuses, bad credentials."""
+
+
 class Store:
     def __init__(self, url: str) -> None:
         if url.startswith("sqlite:///"):
             Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-        self.engine = create_engine(url, pool_pre_ping=True)
-        if self.engine.dialect.name == "sqlite":
-            event.listen(self.engine, "connect", _sqlite_pragmas)
-        Base.metadata.create_all(self.engine)
-        _add_missing_columns(self.engine)
+        try:
+            self.engine = create_engine(url, pool_pre_ping=True)
+            if self.engine.dialect.name == "sqlite":
+                event.listen(self.engine, "connect", _sqlite_pragmas)
+            Base.metadata.create_all(self.engine)
+            _add_missing_columns(self.engine)
+        except (ImportError, ArgumentError, SQLAlchemyError) as exc:
+            shown = make_url(url).render_as_string(hide_password=True) if "://" in url else url
+            hint = ""
+            if isinstance(exc, ImportError):
+                pg = url.startswith("postgresql")
+                hint = " (pip install 'cachegw[postgres]')" if pg else " (install the driver the URL names)"
+            reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+            raise StoreError(f"cannot open the database {shown}: {reason}{hint}") from exc
         self.session = sessionmaker(self.engine, expire_on_commit=False)
 
     def close(self) -> None:
@@ -237,18 +268,48 @@ class Store:
                 )
 
     def mark_bad(self, entry_id: int) -> None:
-        with self.session.begin() as s:
-            s.execute(update(CacheEntry).where(CacheEntry.id == entry_id).values(bad=True))
+        self._update_entry(entry_id, bad=True)
 
     def set_entry_threshold(self, entry_id: int, threshold: float) -> None:
+        self._update_entry(entry_id, threshold=threshold)
+
+    def _update_entry(self, entry_id: int, **values: object) -> None:
         with self.session.begin() as s:
-            s.execute(update(CacheEntry).where(CacheEntry.id == entry_id).values(threshold=threshold))
+            q = update(CacheEntry).where(CacheEntry.id == entry_id)
+            s.execute(q.values(**values, updated_at=time.time()))
 
     def delete_entries(self, ids: list[int]) -> int:
+        """Delete entries and log their ids in the same commit (``changes_since`` reads the log)."""
         if not ids:
             return 0
         with self.session.begin() as s:
-            return s.execute(delete(CacheEntry).where(CacheEntry.id.in_(ids))).rowcount or 0
+            gone = s.execute(select(CacheEntry.id, CacheEntry.size_bytes).where(CacheEntry.id.in_(ids))).all()
+            s.execute(delete(CacheEntry).where(CacheEntry.id.in_([i for i, _ in gone])))
+            now = time.time()
+            s.add_all(EntryDeletion(entry_id=i, size_bytes=size, ts=now) for i, size in gone)
+            return len(gone)
+
+    def changes_since(self, since: float) -> tuple[list[tuple[int, bool]], list[tuple[int, int]]]:
+        """What any replica changed from ``since`` on: ([(id, updated)] of entries created or updated,
+        [(id, size_bytes)] of entries deleted). Ids only; the caller fetches the entries it does not
+        know yet."""
+        with self.session() as s:
+            rows = s.execute(
+                select(CacheEntry.id, CacheEntry.updated_at).where(
+                    (CacheEntry.created_at >= since) | (CacheEntry.updated_at >= since)
+                )
+            ).all()
+            # an id back in the table was reused (databases made before ids were AUTOINCREMENT): keep it
+            reused = exists().where(CacheEntry.id == EntryDeletion.entry_id)
+            q = select(EntryDeletion.entry_id, EntryDeletion.size_bytes).where(
+                EntryDeletion.ts >= since, ~reused
+            )
+            deleted = [(int(i), int(size)) for i, size in s.execute(q)]
+            return [(int(i), u is not None and u >= since) for i, u in rows], deleted
+
+    def prune_deletions(self, before: float) -> None:
+        with self.session.begin() as s:
+            s.execute(delete(EntryDeletion).where(EntryDeletion.ts < before))
 
     def expired_ids(self, now: float) -> list[int]:
         with self.session() as s:

@@ -8,8 +8,6 @@ CACHEGW_REQUIRE_BROWSER) when it cannot.
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +18,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import httpx  # noqa: E402
 import pytest  # noqa: E402
 
+from tests.services import apt_install, missing  # noqa: E402
 from tests.test_gateway import ask, backend_url, chat, gateway, settings_for  # noqa: E402, F401
 
 CHROMIUM = "/usr/bin/chromium"
@@ -31,21 +30,12 @@ CHROMIUM_ARGS = [
     "--disable-sync",
     "--no-first-run",
 ]
+REQUIRE_BROWSER = "CACHEGW_REQUIRE_BROWSER"
 ADMIN_TOKEN = "cgw-admin-dashboard-test-token"
 MARKUP = 'What does <b>bold</b> <img src="x"> mean in HTML?'
 # The artifact (git-ignored); CACHEGW_UPDATE_DOCS=1 also refreshes the screenshot in docs/.
 ARTIFACT = Path(__file__).resolve().parent / "artifacts" / "dashboard.png"
 DOCS_SHOT = Path(__file__).resolve().parent.parent / "docs" / "dashboard.png"
-
-
-def _apt(*args: str) -> tuple[bool, str]:
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    cmd = ["apt-get", *args]
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return False, f"$ {' '.join(cmd)}\n{exc}"
-    return r.returncode == 0, f"$ {' '.join(cmd)} (exit {r.returncode})\n{r.stdout[-3000:]}{r.stderr[-3000:]}"
 
 
 @pytest.fixture(scope="module")
@@ -54,24 +44,12 @@ def chromium() -> str:
     pytest.importorskip("playwright.sync_api")
     if os.path.exists(CHROMIUM):
         return CHROMIUM
-    log = []
-    if shutil.which("apt-get") is None:
-        log.append("apt-get is not available on this machine")
-    else:
-        ok, out = _apt("install", "-y", "--no-install-recommends", "chromium")
-        log.append(out)
-        if not ok:  # a fresh image often has no package lists yet
-            ok, out = _apt("update")
-            log.append(out)
-            if ok:
-                ok, out = _apt("install", "-y", "--no-install-recommends", "chromium")
-                log.append(out)
+    log = apt_install("chromium")
     if os.path.exists(CHROMIUM):
         return CHROMIUM
-    reason = f"{CHROMIUM} is missing and could not be installed:\n" + "\n".join(log)
-    if os.environ.get("CI") or os.environ.get("CACHEGW_REQUIRE_BROWSER"):
-        pytest.fail(reason)
-    pytest.skip(reason)
+    missing(
+        f"{CHROMIUM} is missing and could not be installed:\n" + "\n".join(log), "CACHEGW_REQUIRE_BROWSER"
+    )
 
 
 @pytest.fixture(scope="module")
