@@ -177,7 +177,12 @@ class Gateway:
     async def _forward_json(
         self, flow: Flow, urls: list[str], path: str, body: dict, store: bool, ttl: int
     ) -> Response:
-        status, data, flow.backend_ms, flow.backend = await self.backends.post_json(urls, path, body)
+        start = time.perf_counter()
+        try:
+            status, data, flow.backend_ms, flow.backend = await self.backends.post_json(urls, path, body)
+        except ApiError as exc:  # down, timed out, garbled: the log must show it too
+            self._record_failure(flow, exc, start)
+            raise
         flow.response_id = data.get("id") if isinstance(data.get("id"), str) else None
         self.metrics.backend.observe(flow.backend_ms / 1e3)
         if status == 200:
@@ -191,7 +196,11 @@ class Gateway:
         client_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         upstream = {**body, "stream_options": {**(body.get("stream_options") or {}), "include_usage": True}}
         start = time.perf_counter()
-        flow.backend, response = await self.backends.open_stream(urls, path, upstream)
+        try:
+            flow.backend, response = await self.backends.open_stream(urls, path, upstream)
+        except ApiError as exc:
+            self._record_failure(flow, exc, start)
+            raise
         if response.status_code != 200:
             data = json.loads(await response.aread() or b"{}")
             await response.aclose()
@@ -240,6 +249,10 @@ class Gateway:
                 await asyncio.to_thread(self.store.remember_replies, replies)
         except Exception:  # a storage problem must not fail an answer the client already has
             log.exception("could not store the answer of %s", flow.id)
+
+    def _record_failure(self, flow: Flow, exc: ApiError, backend_start: float) -> None:
+        flow.backend_ms = (time.perf_counter() - backend_start) * 1e3
+        self._record(flow, exc.status, {}, f"{exc.code}: {exc.message}"[:500])
 
     def _record(self, flow: Flow, status: int, usage: dict, error: str | None = None) -> None:
         total_ms = (time.perf_counter() - flow.start) * 1e3

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sqlite3
 from collections.abc import Iterator
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -292,6 +293,36 @@ def test_backend_down_gives_502_while_hits_are_still_served(backend_url, tmp_pat
             )
             err = error_of(r, 502)
             assert err["code"] == "backend_unavailable" and "127.0.0.1:9" in err["message"]
+            body = {"messages": ask("Name a star."), "stream": True}
+            r = http.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer tenant-a"})
+            assert error_of(r, 502)["code"] == "backend_unavailable"
+    # both in the request log (no temperature: 1.0, so not cacheable)
+    assert failures_logged(tmp_path) == [(502, "bypass", "backend_unavailable")] * 2
+
+
+def test_backend_timeout_gives_504_while_hits_are_still_served(backend_url, tmp_path):
+    """A real timeout: the real engine cannot write 128 tokens in 50 ms on any machine we run on."""
+    with gateway(settings_for(tmp_path, [backend_url])) as url:
+        text, _, _ = chat(url, ask("Name a colour."))
+    s = settings_for(tmp_path, [backend_url])
+    s = s.model_copy(update={"gateway": s.gateway.model_copy(update={"backend_timeout_s": 0.05})})
+    with gateway(s) as url:
+        text2, h, _ = chat(url, ask("Name a colour."))
+        assert h["x-cache"] == "exact-hit" and text2 == text
+        with httpx.Client(base_url=url, timeout=30) as http:
+            body = {"messages": ask("Write a long story about a fox."), "max_tokens": 128, "ignore_eos": True}
+            r = http.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer tenant-a"})
+            err = error_of(r, 504)
+            assert err["code"] == "backend_timeout" and "did not answer in time" in err["message"]
+            assert http.get("/health").json()["status"] == "ok"  # the gateway itself is fine
+    assert failures_logged(tmp_path) == [(504, "bypass", "backend_timeout")]
+
+
+def failures_logged(data_dir) -> list[tuple[int, str, str]]:
+    """(status, cache result, error code) of the failed requests in the request log."""
+    with sqlite3.connect(data_dir / "cachegw.db") as db:
+        rows = db.execute("SELECT status, cache_result, error FROM requests WHERE status >= 500").fetchall()
+    return [(status, result, (error or "").split(":")[0]) for status, result, error in rows]
 
 
 def test_canonicalization_raises_the_backends_prefix_hits(backend_url, tmp_path):
