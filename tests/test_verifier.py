@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -222,3 +224,30 @@ def test_bad_csv_clear_error(
 def test_missing_file_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main_train(["--pairs", str(tmp_path / "nope.csv")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+_WORDS = [
+    "cats",
+    "dogs",
+    "afraid",
+    "of",
+    "and",
+    "or",
+    "to",
+    "convert",
+    "dollars",
+    "rupees",
+    "the",
+    "not",
+    "2",
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.sampled_from(_WORDS), min_size=1, max_size=9), st.lists(st.sampled_from(_WORDS), max_size=9)
+)
+def test_guards_are_symmetric_and_never_veto_a_query_against_itself(a: list[str], b: list[str]) -> None:
+    qa, qb = " ".join(a) + "?", " ".join(b) + "?"
+    assert guard_reason(qa, qa) is None
+    assert guard_reason(qa, qb) == guard_reason(qb, qa)
