@@ -360,12 +360,20 @@ class _CompletionShaper(_Shaper):
 # --- app -------------------------------------------------------------------------------------
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    """Every error leaves as OpenAI's error JSON, never FastAPI's ``{"detail": ...}``."""
+def install_error_handlers(app: FastAPI, on_error: Callable[[int, str], None] | None = None) -> None:
+    """Every error leaves as OpenAI's error JSON, never FastAPI's ``{"detail": ...}``.
+
+    ``on_error(status, code)`` is told of each one (the gateway counts them for Prometheus)."""
+
+    def answer(body: dict[str, Any], status: int, headers: Any = None) -> Response:
+        if on_error is not None:
+            err = body["error"]
+            on_error(status, str(err.get("code") or err.get("type") or ""))
+        return JSONResponse(body, status_code=status, headers=headers)
 
     async def api_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return answer(exc.body(), exc.status)
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
@@ -373,17 +381,17 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"Invalid URL ({request.method} {request.url.path})"
         else:
             message = str(exc.detail)
-        return JSONResponse(error_body(message), status_code=exc.status_code, headers=exc.headers)
+        return answer(error_body(message), exc.status_code, exc.headers)
 
     async def invalid_request(_: Request, exc: Exception) -> Response:
         """A bad query or path parameter: name it, as OpenAI names a bad body field."""
         assert isinstance(exc, RequestValidationError)
         errors = exc.errors()
         if not errors:
-            return JSONResponse(error_body(str(exc)), status_code=400)
+            return answer(error_body(str(exc)), 400)
         param = str(errors[0]["loc"][-1])
         message = f"Invalid value for '{param}': {errors[0]['msg']}."
-        return JSONResponse(error_body(message, param=param), status_code=400)
+        return answer(error_body(message, param=param), 400)
 
     async def client_gone(_: Request, __: Exception) -> Response:
         return Response(status_code=499)  # nobody reads it: the request was aborted
@@ -393,7 +401,7 @@ def install_error_handlers(app: FastAPI) -> None:
         body = error_body(
             f"Internal server error: {type(exc).__name__}", "server_error", None, "internal_error"
         )
-        return JSONResponse(body, status_code=500)
+        return answer(body, 500)
 
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(StarletteHTTPException, http_error)

@@ -187,6 +187,8 @@ class Gateway:
         self.metrics.backend.observe(flow.backend_ms / 1e3)
         if status == 200:
             await self._after_answer(flow, data, store, ttl)
+        if status != 200:
+            self._count_backend_error(status, data)
         self._record(flow, status, data.get("usage") or {}, None if status == 200 else json.dumps(data)[:500])
         return JSONResponse(data, status_code=status, headers=flow.headers())
 
@@ -204,6 +206,7 @@ class Gateway:
         if response.status_code != 200:
             data = json.loads(await response.aread() or b"{}")
             await response.aclose()
+            self._count_backend_error(response.status_code, data)
             self._record(flow, response.status_code, {}, json.dumps(data)[:500])
             return JSONResponse(data, status_code=response.status_code, headers=flow.headers())
         recorder = SseRecorder(flow.endpoint)
@@ -249,6 +252,11 @@ class Gateway:
                 await asyncio.to_thread(self.store.remember_replies, replies)
         except Exception:  # a storage problem must not fail an answer the client already has
             log.exception("could not store the answer of %s", flow.id)
+
+    def _count_backend_error(self, status: int, data: dict) -> None:
+        """A backend's own error, passed through as it came (a sampling value it refuses, ...)."""
+        err = data.get("error") if isinstance(data.get("error"), dict) else {}
+        self.metrics.count_error(status, str(err.get("code") or err.get("type") or "backend_error"))
 
     def _record_failure(self, flow: Flow, exc: ApiError, backend_start: float) -> None:
         flow.backend_ms = (time.perf_counter() - backend_start) * 1e3
@@ -312,7 +320,9 @@ def build_app(gateway_factory) -> FastAPI:
 
     # /openapi.json documents the API; FastAPI's /docs pages would load their scripts from a CDN.
     app = FastAPI(title="cachegw gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
-    install_error_handlers(app)
+    install_error_handlers(
+        app, lambda status, code: state["gw"].metrics.count_error(status, code) if state else None
+    )
     app.include_router(admin_router(lambda: state["gw"]))
 
     @app.get("/admin", include_in_schema=False)

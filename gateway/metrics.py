@@ -77,6 +77,12 @@ class GatewayMetrics:
             registry=r,
         )
         self.feedback = Counter("cachegw_gateway_bad_hits_flagged", "Hits reported bad", registry=r)
+        self.errors = Counter(
+            "cachegw_gateway_errors",
+            "Requests answered with an OpenAI-style error (bad input, unknown model, backend down...)",
+            ["status", "code"],
+            registry=r,
+        )
         self.entries = Gauge("cachegw_gateway_cache_entries", "Entries in the response cache", registry=r)
         self.entries.set_function(entries)
         self.hit_ratio = Gauge("cachegw_gateway_hit_ratio", "Exact and semantic hits / requests", registry=r)
@@ -98,6 +104,9 @@ class GatewayMetrics:
         }
         total = sum(counts.values())
         return (counts.get("exact-hit", 0) + counts.get("semantic-hit", 0)) / total if total else 0.0
+
+    def count_error(self, status: int, code: str) -> None:
+        self.errors.labels(str(status), code).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

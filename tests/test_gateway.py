@@ -247,6 +247,15 @@ def test_bad_input_gets_openai_errors(gw):
             400,
         )
         assert err["param"] == "temperature"
+        # each is counted for Prometheus by status and code (the module's gateway may have counted more)
+        counted = {
+            line.split("{")[1].split("}")[0]: float(line.split()[-1])
+            for line in http.get("/metrics").text.splitlines()
+            if line.startswith("cachegw_gateway_errors_total{")
+        }
+        assert counted['code="model_not_found",status="404"'] >= 1
+        assert counted['code="request_too_large",status="413"'] >= 1
+        assert sum(v for k, v in counted.items() if 'status="400"' in k) >= 5
 
 
 def test_entries_survive_a_restart(backend_url, tmp_path):
@@ -315,6 +324,8 @@ def test_backend_timeout_gives_504_while_hits_are_still_served(backend_url, tmp_
             err = error_of(r, 504)
             assert err["code"] == "backend_timeout" and "did not answer in time" in err["message"]
             assert http.get("/health").json()["status"] == "ok"  # the gateway itself is fine
+            metrics = http.get("/metrics").text
+            assert 'cachegw_gateway_errors_total{code="backend_timeout",status="504"} 1.0' in metrics
     assert failures_logged(tmp_path) == [(504, "bypass", "backend_timeout")]
 
 
