@@ -30,6 +30,12 @@ def error_body(
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+def error_code(body: Any) -> str:
+    """The code of an error body, else its type ("" when it is not OpenAI's error shape)."""
+    err = body.get("error") if isinstance(body, dict) else None
+    return str(err.get("code") or err.get("type") or "") if isinstance(err, dict) else ""
+
+
 class ApiError(Exception):
     """An error answered to the client as ``error_body`` with an HTTP status."""
 

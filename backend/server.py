@@ -40,6 +40,7 @@ from backend.protocol import (
     chat_logprobs,
     completion_logprobs,
     error_body,
+    error_code,
     parse_request,
     usage,
 )
@@ -367,8 +368,7 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[int, str], None] | 
 
     def answer(body: dict[str, Any], status: int, headers: Any = None) -> Response:
         if on_error is not None:
-            err = body["error"]
-            on_error(status, str(err.get("code") or err.get("type") or ""))
+            on_error(status, error_code(body))
         return JSONResponse(body, status_code=status, headers=headers)
 
     async def api_error(_: Request, exc: Exception) -> Response:

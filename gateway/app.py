@@ -19,7 +19,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from backend.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_request
+from backend.protocol import ApiError, ChatCompletionRequest, CompletionRequest, error_code, parse_request
 from backend.server import install_error_handlers, read_limited_body
 from gateway.admin_api import admin_router, dashboard_page, json_body
 from gateway.admin_auth import AdminAuth
@@ -187,7 +187,7 @@ class Gateway:
         self.metrics.backend.observe(flow.backend_ms / 1e3)
         if status == 200:
             await self._after_answer(flow, data, store, ttl)
-        if status != 200:
+        else:
             self._count_backend_error(status, data)
         self._record(flow, status, data.get("usage") or {}, None if status == 200 else json.dumps(data)[:500])
         return JSONResponse(data, status_code=status, headers=flow.headers())
@@ -255,8 +255,7 @@ class Gateway:
 
     def _count_backend_error(self, status: int, data: dict) -> None:
         """A backend's own error, passed through as it came (a sampling value it refuses, ...)."""
-        err = data.get("error") if isinstance(data.get("error"), dict) else {}
-        self.metrics.count_error(status, str(err.get("code") or err.get("type") or "backend_error"))
+        self.metrics.count_error(status, error_code(data) or "backend_error")
 
     def _record_failure(self, flow: Flow, exc: ApiError, backend_start: float) -> None:
         flow.backend_ms = (time.perf_counter() - backend_start) * 1e3
