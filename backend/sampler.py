@@ -31,6 +31,7 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     probs = sorted_logits.softmax(dim=-1)
     # Keep a token while the mass before it is below top_p: the top token always stays.
     drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    drop[:, 0] = False  # a top_p that rounds to 0 in float32 (1e-50) must not drop every token
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 

@@ -13,6 +13,10 @@ class InvalidParameter(ValueError):
         self.param = param
 
 
+GREEDY_TEMPERATURE = 1e-5  # vLLM's epsilon too
+MAX_TOP_K = 2**31 - 1  # larger means "all tokens" anyway; a tensor of it must not overflow
+
+
 @dataclass
 class SamplingParams:
     """Sampling settings of one request. temperature 0 is greedy."""
@@ -41,7 +45,11 @@ class SamplingParams:
             ),
             ("temperature", 0.0 <= self.temperature <= 2.0, "must be between 0 and 2"),
             ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
-            ("top_k", isinstance(self.top_k, int) and self.top_k >= -1, "must be -1 (off) or >= 0"),
+            (
+                "top_k",
+                isinstance(self.top_k, int) and -1 <= self.top_k <= MAX_TOP_K,
+                f"must be -1 (off) or between 0 and {MAX_TOP_K}",
+            ),
             ("seed", self.seed is None or isinstance(self.seed, int), "must be an integer"),
             (
                 "stop",
@@ -66,4 +74,6 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Below GREEDY_TEMPERATURE a draw is the argmax in all but name, and far below it (1e-50)
+        logits / temperature overflow float32 into NaN."""
+        return self.temperature < GREEDY_TEMPERATURE

@@ -128,6 +128,8 @@ def test_abort_frees_blocks_at_any_point(llm):
         ({"temperature": -0.5}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_k": -2}, "top_k"),
+        ({"top_k": 2**63}, "top_k"),  # a tensor of it would overflow inside the step
+        ({"temperature": float("nan")}, "temperature"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"logprobs": 50}, "logprobs"),
         ({"n": 2}, "n"),

@@ -7,6 +7,7 @@ file stays well under a minute on a small CPU.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import time
@@ -212,6 +213,30 @@ def test_top_k_extension(backend: Backend) -> None:
     greedy = backend.http.post("/v1/completions", json={**body, "temperature": 0}).json()
     top1 = backend.http.post("/v1/completions", json={**body, "temperature": 1.0, "top_k": 1}).json()
     assert top1["choices"][0]["text"] == greedy["choices"][0]["text"]
+
+
+@pytest.mark.parametrize(
+    "extreme",
+    [{"temperature": 1e-50}, {"temperature": 5e-324}, {"temperature": 0.7, "top_p": 1e-50}, {"top_k": 10**9}],
+)
+def test_extreme_sampling_values_work_and_harm_no_other_request(backend: Backend, extreme: dict) -> None:
+    """Before: temperature 1e-50 divided the logits into NaN, top_p 1e-50 (0 in float32) masked every
+    token, and the failed step took every request in the batch down with it (500)."""
+    body = {"model": MODEL, "prompt": "The weather today is", "max_tokens": 24, "ignore_eos": True}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        other = pool.submit(backend.http.post, "/v1/completions", json={**body, "temperature": 0})
+        odd = backend.http.post("/v1/completions", json={**body, **extreme})
+        assert odd.status_code == 200, odd.text
+        assert other.result().status_code == 200
+    if "top_k" not in extreme:  # all three leave only the most likely token: greedy
+        greedy = other.result().json()["choices"][0]["text"]
+        assert odd.json()["choices"][0]["text"] == greedy
+
+
+def test_top_k_too_large_for_a_tensor_gets_400(backend: Backend) -> None:
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "temperature": 1.0, "top_k": 2**63}
+    r = backend.http.post("/v1/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_k"
 
 
 def test_stop_strings(backend: Backend) -> None:
