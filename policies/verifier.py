@@ -4,7 +4,7 @@ Cosine similarity alone tops out near 0.93 precision on QQP because hard negativ
 ("best phone under 15000" vs "under 20000"). A hit therefore needs three things, checked in order:
 
 1. the candidate's cosine clears ``DEFAULT_RULE.min_cosine`` (cheap pre-filter, the ANN threshold);
-2. no hard guard fires (numbers, negation, antonyms; see ``verifier_features.guard_reason``);
+2. no hard guard fires (numbers, negation, antonyms, script, swap, time: ``guard_reason``);
 3. a small MLP over pair features gives probability >= ``DEFAULT_RULE.min_prob``; with the optional
    cross-encoder stage (``policies/cross_onnx.py``), the geometric mean of the MLP's and the
    cross-encoder's probabilities must clear it instead.

@@ -125,6 +125,94 @@ def test_symmetric_reorderings_are_not_swaps(a: str, b: str) -> None:
     assert guard_reason(a, b) is None
 
 
+# Audit of accepted pairs (session 6): without these guards the default verifier accepted every one of
+# them (cosine >= 0.88, p >= 0.80).
+@pytest.mark.parametrize(
+    ("a", "b", "guard"),
+    [
+        (
+            "list countries with less than 100 million people",
+            "list countries with more than 100 million people",
+            "antonym",
+        ),
+        (
+            "sql select rows where age is greater than 30",
+            "sql select rows where age is less than 30",
+            "antonym",
+        ),
+        ("numbers greater than 10", "numbers less than 10", "antonym"),
+        (
+            "sort a dictionary by value in ascending order",
+            "sort a dictionary by value in descending order",
+            "antonym",
+        ),
+        (
+            "what are the symptoms of too much vitamin d",
+            "what are the symptoms of too little vitamin d",
+            "antonym",
+        ),
+        ("why is my python script slow", "why is my python script fast", "antonym"),
+        ("how to zoom in on a mac", "how to zoom out on a mac", "antonym"),
+        ("how to scroll up in tmux", "how to scroll down in tmux", "antonym"),
+        ("how to align text left in css", "how to align text right in css", "antonym"),
+        ("python code to send an email", "python code to receive an email", "antonym"),
+        ("my laptop is unable to connect to wifi", "my laptop is able to connect to wifi", "antonym"),
+        ("How do I log in on the Facebook app?", "How do I log out on the Facebook app?", "antonym"),
+        ("what day of the week is monday", "what day of the week is tuesday", "time"),
+        ("who won the super bowl last year", "who won the super bowl this year", "time"),
+        ("Best places to visit in Europe in December?", "Best places to visit in Europe in March?", "time"),
+        ("What will the weather be like tomorrow?", "What is the weather like today?", "time"),
+        (
+            "how to convert an int to a string in python",
+            "how to convert a string to an int in python",
+            "swap",
+        ),
+        ("Should a doctor date an engineer?", "Can an engineer date a doctor?", "swap"),
+    ],
+)
+def test_audited_flips_rejected(verifier: Verifier, encoder: Encoder, a: str, b: str, guard: str) -> None:
+    assert guard_reason(a, b) == guard_reason(b, a) == guard
+    assert _check(verifier, encoder, a, b) == (False, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        # the same direction word on both sides, or none on one side
+        ("How do I zoom in on a Mac?", "How can I zoom in on my Mac?"),
+        ("How do I make my Python code faster?", "How can I make my Python code run faster?"),
+        ("Is more than 8 hours of sleep bad?", "Is sleeping more than 8 hours bad?"),
+        ("How do I log in to Gmail?", "How do I sign in to Gmail?"),
+        ("How do I log out of Facebook on all devices?", "How can I log out of Facebook from every device?"),
+        ("How to get the smell out of a carpet?", "How to get rid of the smell in a carpet?"),  # particles
+        ("What are some of the little things that make life better?", "What things make life much better?"),
+        # "may" and "march" as ordinary words; a time named on one side only; a year fixes the date
+        ("May I bring food on the plane?", "Can I bring food on the plane?"),
+        ("This may sound stupid, but how do magnets work?", "How do magnets work?"),
+        ("What is the march of progress?", "What does the march of progress mean?"),
+        (
+            "I turn 20 in May, what advice can you give me?",
+            "I am about to turn 20, what advice can you give me?",
+        ),
+        ("What should I do this weekend?", "What should I do on Saturday?"),
+        ("What inventions are still used to this day?", "What inventions are still used today?"),
+        (
+            "Who will win the premier league this season 2016-2017?",
+            "Who will win the premier league next season 2016-2017?",
+        ),
+        # articles alone never make a swap; coordinators stay symmetric
+        (
+            "What is the difference between an int and a string?",
+            "What is the difference between a string and an int?",
+        ),
+        ("int vs string in python", "string vs int in python"),
+    ],
+)
+def test_paraphrases_pass_the_new_guards(a: str, b: str) -> None:
+    assert guard_reason(a, b) is None
+    assert guard_reason(b, a) is None
+
+
 @pytest.mark.parametrize(
     ("a", "b"),
     [
@@ -240,6 +328,25 @@ _WORDS = [
     "the",
     "not",
     "2",
+    "a",
+    "an",
+    "more",
+    "less",
+    "too",
+    "much",
+    "little",
+    "zoom",
+    "in",
+    "out",
+    "on",
+    "monday",
+    "tuesday",
+    "may",
+    "march",
+    "last",
+    "this",
+    "year",
+    "today",
 ]
 
 
