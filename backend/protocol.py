@@ -8,6 +8,7 @@ are ignored.
 from __future__ import annotations
 
 import json
+import math
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -112,6 +113,7 @@ class ChatMessage(_Model):
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # checked so a wrong type is a 400; not templated
 
     def template_dict(self) -> dict[str, str]:
         """What the chat template sees; text parts are joined like vLLM does."""
@@ -208,6 +210,28 @@ def _all_field_names(*models: type[BaseModel]) -> frozenset[str]:
 _FIELD_NAMES = _all_field_names(
     CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions
 )
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text} is out of range")
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def load_json(raw: bytes) -> Any:
+    """``json.loads`` without what JSON does not allow but Python's parser accepts (NaN, Infinity) or
+    cannot carry on (1e400 becomes inf): none of it could be sent on to a backend. Too deep a nesting
+    is a 400 too, not a RecursionError."""
+    try:
+        return json.loads(raw, parse_constant=_no_constant, parse_float=_finite)
+    except (ValueError, RecursionError) as exc:
+        why = str(exc) if isinstance(exc, ValueError) else "it is nested too deeply"
+        raise ApiError(400, f"We could not parse the JSON body of your request: {why}.") from None
 
 
 def parse_request(model: type[M], raw: bytes) -> M:

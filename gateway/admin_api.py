@@ -13,14 +13,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi import Path as PathParam
 from fastapi.responses import HTMLResponse
 
-from backend.protocol import ApiError
+from backend.protocol import ApiError, load_json
 from backend.server import read_limited_body
 from gateway import live_settings, stats
 from gateway.admin_store import entry_view
 from gateway.feedback import parse_feedback, report_bad
+from gateway.store import MAX_ID
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
@@ -37,13 +39,7 @@ def actor(request: Request) -> str:
 
 
 async def json_body(request: Request) -> Any:
-    raw = await read_limited_body(request, ADMIN_BODY_BYTES)
-    try:
-        return json.loads(raw or b"null")
-    except ValueError as exc:
-        raise ApiError(
-            400, "We could not parse the JSON body of your request. Please send valid JSON."
-        ) from exc
+    return load_json(await read_limited_body(request, ADMIN_BODY_BYTES) or b"null")
 
 
 def _window(text: str, param: str = "window") -> float:
@@ -59,12 +55,15 @@ def scope_threshold(gw: Gateway, model: str, tenant: str) -> float:
 
 
 def admin_router(get_gw: Callable[[], Gateway]) -> APIRouter:
-    router = APIRouter(prefix="/admin/api", tags=["admin"])
+    def check_token(request: Request) -> None:
+        get_gw().auth.check(request.headers.get("authorization"))
+
+    # as a dependency the token is checked before the parameters: a caller without it learns nothing
+    router = APIRouter(prefix="/admin/api", tags=["admin"], dependencies=[Depends(check_token)])
 
     def authed(request: Request) -> Gateway:
-        gw = get_gw()
-        gw.auth.check(request.headers.get("authorization"))
-        return gw
+        """The gateway; every route of this router has passed ``check_token`` already."""
+        return get_gw()
 
     async def rows_for(gw: Gateway, window: str, tenant: str, model: str) -> tuple[float, float, list[dict]]:
         until = time.time()
@@ -151,7 +150,7 @@ def admin_router(get_gw: Callable[[], Gateway]) -> APIRouter:
         bad: bool | None = None,
         order: Literal["hits", "recent", "last_hit", "size"] = "hits",
         limit: int = Query(50, ge=1, le=1000),
-        offset: int = Query(0, ge=0),
+        offset: int = Query(0, ge=0, le=MAX_ID),
     ) -> dict[str, Any]:
         gw = authed(request)
         tenant_key = gw.tenants.cache_key_of(tenant) if tenant else ""
@@ -161,7 +160,7 @@ def admin_router(get_gw: Callable[[], Gateway]) -> APIRouter:
         return {"total": total, "data": data}
 
     @router.get("/entries/{entry_id}", summary="One entry with its full stored response")
-    async def get_entry(request: Request, entry_id: int) -> dict[str, Any]:
+    async def get_entry(request: Request, entry_id: int = PathParam(ge=1, le=MAX_ID)) -> dict[str, Any]:
         gw = authed(request)
         entry = await asyncio.to_thread(gw.admin.get_entry, entry_id)
         if entry is None:
@@ -169,7 +168,7 @@ def admin_router(get_gw: Callable[[], Gateway]) -> APIRouter:
         return {**entry_view(entry, preview=1 << 20), "response": json.loads(entry.response)}
 
     @router.delete("/entries/{entry_id}", summary="Delete one entry")
-    async def delete_entry(request: Request, entry_id: int) -> dict[str, Any]:
+    async def delete_entry(request: Request, entry_id: int = PathParam(ge=1, le=MAX_ID)) -> dict[str, Any]:
         gw = authed(request)
         removed = await gw.cache.delete([entry_id])
         if not removed:
@@ -195,17 +194,18 @@ def admin_router(get_gw: Callable[[], Gateway]) -> APIRouter:
         )
         return {"deleted": removed}
 
-    @router.post("/flush", summary="Delete every cache entry")
+    @router.post("/flush", summary="Delete every cache entry and every remembered reply")
     async def flush(request: Request) -> dict[str, Any]:
         gw = authed(request)
         ids = await asyncio.to_thread(gw.admin.entry_ids)
         removed = await gw.cache.delete(ids)
+        await asyncio.to_thread(gw.store.clear_replies)
         await asyncio.to_thread(gw.admin.audit, actor(request), "flush", "all", None, {"deleted": removed})
         return {"deleted": removed}
 
     @router.get("/audit", summary="Who changed what, newest first")
     async def audit(
-        request: Request, limit: int = Query(100, ge=1, le=1000), offset: int = Query(0, ge=0)
+        request: Request, limit: int = Query(100, ge=1, le=1000), offset: int = Query(0, ge=0, le=MAX_ID)
     ) -> dict[str, Any]:
         gw = authed(request)
         return {"data": await asyncio.to_thread(gw.admin.audit_log, limit, offset)}

@@ -19,12 +19,19 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from backend.protocol import ApiError, ChatCompletionRequest, CompletionRequest, error_code, parse_request
+from backend.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_code,
+    load_json,
+    parse_request,
+)
 from backend.server import install_error_handlers, read_limited_body
 from gateway.admin_api import admin_router, dashboard_page, json_body
 from gateway.admin_auth import AdminAuth
 from gateway.admin_store import AdminStore
-from gateway.cache import Lookup, ResponseCache
+from gateway.cache import Freshness, Lookup, ResponseCache
 from gateway.cache_keys import RequestKeys, request_keys
 from gateway.config import Settings
 from gateway.feedback import parse_feedback, report_bad
@@ -35,8 +42,8 @@ from gateway.proxy import Backends, SseRecorder, relay
 from gateway.recorder import Recorder
 from gateway.store import Store, reply_key
 from gateway.tenants import Tenant, Tenants
-from policies.cacheability import CachePolicy, decide
-from policies.canonicalize import canonicalize, normalize_for_match
+from policies.cacheability import Cacheability, CachePolicy, decide
+from policies.canonicalize import Restore, canonicalize, normalize_for_match, normalize_reply
 
 log = logging.getLogger("cachegw.gateway")
 QUERY_CHARS = 500  # of the last user message kept in the request log (gateway.log_query_text)
@@ -50,10 +57,14 @@ def query_hash(query: str) -> str:
 class Flow:
     """State of one request as it moves through the gateway."""
 
-    def __init__(self, endpoint: str, tenant: Tenant, model: str, body: dict[str, Any], stream: bool) -> None:
+    def __init__(
+        self, endpoint: str, tenant: Tenant, model: str, body: dict[str, Any], cacheable: Cacheability
+    ) -> None:
         self.id = f"req-{uuid.uuid4().hex}"
         self.start = time.perf_counter()
-        self.endpoint, self.tenant, self.model, self.body, self.stream = endpoint, tenant, model, body, stream
+        self.endpoint, self.tenant, self.model, self.body = endpoint, tenant, model, body
+        self.stream = bool(body.get("stream"))
+        self.cacheable = cacheable
         self.rules: list[str] = []
         self.keys: RequestKeys | None = None
         self.lookup: Lookup | None = None
@@ -111,39 +122,47 @@ class Gateway:
             await asyncio.to_thread(self.live.load)
             self.apply_settings()
 
-    def _restore(self, normalized: str) -> str | None:
-        return self.store.lookup_reply(reply_key(normalized))
+    def _restorer(self, tenant: Tenant) -> Restore:
+        return lambda normalized: self.store.lookup_reply(reply_key(tenant.cache_key, normalized))
 
     @staticmethod
     def _ttl(request: Request, settings: Settings) -> int:
         raw = request.headers.get("x-cache-ttl")
         if raw is None:
             return settings.cache.ttl_seconds
-        if not raw.strip().isdigit() or int(raw) <= 0:
+        raw = raw.strip()
+        if not (raw.isascii() and raw.isdigit()) or int(raw) <= 0:  # "²".isdigit() is True
             raise ApiError(400, "x-cache-ttl must be a positive number of seconds.", param="x-cache-ttl")
         return min(int(raw), settings.cache.max_ttl_seconds)
 
     async def handle(self, request: Request, endpoint: str) -> Response:
         settings = self.settings  # one consistent view for the whole request
-        tenant = self.tenants.resolve(request.headers.get("authorization"))
+        tenant = self.tenants.from_headers(request.headers)
         raw = await read_limited_body(request, settings.gateway.max_request_bytes)
         parse_request(ChatCompletionRequest if endpoint == "chat" else CompletionRequest, raw)
-        body = json.loads(raw)
+        body = load_json(raw)  # NaN, Infinity or 1e400 get a 400 here: they cannot be forwarded
+        if body.get("model") == "":
+            raise ApiError(
+                400, "model must be a non-empty string; leave it out for the default.", param="model"
+            )
         model = body.get("model") or ""
         candidates = await self.backends.route(model or None)  # 404 for an unknown model, before any work
         ttl = self._ttl(request, settings)
-        flow = Flow(endpoint, tenant, model, body, bool(body.get("stream")))
         cacheable = decide(body, request.headers, self.policy)
-        cfg = settings.canonicalize
+        flow = Flow(endpoint, tenant, model, body, cacheable)
+        cfg, restore = settings.canonicalize, self._restorer(tenant)
         if any(isinstance(m, dict) and m.get("role") == "assistant" for m in body.get("messages") or []):
             # restoring earlier replies reads the database: off the event loop
-            body, flow.rules = await asyncio.to_thread(canonicalize, body, cfg, self._restore)
+            body, flow.rules = await asyncio.to_thread(canonicalize, body, cfg, restore)
         else:
-            body, flow.rules = canonicalize(body, cfg, self._restore)  # pure, about 0.1 ms
+            body, flow.rules = canonicalize(body, cfg, restore)  # pure, about 0.1 ms
         flow.keys = request_keys(tenant.cache_key, model, endpoint, body)
         use_cache = settings.cache.enabled
         if use_cache and cacheable.may_serve:
-            flow.lookup = await self.cache.lookup(tenant.cache_key, tenant.name, model, flow.keys)
+            fresh = Freshness(cacheable.max_age, cacheable.min_fresh)
+            flow.lookup = await self.cache.lookup(
+                tenant.cache_key, tenant.name, model, flow.keys, fresh=fresh
+            )
             self.metrics.lookup.observe(flow.lookup.lookup_ms / 1e3)
             if flow.lookup.embed_ms is not None:
                 self.metrics.embedding.observe(flow.lookup.embed_ms / 1e3)
@@ -241,9 +260,11 @@ class Gateway:
         """Remember the reply's exact bytes, and store the answer when policy and quality allow."""
         choice = (data.get("choices") or [{}])[0]
         text = (choice.get("message") or {}).get("content") if flow.endpoint == "chat" else choice.get("text")
-        replies = {reply_key(normalize_for_match(text)): text} if isinstance(text, str) and text else {}
+        replies: dict[str, str] = {}
+        if isinstance(text, str) and text and not flow.cacheable.keeps_nothing:
+            replies[reply_key(flow.tenant.cache_key, normalize_reply(text))] = text
         try:
-            if store and flow.keys is not None and not (choice.get("message") or {}).get("tool_calls"):
+            if store and flow.keys is not None:
                 embedding = flow.lookup.embedding if flow.lookup else None
                 flow.stored_entry = await self.cache.insert(
                     flow.tenant.cache_key, flow.model, flow.endpoint, flow.keys, embedding, data, ttl, replies
@@ -302,9 +323,12 @@ class Gateway:
                 "scope": keys.scope if keys else None,
                 "system_hash": keys.system if keys else None,
                 "query_hash": query_hash(query) if query else None,
-                "query": query[:QUERY_CHARS] if query and self.settings.gateway.log_query_text else None,
+                "query": query[:QUERY_CHARS] if query and self._log_query(flow) else None,
             }
         )
+
+    def _log_query(self, flow: Flow) -> bool:
+        return self.settings.gateway.log_query_text and not flow.cacheable.keeps_nothing
 
 
 def build_app(gateway_factory) -> FastAPI:
@@ -332,7 +356,7 @@ def build_app(gateway_factory) -> FastAPI:
     async def feedback(request: Request) -> dict[str, Any]:
         """A tenant flags one of its own answers as bad (by the response id or x-request-id)."""
         gw = state["gw"]
-        tenant = gw.tenants.resolve(request.headers.get("authorization"))
+        tenant = gw.tenants.from_headers(request.headers)
         request_id, _ = parse_feedback(await json_body(request), admin=False)
         return await report_bad(gw, f"tenant:{tenant.name[:16]}", request_id, None, tenant=tenant.id)
 
@@ -346,7 +370,7 @@ def build_app(gateway_factory) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
-        state["gw"].tenants.resolve(request.headers.get("authorization"))
+        state["gw"].tenants.from_headers(request.headers)
         return {"object": "list", "data": await state["gw"].backends.list_models()}
 
     @app.get("/health")

@@ -45,8 +45,22 @@ class Lookup:
     lookup_ms: float = 0.0
 
 
-def servable(entry: CacheEntry, keys: RequestKeys, now: float) -> bool:
-    if entry.bad or entry.expires_at <= now:
+UNKNOWN_LENGTH = 2**31 - 1  # completion_tokens of an answer stored without usage: no limit is known to hold
+_PLAIN_MESSAGE = frozenset({"role", "content"})
+
+
+@dataclass(frozen=True)
+class Freshness:
+    """The request's own limits (Cache-Control max-age / min-fresh), on top of each entry's expiry."""
+
+    max_age: float | None = None
+    min_fresh: float = 0.0
+
+
+def servable(entry: CacheEntry, keys: RequestKeys, now: float, fresh: Freshness = Freshness()) -> bool:
+    if entry.bad or entry.expires_at - fresh.min_fresh <= now:
+        return False
+    if fresh.max_age is not None and now - entry.created_at > fresh.max_age:
         return False
     if entry.finish_reason == "stop":
         return keys.max_tokens is None or entry.completion_tokens <= keys.max_tokens
@@ -103,7 +117,13 @@ class ResponseCache:
         return len(self.index)
 
     async def lookup(
-        self, tenant: str, tenant_name: str, model: str, keys: RequestKeys, semantic: bool = True
+        self,
+        tenant: str,
+        tenant_name: str,
+        model: str,
+        keys: RequestKeys,
+        semantic: bool = True,
+        fresh: Freshness = Freshness(),
     ) -> Lookup:
         start = time.perf_counter()
         now = time.time()
@@ -119,7 +139,7 @@ class ResponseCache:
                     self._remember(entry)
                     self._index_exact(entry.exact_key, entry.id)
             for entry in candidates:
-                if entry.tenant == tenant and entry.model == model and servable(entry, keys, now):
+                if entry.tenant == tenant and entry.model == model and servable(entry, keys, now, fresh):
                     return Lookup("exact-hit", entry, 1.0, lookup_ms=_ms(start))
         if not (c.semantic and semantic and keys.scope and keys.query and self.batcher):
             return Lookup("miss", lookup_ms=_ms(start))
@@ -140,7 +160,7 @@ class ResponseCache:
             entries = await self._get_entries([i for i, _ in close])
             for entry_id, sim in close:
                 entry = entries.get(entry_id)
-                if entry is None or entry.scope != keys.scope or not servable(entry, keys, now):
+                if entry is None or entry.scope != keys.scope or not servable(entry, keys, now, fresh):
                     continue
                 if entry.threshold is not None and sim < entry.threshold:  # learned from feedback
                     continue
@@ -201,12 +221,16 @@ class ResponseCache:
     ) -> int | None:
         """Store a completed answer, with ``replies`` (Store.remember_replies) in the same commit;
         returns its entry id (None if it may not be stored, and then nothing is written)."""
-        choice = (response.get("choices") or [{}])[0]
+        choices = response.get("choices") or [{}]
+        choice = choices[0]
         finish = choice.get("finish_reason")
-        if finish not in ("stop", "length"):
+        if finish not in ("stop", "length") or len(choices) != 1:
             return None
         if finish == "length" and keys.max_tokens is None:
             return None
+        message = choice.get("message") or {}
+        if any(v is not None for k, v in message.items() if k not in _PLAIN_MESSAGE):
+            return None  # tool calls, a refusal, reasoning, audio: a replayed stream carries only text
         if keys.query and embedding is None and self.batcher and keys.scope:
             embedding = await self.batcher.embed(keys.query)
         usage = response.get("usage") or {}
@@ -224,7 +248,7 @@ class ResponseCache:
             max_tokens=keys.max_tokens,
             embedding=None if embedding is None or not keys.scope else embedding.astype(np.float32).tobytes(),
             prompt_tokens=int(usage.get("prompt_tokens") or 0),
-            completion_tokens=int(usage.get("completion_tokens") or 0),
+            completion_tokens=_completion_tokens(usage, keys, finish),
             size_bytes=len(body.encode()),
             created_at=now,
             expires_at=now + ttl_seconds,
@@ -349,15 +373,26 @@ class ResponseCache:
             return removed
 
     async def expire(self) -> int:
-        """Delete expired entries; also prunes the deletion log and recounts the totals, which other
-        replicas' inserts racing this one's can leave a little off."""
+        """Delete expired entries; also prunes the deletion log and old replies, and recounts the
+        totals, which other replicas' inserts racing this one's can leave a little off."""
         now = time.time()
         await asyncio.to_thread(self.store.prune_deletions, now - DELETION_LOG_S)
+        # a conversation that comes back later than any entry can live loses only a prefix-cache hit
+        await asyncio.to_thread(self.store.prune_replies, now - self.config.max_ttl_seconds)
         ids = await asyncio.to_thread(self.store.expired_ids, now)
         if ids:
             return await self.delete(ids)
         self.entries, self.bytes = await asyncio.to_thread(self.store.totals)
         return 0
+
+
+def _completion_tokens(usage: dict, keys: RequestKeys, finish: str) -> int:
+    """The answer's length, which decides which max_tokens it may be served to. A backend that sent no
+    usage leaves only what its own limit proves: a "stop" answer fit the max_tokens it was asked with."""
+    n = usage.get("completion_tokens")
+    if isinstance(n, int) and not isinstance(n, bool) and n >= 0:
+        return n
+    return keys.max_tokens if keys.max_tokens is not None and finish == "stop" else UNKNOWN_LENGTH
 
 
 def _ms(start: float) -> float:

@@ -1,10 +1,14 @@
 """What makes two requests the same (exact key) or comparable (semantic scope).
 
 Exact key: tenant, model, endpoint, every message (or the prompt) and every parameter that can
-change the output. Scope: the same minus the last user message: system prompt, earlier turns,
-tools, response_format and the output-changing parameters. Within a scope only the last user
-message is compared by meaning; across scopes nothing is ever compared, so an answer given in
-another conversation, under another system prompt or to another tenant cannot be served.
+change the output. Scope: the same minus the text of the last user message: system prompt, earlier
+turns, tools, response_format, the output-changing parameters, the last message's other fields
+(``name``) and the volatile values canonicalization moved into it. Within a scope only the last user
+message's own text is compared by meaning; across scopes nothing is ever compared, so an answer given
+in another conversation, under another system prompt or to another tenant cannot be served.
+
+Hashes keep the order of JSON-schema ``properties`` (it is the order structured output is generated
+in); every other object is hashed with sorted keys.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-from policies.canonicalize import canonical_json
+from policies.canonicalize import canonical_json, split_volatile_note
 
 # Fields that do not change the answer's content: left out of both keys. max_tokens is checked
 # against the stored answer instead (a truncated answer is not served to a longer max_tokens).
@@ -29,7 +33,6 @@ _NOT_OUTPUT = frozenset(
         "store",
         "max_tokens",
         "max_completion_tokens",
-        "cache_salt",
         "service_tier",
     }
 )
@@ -44,8 +47,21 @@ class RequestKeys:
     system: str | None = None  # short hash of the system/developer messages (reports group by it)
 
 
+def _ordered_properties(obj: Any) -> Any:
+    """Every ``properties`` object becomes a list of [name, schema] pairs, so sorting keys cannot
+    merge two schemas whose fields are generated in a different order."""
+    if isinstance(obj, dict):
+        return {
+            k: [[n, _ordered_properties(v)] for n, v in val.items()]
+            if k == "properties" and isinstance(val, dict)
+            else _ordered_properties(val)
+            for k, val in obj.items()
+        }
+    return [_ordered_properties(v) for v in obj] if isinstance(obj, list) else obj
+
+
 def _digest(obj: Any) -> str:
-    return hashlib.sha256(canonical_json(obj).encode()).hexdigest()
+    return hashlib.sha256(canonical_json(_ordered_properties(obj)).encode()).hexdigest()
 
 
 def text_of(content: Any) -> str | None:
@@ -63,16 +79,25 @@ def text_of(content: Any) -> str | None:
 
 def request_keys(tenant: str, model: str, endpoint: str, body: dict[str, Any]) -> RequestKeys:
     params = {k: v for k, v in body.items() if k not in _NOT_OUTPUT}
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    max_tokens = body.get("max_completion_tokens")
+    if max_tokens is None:  # 0 is a value (the backend refuses it), not "absent"
+        max_tokens = body.get("max_tokens")
     head = {"tenant": tenant, "model": model, "endpoint": endpoint, "params": params}
     if endpoint == "chat":
         messages = body.get("messages") or []
         exact = _digest({**head, "messages": messages})
         last = messages[-1] if messages else None
-        query = (
-            text_of(last.get("content")) if isinstance(last, dict) and last.get("role") == "user" else None
-        )
-        scope = _digest({**head, "context": messages[:-1]}) if query else None
+        text = text_of(last.get("content")) if isinstance(last, dict) and last.get("role") == "user" else None
+        query, note = split_volatile_note(text) if text is not None else (None, "")
+        scope = None
+        if query:
+            context: dict[str, Any] = {**head, "context": messages[:-1]}
+            extra = {k: v for k, v in last.items() if k not in ("role", "content")}
+            if extra:  # "name" tells end users apart: Alice's answer is not Bob's
+                context["last"] = extra
+            if note:  # the date an answer was given under is part of its context, not of the question
+                context["volatile"] = note
+            scope = _digest(context)
         instructions = [
             m for m in messages if isinstance(m, dict) and m.get("role") in ("system", "developer")
         ]
@@ -82,7 +107,8 @@ def request_keys(tenant: str, model: str, endpoint: str, body: dict[str, Any]) -
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         exact = _digest({**head, "prompt": prompt})
-        query = prompt if isinstance(prompt, str) else None
+        # echo returns the prompt itself: a paraphrase would get the stored prompt back
+        query = prompt if isinstance(prompt, str) and not body.get("echo") else None
         scope = _digest(head) if query else None
         system = None
     if query is not None and not query.strip():

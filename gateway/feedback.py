@@ -10,6 +10,7 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 from backend.protocol import ApiError
+from gateway.store import MAX_ID
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
@@ -26,14 +27,29 @@ def parse_feedback(body: Any, admin: bool) -> tuple[str | None, int | None]:
         raise ApiError(400, 'verdict must be "bad".', param="verdict")
     request_id = body.get("request_id")
     entry_id = body.get("entry_id") if admin else None
-    if request_id is not None and (not isinstance(request_id, str) or not request_id):
-        raise ApiError(400, "request_id must be a non-empty string.", param="request_id")
+    if request_id is not None and not _id_text(request_id):
+        raise ApiError(
+            400, "request_id must be a non-empty string of at most 256 characters.", param="request_id"
+        )
     if entry_id is not None and (isinstance(entry_id, bool) or not isinstance(entry_id, int)):
         raise ApiError(400, "entry_id must be an integer.", param="entry_id")
+    if entry_id is not None and not 1 <= entry_id <= MAX_ID:
+        raise ApiError(400, f"entry_id must be between 1 and {MAX_ID}.", param="entry_id")
     if request_id is None and entry_id is None:
         need = "request_id or entry_id" if admin else "request_id"
         raise ApiError(400, f"Missing required parameter: {need}.", param="request_id")
     return request_id, entry_id
+
+
+def _id_text(value: Any) -> bool:
+    """A string a database can look up: not empty, not huge, no lone surrogate (JSON allows one)."""
+    if not isinstance(value, str) or not 0 < len(value) <= 256:
+        return False
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 async def _find_request(gw: Gateway, request_id: str) -> dict[str, Any] | None:

@@ -167,6 +167,7 @@ class SseRecorder:
         self.done = False
         self.error = False
         self.has_tool_calls = False
+        self.extra: dict[str, list[Any]] = {}  # other delta fields (refusal, reasoning_content, ...)
 
     def feed_event(self, event: bytes) -> bool:
         """Read one SSE event; True if it is the usage-only chunk (no choices)."""
@@ -200,6 +201,9 @@ class SseRecorder:
                 self.has_tool_calls |= bool(delta.get("tool_calls"))
                 if delta.get("content"):
                     self.text.append(delta["content"])
+                for key, value in delta.items():
+                    if key not in ("role", "content", "tool_calls") and value not in (None, "", []):
+                        self.extra.setdefault(key, []).append(value)
             elif choice.get("text"):
                 self.text.append(choice["text"])
             if choice.get("finish_reason"):
@@ -212,9 +216,12 @@ class SseRecorder:
             return None
         text = "".join(self.text)
         if self.endpoint == "chat":
+            extra = {
+                k: "".join(v) if all(isinstance(x, str) for x in v) else v for k, v in self.extra.items()
+            }
             choice = {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": {"role": "assistant", "content": text, **extra},
                 "finish_reason": self.finish_reason,
             }
             obj = "chat.completion"

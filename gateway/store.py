@@ -31,9 +31,14 @@ from sqlalchemy import (
     text,
     update,
 )
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+
+# The largest SQL integer (SQLite INTEGER, PostgreSQL BIGINT): ids and offsets above it are 400s.
+MAX_ID = 2**63 - 1
 
 
 class Base(DeclarativeBase):
@@ -124,7 +129,7 @@ class Reply(Base):
     __tablename__ = "replies"
     key: Mapped[str] = mapped_column(String(64), primary_key=True)
     text: Mapped[str] = mapped_column(Text)
-    created_at: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[float] = mapped_column(Float, index=True)  # pruned by age
 
 
 class Setting(Base):
@@ -193,8 +198,9 @@ def _add_missing_columns(engine) -> None:
                 index.create(conn, checkfirst=True)
 
 
-def reply_key(normalized_text: str) -> str:
-    return hashlib.sha256(normalized_text.encode()).hexdigest()
+def reply_key(tenant: str, normalized_text: str) -> str:
+    """Per tenant: one tenant's replies must never shape, or reveal themselves in, another's prompts."""
+    return hashlib.sha256(f"{tenant}\x00{normalized_text}".encode()).hexdigest()
 
 
 class StoreError(RuntimeError):
@@ -382,9 +388,25 @@ class Store:
 
     @staticmethod
     def _add_replies(s: Session, replies: dict[str, str]) -> None:
-        known = set(s.scalars(select(Reply.key).where(Reply.key.in_(list(replies)))))
+        """Insert-or-ignore: two answers with the same text committing at once must not fail each
+        other's commit (it holds the entry too)."""
         now = time.time()
-        s.add_all(Reply(key=k, text=t, created_at=now) for k, t in replies.items() if k not in known)
+        rows = [{"key": k, "text": t, "created_at": now} for k, t in replies.items()]
+        dialect = s.get_bind().dialect.name
+        if dialect in ("sqlite", "postgresql"):
+            insert = sqlite_insert if dialect == "sqlite" else pg_insert
+            s.execute(insert(Reply).values(rows).on_conflict_do_nothing(index_elements=["key"]))
+            return
+        known = set(s.scalars(select(Reply.key).where(Reply.key.in_(list(replies)))))
+        s.add_all(Reply(**row) for row in rows if row["key"] not in known)
+
+    def prune_replies(self, before: float) -> None:
+        with self.session.begin() as s:
+            s.execute(delete(Reply).where(Reply.created_at < before))
+
+    def clear_replies(self) -> None:
+        with self.session.begin() as s:
+            s.execute(delete(Reply))
 
     def lookup_reply(self, key: str) -> str | None:
         with self.session() as s:

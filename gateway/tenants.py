@@ -1,4 +1,4 @@
-"""Who is asking: the API key in `Authorization: Bearer` names the tenant.
+"""Who is asking: the API key in `Authorization: Bearer` (or an `api-key` header) names the tenant.
 
 Open mode: any key is its own tenant. Keys mode: only configured keys, by name. Either way a key
 is stored only as a hash, and the cache is keyed by that hash (or by "*" when the config shares
@@ -8,6 +8,7 @@ the cache between tenants).
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from backend.protocol import ApiError
@@ -32,11 +33,16 @@ class Tenants:
         self.config = config
         self.by_hash = {key_hash(k): name for name, k in config.keys.items()}
 
-    def resolve(self, authorization: str | None) -> Tenant:
+    def resolve(self, authorization: str | None, api_key: str | None = None) -> Tenant:
+        """From ``Authorization: Bearer KEY``, else Azure's ``api-key: KEY`` header, else another
+        scheme's whole credential ("Basic ..."), so that no client that sends a key shares the
+        anonymous tenant."""
         key = ""
-        if authorization:
-            scheme, _, value = authorization.partition(" ")
-            key = value.strip() if scheme.lower() == "bearer" else ""
+        if authorization and authorization.strip():
+            scheme, _, value = authorization.strip().partition(" ")
+            key = value.strip() if scheme.lower() == "bearer" else authorization.strip()
+        if not key and api_key:
+            key = api_key.strip()
         if self.config.mode == "keys":
             h = key_hash(key) if key else ""
             if h not in self.by_hash:
@@ -50,6 +56,9 @@ class Tenants:
             h = key_hash(key) if key else ANONYMOUS
             name = h
         return Tenant(h, name, "*" if self.config.shared_cache else h)
+
+    def from_headers(self, headers: Mapping[str, str]) -> Tenant:
+        return self.resolve(headers.get("authorization"), headers.get("api-key"))
 
     def id_of(self, name_or_id: str) -> str:
         """A tenant named in the admin API: a configured name, else taken as the key hash itself."""

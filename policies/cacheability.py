@@ -9,17 +9,21 @@ storing if an identical request could be served from it. The first row that appl
 | 1 | ``CachePolicy.enabled`` is false | no | no | disabled |
 | 2 | n, temperature, top_k, logprobs, top_logprobs of a wrong type or range | no | no | invalid |
 | 3 | ``Cache-Control: no-store`` | no | no | no-store |
-| 4 | ``n`` > 1 | no | no | n>1 |
+| 4 | ``n`` > 1, or a completions ``prompt`` list of several prompts | no | no | n>1 |
 | 5 | chat ``logprobs: true`` or ``top_logprobs`` set; completions ``logprobs`` set | no | no | logprobs |
 | 6 | sampling, and the policy does not serve sampled answers | no | no | temperature |
 | 7 | ``Cache-Control: no-cache`` / ``max-age=0``; ``Pragma: no-cache`` alone | no | yes | no-cache |
 | 8 | ``stream_options`` beyond ``include_usage`` / ``include_obfuscation`` | no | yes | stream-options |
 | 9 | anything else | yes | yes | ok |
 
+Rows 8 and 9 also carry the request's freshness limits: ``Cache-Control: max-age=N`` serves only
+entries stored in the last N seconds, ``min-fresh=N`` only entries that stay fresh N more seconds.
+
 Why:
 2. the backend will answer 400; a cache must not answer what the backend refuses.
 3. RFC 9111: nothing of this exchange may be kept.
-4. an entry holds one choice; n copies of it are not n samples.
+4. an entry holds one choice; n copies of it are not n samples, nor one answer the answers to
+   several prompts.
 5. stored answers carry no logprobs.
 6. sampling = temperature > 0 (absent or null = OpenAI's default 1.0), unless ``top_k`` = 1 (only
    the best token can be drawn, so it is greedy). The client asked for a fresh sample; and storing
@@ -44,7 +48,7 @@ Headers are matched case-insensitively, repeated headers and comma lists are bot
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 _KNOWN_STREAM_OPTIONS = frozenset({"include_usage", "include_obfuscation"})
@@ -70,6 +74,13 @@ class Cacheability:
     may_serve: bool
     may_store: bool
     reason: str
+    max_age: float | None = None  # serve only entries at most this old (seconds)
+    min_fresh: float = 0.0  # serve only entries that stay fresh this much longer
+
+    @property
+    def keeps_nothing(self) -> bool:
+        """no-store: not even the reply text or the query in the request log may be kept."""
+        return self.reason == "no-store"
 
 
 OK = Cacheability(True, True, "ok")
@@ -87,7 +98,7 @@ def decide(body: Mapping[str, Any], headers: Mapping[str, str], policy: CachePol
     directives = _cache_directives(headers)
     if "no-store" in directives:
         return _NEITHER["no-store"]
-    if (body.get("n") or 1) > 1:
+    if (body.get("n") or 1) > 1 or _several_prompts(body.get("prompt")):
         return _NEITHER["n>1"]
     if _wants_logprobs(body):
         return _NEITHER["logprobs"]
@@ -96,9 +107,23 @@ def decide(body: Mapping[str, Any], headers: Mapping[str, str], policy: CachePol
     if "no-cache" in directives or directives.get("max-age") == "0":
         return _STORE_ONLY["no-cache"]
     options = body.get("stream_options")
+    decision = OK
     if isinstance(options, Mapping) and set(options) - _KNOWN_STREAM_OPTIONS:
-        return _STORE_ONLY["stream-options"]
-    return OK
+        decision = _STORE_ONLY["stream-options"]
+    max_age, min_fresh = _seconds(directives.get("max-age")), _seconds(directives.get("min-fresh"))
+    if max_age is not None or min_fresh:
+        decision = replace(decision, max_age=max_age, min_fresh=min_fresh or 0.0)
+    return decision
+
+
+def _seconds(value: str | None) -> float | None:
+    """A delta-seconds directive value; anything else is ignored (RFC 9111 1.2.2)."""
+    return float(value) if value is not None and value.isascii() and value.isdigit() else None
+
+
+def _several_prompts(prompt: Any) -> bool:
+    """A list of strings or of token lists with more than one element; a list of ints is one prompt."""
+    return isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(t, int) for t in prompt)
 
 
 def _number(value: Any) -> bool:
@@ -106,8 +131,11 @@ def _number(value: Any) -> bool:
 
 
 def _integer(value: Any) -> bool:
-    """An int, or a float like 2.0 (JSON does not tell them apart; the backend accepts both)."""
-    return _number(value) and float(value).is_integer()
+    """An int, or a float like 2.0 (JSON does not tell them apart; the backend accepts both). An int
+    is never converted to float: 10**400 would overflow."""
+    return (isinstance(value, int) and not isinstance(value, bool)) or (
+        isinstance(value, float) and value.is_integer()
+    )
 
 
 def _valid(body: Mapping[str, Any]) -> bool:

@@ -17,6 +17,10 @@ only whitespace, Unicode form, key and tool order move, and volatile values move
 | volatile_to_tail | volatile values -> ``[volatile:N]``, values to the tail | system/developer |
 | restore_assistant | assistant text replaced by the stored bytes of our reply | assistant messages |
 
+restore_assistant matches under ``normalize_reply``: prose whitespace is ignored, but code inside
+fences must keep its lines and indentation, so a reply whose code the client changed is left alone.
+The gateway keys replies per tenant.
+
 Kept exactly (NFC and LF aside): whitespace inside ``` / ~~~ fences (indentation and trailing
 spaces can matter in code), tool messages and tool-call arguments (data, not prose), completion
 prompts (their last bytes are where generation starts), and the order of a schema's ``properties``
@@ -127,8 +131,22 @@ def _combine(patterns: tuple[str, ...]) -> re.Pattern[str] | None:
 
 
 def normalize_for_match(text: str) -> str:
-    """The form under which replies are stored and found: NFC, whitespace runs -> one space, stripped."""
+    """The form repeats of one query are grouped under: NFC, whitespace runs -> one space, stripped."""
     return " ".join(unicodedata.normalize("NFC", text).split())
+
+
+def normalize_reply(text: str) -> str:
+    """The form under which the gateway's replies are stored and found again when a client sends one
+    back re-formatted: NFC and LF; whitespace runs in prose become one space; inside code fences only
+    trailing spaces and blank lines go, since indentation is meaning there (Python, YAML)."""
+    text = unicodedata.normalize("NFC", text).replace("\r\n", "\n").replace("\r", "\n")
+    pieces = (
+        "\n".join(line.rstrip() for line in piece.split("\n") if line.strip())
+        if code
+        else " ".join(piece.split())
+        for code, piece in _segments(text)
+    )
+    return "\n".join(p for p in pieces if p)
 
 
 def canonical_json(obj: Any) -> str:
@@ -149,7 +167,7 @@ def canonicalize(
 ) -> tuple[dict[str, Any], list[str]]:
     """A new, canonical body and the rules (in ``RULES`` order) that changed something. The result
     shares no dict or list with ``body``, which is never mutated. ``restore`` maps
-    ``normalize_for_match(reply)`` to the exact bytes of a reply the gateway produced, or None."""
+    ``normalize_reply(reply)`` to the exact bytes of a reply the gateway produced, or None."""
     out = _copy(body)
     if not cfg.enabled:
         return out, []
@@ -273,7 +291,8 @@ def _messages(
         prose = m.get("role") in _PROSE_ROLES  # tool (and unknown) roles: data, NFC and LF only
         if "content" in m and id(m) not in restored:
             m["content"] = _map_text(m["content"], lambda t, p=prose: _text(t, cfg, p, fired))
-        for call in m.get("tool_calls") or []:
+        calls = m.get("tool_calls")
+        for call in calls if isinstance(calls, list) else []:  # a wrong type is the backend's to refuse
             fn = call.get("function") if isinstance(call, dict) else None
             if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
                 fn["arguments"] = _text(fn["arguments"], cfg, False, fired)
@@ -296,9 +315,9 @@ def _restore_assistants(messages: list[Any], restore: Restore, fired: set[str]) 
             holder, slot = content[0], "text"
         else:
             continue
-        key = normalize_for_match(holder[slot])
+        key = normalize_reply(holder[slot])
         stored = restore(key) if key else None
-        if isinstance(stored, str) and normalize_for_match(stored) == key:
+        if isinstance(stored, str) and normalize_reply(stored) == key:
             done.add(id(m))
             if stored != holder[slot]:
                 holder[slot] = stored
@@ -357,22 +376,23 @@ def _volatile_to_tail(
         content.append({"type": "text", "text": note})
 
 
+def split_volatile_note(text: str) -> tuple[str, str]:
+    """(the text without the note ``volatile_to_tail`` appended, the note or "")."""
+    at = text.rfind(CONTEXT_PREFIX)
+    if at < 0 or not _PLACEHOLDER_RE.match(text, at + len(CONTEXT_PREFIX)):
+        return text, ""
+    return text[:at].removesuffix("\n\n").removesuffix("\n"), text[at:]  # "\n": a part joined on
+
+
 def without_volatile_note(content: Any) -> Any:
     """A user message's content without the note ``volatile_to_tail`` appended (for keys that must be the
     same on the turn that carried the note and on the later turns that send the message without it)."""
-
-    def cut(text: str) -> str:
-        at = text.rfind(CONTEXT_PREFIX)
-        if at < 0 or not _PLACEHOLDER_RE.match(text, at + len(CONTEXT_PREFIX)):
-            return text
-        return text[:at].removesuffix("\n\n")
-
     if isinstance(content, str):
-        return cut(content)
+        return split_volatile_note(content)[0]
     if isinstance(content, list) and content and isinstance(content[-1], dict):
         last = content[-1]
         if isinstance(last.get("text"), str):
-            text = cut(last["text"])
+            text = split_volatile_note(last["text"])[0]
             return content[:-1] + ([{**last, "text": text}] if text else [])
     return content
 

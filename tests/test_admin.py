@@ -412,3 +412,40 @@ def test_verifier_switched_on_at_run_time_vetoes_the_next_lookup(backend_url, tm
         # and a real paraphrase still hits, so the switch did not just disable the semantic tier
         t4, h4, _ = chat(url, ask("how do I boil an egg so the yolk stays soft"))
         assert h4["x-cache"] == "semantic-hit" and t4 == t1
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b'{"verdict": "bad", "request_id": "\\ud800"}', b"[" * 100_000 + b"]" * 100_000, b'{"x": NaN}'],
+    ids=["lone-surrogate", "nested-100k", "nan"],
+)
+def test_feedback_bodies_that_were_500s_get_400(gw, raw):
+    for url, token in ((f"{gw}/v1/cache/feedback", "tenant-a"), (f"{gw}/admin/api/feedback", TOKEN)):
+        r = httpx.post(url, headers={"authorization": f"Bearer {token}"}, content=raw, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["message"], (url, r.text)
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("GET", "/entries/99999999999999999999999"),
+        ("DELETE", "/entries/99999999999999999999999"),
+        ("GET", "/entries?offset=99999999999999999999999"),
+        ("GET", "/audit?offset=99999999999999999999999"),
+    ],
+)
+def test_ids_beyond_a_sql_integer_get_400(gw, method, path):
+    """They reached the database and overflowed its integer (500)."""
+    assert api(gw, method, path).status_code == 400
+
+
+def test_entry_id_beyond_a_sql_integer_in_feedback_gets_400(gw):
+    r = api(gw, "POST", "/feedback", json={"entry_id": 10**30, "verdict": "bad"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "entry_id"
+
+
+def test_the_admin_token_is_checked_before_the_parameters(gw):
+    """A caller without the token must get 401, not a 400 that tells it which parameters exist."""
+    for path in ("/entries/abc", "/entries?limit=abc", "/whatif?threshold=abc"):
+        assert api(gw, "GET", path, token=None).status_code == 401
+        assert api(gw, "GET", path).status_code == 400

@@ -123,6 +123,12 @@ def test_chat_body(change: dict[str, Any], policy: CachePolicy, expected: tuple)
         ({"n": 2}, (False, False, "n>1")),
         ({"echo": True, "suffix": "x"}, (True, True, "ok")),
         ({"temperature": 1}, (False, False, "temperature")),
+        ({"prompt": ["Once", "Twice"]}, (False, False, "n>1")),  # an entry holds one prompt's answer
+        ({"prompt": [[1, 2], [3]]}, (False, False, "n>1")),
+        ({"prompt": ["Once"]}, (True, True, "ok")),
+        ({"prompt": [1, 2, 3]}, (True, True, "ok")),  # token ids: one prompt
+        ({"n": 10**400}, (False, False, "n>1")),  # was an OverflowError (500) in float(n)
+        ({"top_k": 10**400}, (True, True, "ok")),  # the backend refuses it; no stored answer has its key
     ],
 )
 def test_completion_body(change: dict[str, Any], expected: tuple) -> None:
@@ -143,3 +149,26 @@ def test_the_most_restrictive_rule_wins() -> None:
     assert check({**CHAT, **options}, {"Cache-Control": "no-cache"}) == (False, True, "no-cache")
     assert check({**CHAT, "n": "x"}, {"Cache-Control": "no-store"}) == (False, False, "invalid")
     assert check(CHAT, policy=CachePolicy(enabled=False)) == (False, False, "disabled")
+
+
+@pytest.mark.parametrize(
+    ("cache_control", "max_age", "min_fresh"),
+    [
+        ("max-age=60", 60.0, 0.0),
+        ("max-age=60, min-fresh=5", 60.0, 5.0),
+        ("min-fresh=30", None, 30.0),
+        ("max-age=abc", None, 0.0),  # not delta-seconds: ignored (RFC 9111 1.2.2)
+        ("max-age=-5", None, 0.0),
+        ("max-age=²", None, 0.0),
+        ("max-stale=100", None, 0.0),  # never served stale anyway
+    ],
+)
+def test_freshness_directives_are_carried_to_the_lookup(cache_control, max_age, min_fresh) -> None:
+    d = decide(CHAT, {"Cache-Control": cache_control}, STRICT)
+    assert (d.may_serve, d.max_age, d.min_fresh) == (True, max_age, min_fresh)
+
+
+def test_only_no_store_keeps_nothing() -> None:
+    assert decide(CHAT, {"Cache-Control": "no-store"}, STRICT).keeps_nothing
+    assert not decide(CHAT, {"Cache-Control": "no-cache"}, STRICT).keeps_nothing
+    assert not decide({**CHAT, "temperature": 1}, {}, STRICT).keeps_nothing

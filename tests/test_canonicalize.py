@@ -22,6 +22,7 @@ from policies.canonicalize import (
     canonical_json,
     canonicalize,
     normalize_for_match,
+    normalize_reply,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -258,23 +259,35 @@ def test_volatile_placement_numbering_and_shapes() -> None:
 
 
 def test_restore_assistant_uses_stored_bytes_only_when_they_match() -> None:
-    reply = "Sure:\n\n```py\nx = 1  \n```\n\n\n\nDone.  "
-    body = {
-        "messages": [user("q"), {"role": "assistant", "content": " Sure: ```py x = 1 ``` Done."}, user("r")]
-    }
-    out, rules = canonicalize(body, ALL_ON, {normalize_for_match(reply): reply}.get)
+    reply = "Sure:\n\n```py\nfor x in xs:  \n    print(x)\n```\n\n\n\nDone.  "
+    # what chat UIs send back: stripped, CRLF, blank lines collapsed, prose spaces changed
+    resent = " Sure:\r\n```py\r\nfor x in xs:\r\n    print(x)\r\n```\r\nDone."
+    body = {"messages": [user("q"), {"role": "assistant", "content": resent}, user("r")]}
+    out, rules = canonicalize(body, ALL_ON, {normalize_reply(reply): reply}.get)
     assert out["messages"][1]["content"] == reply and "restore_assistant" in rules  # exact, not re-normalised
     out, rules = canonicalize(body, ALL_ON, lambda key: "something else entirely")
-    assert (
-        out["messages"][1]["content"] == " Sure: ```py x = 1 ``` Done." and "restore_assistant" not in rules
-    )
-    parts = {
-        "messages": [
-            {"role": "assistant", "content": [{"type": "text", "text": "Sure:   ```py x = 1 ``` Done."}]}
-        ]
-    }
-    restored = canonicalize(parts, ALL_ON, {normalize_for_match(reply): reply}.get)[0]
+    assert "restore_assistant" not in rules and out["messages"][1]["content"] == resent.replace("\r\n", "\n")
+    parts = {"messages": [{"role": "assistant", "content": [{"type": "text", "text": resent}]}]}
+    restored = canonicalize(parts, ALL_ON, {normalize_reply(reply): reply}.get)[0]
     assert restored["messages"][0]["content"][0]["text"] == reply
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        "Sure:\n\n```py\nfor x in xs:\nprint(x)\n```\n\nDone.",  # indentation inside code is meaning
+        "Sure: ```py for x in xs: print(x) ``` Done.",  # code flattened onto one line
+        "Sure:\n\n```py\nfor x in xs:\n    print(y)\n```\n\nDone.",
+    ],
+)
+def test_restore_assistant_never_replaces_code_that_differs(changed: str) -> None:
+    """The stored reply must not overwrite what the client sent when the code in it differs: the
+    model would then answer about other code than the user's (Python's indentation changes which
+    lines a loop runs)."""
+    reply = "Sure:\n\n```py\nfor x in xs:\n    print(x)\n```\n\nDone."
+    body = {"messages": [user("q"), {"role": "assistant", "content": changed}, user("r")]}
+    out, rules = canonicalize(body, ALL_ON, {normalize_reply(reply): reply}.get)
+    assert "restore_assistant" not in rules and out["messages"][1]["content"] != reply
 
 
 def test_helpers_for_the_gateway() -> None:
