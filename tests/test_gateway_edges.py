@@ -294,3 +294,19 @@ async def test_answers_without_usage_are_served_only_where_their_length_is_known
     assert await served(None, None) and not await served(None, 5)
     assert await served(100, 100) and await served(100, 200) and not await served(100, 5)
     store.close()
+
+
+async def test_remembered_replies_are_pruned_and_flushed(tmp_path):
+    """They were kept forever and survived a flush; now they live as long as the longest entry can."""
+    settings = load_settings(None)
+    store = Store(f"sqlite:///{tmp_path / 'replies.db'}")
+    config = settings.cache.model_copy(update={"max_ttl_seconds": 1})
+    cache = ResponseCache(config, store, ScopedIndex(dim=4), None, None)
+    store.remember_replies({"k-old": "an old reply"})
+    time.sleep(1.2)
+    store.remember_replies({"k-new": "a new reply"})
+    await cache.expire()
+    assert store.lookup_reply("k-old") is None and store.lookup_reply("k-new") == "a new reply"
+    store.clear_replies()
+    assert store.lookup_reply("k-new") is None
+    store.close()
