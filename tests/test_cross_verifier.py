@@ -105,7 +105,8 @@ def test_combined_rule_and_skip_of_hopeless_pairs(scorer: CrossScorer, encoder: 
     b = [SAME[1], DIFFERENT[1], "What is the best phone under 20000?"]
     u, v = encoder.encode(a), encoder.encode(b)
     p_mlp = mlp_only.score_batch(a, b, u, v)
-    p_cross = scorer.score_batch(a, b)
+    ordered = [sorted(pair) for pair in zip(a, b, strict=True)]  # the order the verifier reads them in
+    p_cross = scorer.score_batch([x for x, _ in ordered], [y for _, y in ordered])
     combined = both.score_batch(a, b, u, v)
     assert combined[2] == 0.0  # the number guard fires before either model
     assert np.allclose(combined[:2], np.sqrt(p_mlp[:2] * p_cross[:2]), atol=1e-5)
@@ -118,6 +119,19 @@ def test_combined_rule_and_skip_of_hopeless_pairs(scorer: CrossScorer, encoder: 
     rule = type(DEFAULT_RULE)(min_cosine=0.0, min_prob=0.999)
     hopeless = both.check_batch([DIFFERENT[0]], [DIFFERENT[1]], u[1:2], v[1:2], rule)
     assert p_mlp[1] < rule.min_prob**2 and counting.pairs == 0 and not hopeless[0].accepted
+
+
+def test_the_verdict_does_not_depend_on_which_query_came_first(
+    scorer: CrossScorer, encoder: OnnxEncoder
+) -> None:
+    """The cross-encoder alone is not symmetric (its scores below differ by order); the verifier reads
+    every pair in one order, so a paraphrase hits whichever of the two was stored first."""
+    a = [SAME[0], "How do I sort a list in Python?", "Where can I watch movies online for free?"]
+    b = [SAME[1], "How can I sort a Python list?", "What are the best free movie sites?"]
+    assert not np.allclose(scorer.score_batch(a, b), scorer.score_batch(b, a), atol=1e-4)
+    verifier = Verifier.load(cross=scorer)
+    u, v = encoder.encode(a), encoder.encode(b)
+    assert np.array_equal(verifier.score_batch(a, b, u, v), verifier.score_batch(b, a, v, u))
 
 
 def test_load_verifier_follows_the_config(cache_dir: Path, tmp_path: Path) -> None:
