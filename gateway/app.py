@@ -31,7 +31,7 @@ from backend.server import install_error_handlers, read_limited_body
 from gateway.admin_api import admin_router, dashboard_page, json_body
 from gateway.admin_auth import AdminAuth
 from gateway.admin_store import AdminStore
-from gateway.cache import Freshness, Lookup, ResponseCache
+from gateway.cache import Lookup, ResponseCache
 from gateway.cache_keys import RequestKeys, request_keys
 from gateway.config import Settings
 from gateway.feedback import parse_feedback, report_bad
@@ -159,9 +159,8 @@ class Gateway:
         flow.keys = request_keys(tenant.cache_key, model, endpoint, body)
         use_cache = settings.cache.enabled
         if use_cache and cacheable.may_serve:
-            fresh = Freshness(cacheable.max_age, cacheable.min_fresh)
             flow.lookup = await self.cache.lookup(
-                tenant.cache_key, tenant.name, model, flow.keys, fresh=fresh
+                tenant.cache_key, tenant.name, model, flow.keys, fresh=cacheable.fresh
             )
             self.metrics.lookup.observe(flow.lookup.lookup_ms / 1e3)
             if flow.lookup.embed_ms is not None:

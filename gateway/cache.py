@@ -23,6 +23,7 @@ from embeddings.index import ScopedIndex
 from gateway.cache_keys import RequestKeys
 from gateway.config import CacheConfig
 from gateway.store import CacheEntry, Store
+from policies.cacheability import ANY_AGE, Freshness
 from policies.verifier import DecisionRule, Verifier
 
 log = logging.getLogger("cachegw.gateway")
@@ -49,15 +50,7 @@ UNKNOWN_LENGTH = 2**31 - 1  # completion_tokens of an answer stored without usag
 _PLAIN_MESSAGE = frozenset({"role", "content"})
 
 
-@dataclass(frozen=True)
-class Freshness:
-    """The request's own limits (Cache-Control max-age / min-fresh), on top of each entry's expiry."""
-
-    max_age: float | None = None
-    min_fresh: float = 0.0
-
-
-def servable(entry: CacheEntry, keys: RequestKeys, now: float, fresh: Freshness = Freshness()) -> bool:
+def servable(entry: CacheEntry, keys: RequestKeys, now: float, fresh: Freshness = ANY_AGE) -> bool:
     if entry.bad or entry.expires_at - fresh.min_fresh <= now:
         return False
     if fresh.max_age is not None and now - entry.created_at > fresh.max_age:
@@ -123,7 +116,7 @@ class ResponseCache:
         model: str,
         keys: RequestKeys,
         semantic: bool = True,
-        fresh: Freshness = Freshness(),
+        fresh: Freshness = ANY_AGE,
     ) -> Lookup:
         start = time.perf_counter()
         now = time.time()

@@ -68,14 +68,24 @@ class CachePolicy:
 
 
 @dataclass(frozen=True)
+class Freshness:
+    """The request's own limits (Cache-Control), on top of each entry's expiry."""
+
+    max_age: float | None = None  # serve only entries at most this old (seconds)
+    min_fresh: float = 0.0  # serve only entries that stay fresh this much longer
+
+
+ANY_AGE = Freshness()  # no limit of the request's own
+
+
+@dataclass(frozen=True)
 class Cacheability:
     """The decision; ``reason`` is a short code the gateway counts requests by."""
 
     may_serve: bool
     may_store: bool
     reason: str
-    max_age: float | None = None  # serve only entries at most this old (seconds)
-    min_fresh: float = 0.0  # serve only entries that stay fresh this much longer
+    fresh: Freshness = ANY_AGE
 
     @property
     def keeps_nothing(self) -> bool:
@@ -112,7 +122,7 @@ def decide(body: Mapping[str, Any], headers: Mapping[str, str], policy: CachePol
         decision = _STORE_ONLY["stream-options"]
     max_age, min_fresh = _seconds(directives.get("max-age")), _seconds(directives.get("min-fresh"))
     if max_age is not None or min_fresh:
-        decision = replace(decision, max_age=max_age, min_fresh=min_fresh or 0.0)
+        decision = replace(decision, fresh=Freshness(max_age, min_fresh or 0.0))
     return decision
 
 

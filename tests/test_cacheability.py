@@ -165,7 +165,7 @@ def test_the_most_restrictive_rule_wins() -> None:
 )
 def test_freshness_directives_are_carried_to_the_lookup(cache_control, max_age, min_fresh) -> None:
     d = decide(CHAT, {"Cache-Control": cache_control}, STRICT)
-    assert (d.may_serve, d.max_age, d.min_fresh) == (True, max_age, min_fresh)
+    assert (d.may_serve, d.fresh.max_age, d.fresh.min_fresh) == (True, max_age, min_fresh)
 
 
 def test_only_no_store_keeps_nothing() -> None:
