@@ -66,19 +66,6 @@ def test_number_words_equal_digits() -> None:
     assert guard_reason("Best laptop under 1,000 dollars", "best laptop under 1000 dollars") is None
 
 
-@pytest.mark.parametrize(
-    ("a", "b"),
-    [
-        ("Is coffee good for your health?", "Is coffee not good for your health?"),
-        ("Why does my phone charge?", "Why doesn't my phone charge?"),
-        ("Can I travel to Canada with a passport?", "Can I travel to Canada without a passport?"),
-    ],
-)
-def test_negation_rejected(verifier: Verifier, encoder: Encoder, a: str, b: str) -> None:
-    assert guard_reason(a, b) == "negation"
-    assert not _check(verifier, encoder, a, b)[0]
-
-
 def test_different_words_of_a_script_minilm_cannot_read_never_hit(verifier, encoder) -> None:
     # MiniLM maps both words to [UNK]: the embeddings are identical (seen on QQP, cosine 1.0)
     a, b = 'What does "无语" mean?', 'What does "装逼" mean?'
@@ -90,21 +77,6 @@ def test_different_words_of_a_script_minilm_cannot_read_never_hit(verifier, enco
 
 def test_negation_idioms_are_neutral() -> None:
     assert guard_reason("Should I learn Rust?", "Should I learn Rust or not?") is None
-
-
-@pytest.mark.parametrize(
-    ("a", "b"),
-    [
-        ("How can I convert dollars to rupees?", "How can I convert rupees to dollars?"),
-        ("What do Croats think of Turks?", "What do Turks think of Croats?"),
-        ("What percentage of terrorists are Muslim?", "What percentage of Muslims are terrorists?"),
-        ("Do Indian women find Pakistani men attractive?", "Do Pakistani women find Indian men attractive?"),
-    ],
-)
-def test_role_swap_rejected(verifier: Verifier, encoder: Encoder, a: str, b: str) -> None:
-    # cosine >= 0.98 for all four, and without this guard the verifier accepts all four (p 0.87-0.96)
-    assert guard_reason(a, b) == "swap"
-    assert not _check(verifier, encoder, a, b)[0]
 
 
 @pytest.mark.parametrize(
@@ -125,11 +97,23 @@ def test_symmetric_reorderings_are_not_swaps(a: str, b: str) -> None:
     assert guard_reason(a, b) is None
 
 
-# Audit of accepted pairs (session 6): without these guards the default verifier accepted every one of
-# them (cosine >= 0.88, p >= 0.80).
 @pytest.mark.parametrize(
     ("a", "b", "guard"),
     [
+        ("Is coffee good for your health?", "Is coffee not good for your health?", "negation"),
+        ("Why does my phone charge?", "Why doesn't my phone charge?", "negation"),
+        ("Can I travel to Canada with a passport?", "Can I travel to Canada without a passport?", "negation"),
+        # cosine >= 0.98 for these four, and without the guard the verifier accepts them (p 0.87-0.96)
+        ("How can I convert dollars to rupees?", "How can I convert rupees to dollars?", "swap"),
+        ("What do Croats think of Turks?", "What do Turks think of Croats?", "swap"),
+        ("What percentage of terrorists are Muslim?", "What percentage of Muslims are terrorists?", "swap"),
+        (
+            "Do Indian women find Pakistani men attractive?",
+            "Do Pakistani women find Indian men attractive?",
+            "swap",
+        ),
+        # Audit of accepted pairs (session 6): without these guards the default verifier accepted every
+        # one of them (cosine >= 0.88, p >= 0.80).
         (
             "list countries with less than 100 million people",
             "list countries with more than 100 million people",
@@ -170,7 +154,9 @@ def test_symmetric_reorderings_are_not_swaps(a: str, b: str) -> None:
         ("Should a doctor date an engineer?", "Can an engineer date a doctor?", "swap"),
     ],
 )
-def test_audited_flips_rejected(verifier: Verifier, encoder: Encoder, a: str, b: str, guard: str) -> None:
+def test_flips_rejected_by_their_guard(
+    verifier: Verifier, encoder: Encoder, a: str, b: str, guard: str
+) -> None:
     assert guard_reason(a, b) == guard_reason(b, a) == guard
     assert _check(verifier, encoder, a, b) == (False, 0.0)
 
