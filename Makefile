@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install serve backend test test-fast lint format bench clean
+.PHONY: install serve backend test test-fast test-triton lint typecheck format bench clean
 
 install: $(STAMP)
 
@@ -29,9 +29,17 @@ test: install
 test-fast: install
 	$(BIN)/python -m pytest -q -x -m "not slow"
 
+# The Triton attention kernels in Triton's CPU interpreter (without triton, `make test` skips these files).
+test-triton: install
+	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e '.[cuda]'
+	$(BIN)/python -m pytest -q -ra tests/test_triton_attention.py tests/test_triton_engine.py
+
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+typecheck: install
+	$(BIN)/python -m mypy
 
 format: install
 	$(BIN)/ruff format .

@@ -1,0 +1,72 @@
+"""Packaging: each install carries what it uses, so the gateway must not import what only extras bring."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+EXTRAS = PYPROJECT["project"]["optional-dependencies"]
+# Import names of the packages that only [engine], [reports], [dev] and [cuda] install.
+EXTRA_ONLY = [
+    "matplotlib",
+    "rich",
+    "tomlkit",
+    "openai",
+    "accelerate",
+    "gguf",
+    "triton",
+    "playwright",
+    "psycopg",
+]
+
+
+def _name(req: str) -> str:
+    for sep in "<>=;[ ":
+        req = req.split(sep)[0]
+    return req.strip().lower()
+
+
+# Runs the imports as if the extra-only packages were not installed (third-party optional imports, such as
+# httpx's CLI importing rich, then fall back as they would on a runtime-only install).
+BLOCKED_IMPORTS = """
+import importlib.abc, sys
+BLOCKED = set(sys.argv[1].split(","))
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Block())
+import gateway.app, gateway.serve, gateway.cli, gateway.admin_api, gateway.supervisor
+print("ok")
+"""
+
+
+def test_gateway_imports_without_extra_only_packages() -> None:
+    res = subprocess.run(
+        [sys.executable, "-c", BLOCKED_IMPORTS, ",".join(EXTRA_ONLY)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == "ok"
+
+
+def test_report_and_engine_packages_are_extras_not_runtime() -> None:
+    runtime = {_name(r) for r in PYPROJECT["project"]["dependencies"]}
+    assert runtime.isdisjoint({"matplotlib", "rich", "tomlkit", "openai", "accelerate", "gguf", "triton"})
+    assert {"rich", "matplotlib", "tomlkit"} <= {_name(r) for r in EXTRAS["reports"]}
+    assert {"gguf", "safetensors"} <= {_name(r) for r in EXTRAS["engine"]}
+    assert not any(_name(r) == "triton" for r in EXTRAS["dev"])
+    assert any(r.startswith("cachegw[") and "engine" in r and "reports" in r for r in EXTRAS["dev"])
+
+
+def test_license_file_matches_declared_license() -> None:
+    assert PYPROJECT["project"]["license"] == {"text": "Apache-2.0"}
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
