@@ -1,0 +1,79 @@
+"""Cache hits replayed as JSON and as OpenAI-format SSE streams: the stream reassembles the stored text."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway.hits import WORDS_PER_CHUNK, hit_response, hit_stream
+
+TEXT = "The quick brown fox jumps over the lazy dog, twice.\n  Then it rests."
+USAGE = {"prompt_tokens": 9, "completion_tokens": 14, "total_tokens": 23}
+CHAT = {
+    "id": "old",
+    "object": "chat.completion",
+    "created": 1,
+    "model": "m",
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": TEXT}, "finish_reason": "stop"}],
+    "usage": USAGE,
+}
+COMPLETION = {
+    "id": "old",
+    "object": "text_completion",
+    "created": 1,
+    "model": "m",
+    "choices": [{"index": 0, "text": TEXT, "logprobs": None, "finish_reason": "length"}],
+    "usage": USAGE,
+}
+
+
+def events(chunks) -> list:
+    raw = b"".join(chunks).decode()
+    assert raw.endswith("data: [DONE]\n\n")
+    parts = [p for p in raw.split("\n\n") if p]
+    assert all(p.startswith("data: ") for p in parts)
+    return [json.loads(p[6:]) for p in parts[:-1]]
+
+
+def test_hit_response_keeps_the_answer_under_the_new_id() -> None:
+    out = hit_response(CHAT, "chatcmpl-new")
+    assert out["id"] == "chatcmpl-new" and out["created"] > 1
+    assert out["choices"] == CHAT["choices"] and out["usage"] == USAGE
+    assert CHAT["id"] == "old"  # the stored entry is not modified
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_chat_stream_reassembles_text_with_role_first_and_finish_last(include_usage: bool) -> None:
+    evs = events(hit_stream(CHAT, "r1", "chat", include_usage))
+    body = [e for e in evs if e["choices"]]
+    assert all(e["object"] == "chat.completion.chunk" and e["id"] == "r1" for e in body)
+    assert body[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in body) == TEXT
+    assert [e["choices"][0]["finish_reason"] for e in body][-1] == "stop"
+    assert all(e["choices"][0]["finish_reason"] is None for e in body[:-1])
+    pieces = [e["choices"][0]["delta"]["content"] for e in body[1:-1]]
+    assert len(pieces) > 1 and all(len(p.split()) <= WORDS_PER_CHUNK for p in pieces)
+    if include_usage:
+        assert evs[-1]["choices"] == [] and evs[-1]["usage"] == USAGE
+        assert all(e["usage"] is None for e in body)
+    else:
+        assert all("usage" not in e for e in evs)
+
+
+def test_completion_stream_reassembles_text_with_finish_on_the_last_piece() -> None:
+    evs = events(hit_stream(COMPLETION, "r2", "completions", True))
+    body = evs[:-1]
+    assert all(e["object"] == "text_completion" for e in body)
+    assert "".join(e["choices"][0]["text"] for e in body) == TEXT
+    assert [e["choices"][0]["finish_reason"] for e in body] == [None] * (len(body) - 1) + ["length"]
+    assert evs[-1]["usage"] == USAGE
+
+
+def test_empty_answer_still_streams_a_finish() -> None:
+    empty = {**CHAT, "choices": [{"index": 0, "message": {"content": None}, "finish_reason": "stop"}]}
+    body = events(hit_stream(empty, "r3", "chat", False))
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in body) == ""
+    assert body[-1]["choices"][0]["finish_reason"] == "stop"
+    text_body = events(hit_stream({"choices": []}, "r4", "completions", False))
+    assert len(text_body) == 1 and text_body[0]["choices"][0]["text"] == ""
