@@ -1,8 +1,14 @@
-"""Shared fixtures: the real engine on the real embedded SmolLM2, loaded once per session."""
+"""Shared fixtures: the real engine on the real embedded SmolLM2, loaded as few times as the run allows.
+
+Each engine holds ~0.5 GB of float32 weights plus its KV cache, so the run shares them: an in-process
+``LLM`` per engine test module and one HTTP backend (``shared_backend_url``) for every gateway test
+module; a fixture that loads something only one module needs frees it when that module ends."""
 
 from __future__ import annotations
 
+import gc
 import os
+from collections.abc import Iterator
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -13,17 +19,73 @@ import torch  # noqa: E402
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
-@pytest.fixture(scope="session")
-def llm():
-    """float32 (what parity needs) with a roomy KV cache."""
+@pytest.fixture(scope="module")
+def llm() -> Iterator:
+    """float32 (what parity needs) with a roomy KV cache (720 MB): loaded per module that uses it (a few
+    seconds) and freed after it, rather than held through the rest of the run."""
     from backend import LLM
 
-    return LLM(dtype="float32", kv_cache_tokens=16384, max_num_seqs=16)
+    engine = LLM(dtype="float32", kv_cache_tokens=16384, max_num_seqs=16)
+    yield engine
+    del engine
+    gc.collect()
+
+
+@pytest.fixture(scope="module")
+def hf_model(llm) -> Iterator:
+    """Hugging Face's own Llama on the very same converted weights: the parity reference (freed after
+    the module that asks for it: 0.5 GB nothing else uses)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(llm.engine.model_dir), dtype=torch.float32).eval()
+    yield model
+    del model
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
-def hf_model(llm):
-    """Hugging Face's own Llama on the very same converted weights: the parity reference."""
-    from transformers import AutoModelForCausalLM
+def shared_backend_url() -> Iterator[str]:
+    """The built-in engine behind its OpenAI HTTP server, for the gateway tests: they only send it
+    requests (each gateway has its own data dir), so one engine serves every module."""
+    from backend.async_engine import AsyncEngine
+    from backend.config import load_engine_config
+    from backend.engine import LLMEngine
+    from backend.server import build_app
+    from tests.servers import serve_in_thread
 
-    return AutoModelForCausalLM.from_pretrained(str(llm.engine.model_dir), dtype=torch.float32).eval()
+    cfg = load_engine_config(None, device="cpu", dtype="float32", kv_cache_tokens=8192, max_num_seqs=8)
+    engine = AsyncEngine(LLMEngine(cfg))
+    with serve_in_thread(build_app(engine, "SmolLM2-135M-Instruct", 1 << 20)) as url:
+        yield f"{url}/v1"
+    engine.shutdown()
+    del engine
+    gc.collect()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_gateway_models() -> Iterator[None]:
+    """Every in-process gateway a test starts loads the same encoder and verifier (a few hundred MB of
+    ONNX sessions each, and seconds to load); they are read-only, so the session loads each once per
+    distinct set of arguments and hands the same objects to every gateway."""
+    import gateway.serve as serve
+
+    loaded: dict[tuple, object] = {}
+
+    def verifier_key(cache, cache_dir=None) -> tuple:  # only what load_verifier reads
+        return (cache.cross_verifier, cache.cross_verifier_path, cache.verifier_path, str(cache_dir))
+
+    def once(name: str, load, key_of=lambda *a, **k: (repr(a), repr(sorted(k.items())))):
+        def shared(*args, **kwargs):
+            key = (name, *key_of(*args, **kwargs))
+            if key not in loaded:
+                loaded[key] = load(*args, **kwargs)
+            return loaded[key]
+
+        return shared
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(serve, "make_encoder", once("encoder", serve.make_encoder))
+        mp.setattr(serve, "load_verifier", once("verifier", serve.load_verifier, verifier_key))
+        yield
+    loaded.clear()
+    gc.collect()

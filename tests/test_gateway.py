@@ -18,10 +18,6 @@ import httpx  # noqa: E402
 import openai  # noqa: E402
 import pytest  # noqa: E402
 
-from backend.async_engine import AsyncEngine  # noqa: E402
-from backend.config import load_engine_config  # noqa: E402
-from backend.engine import LLMEngine  # noqa: E402
-from backend.server import build_app as build_backend_app  # noqa: E402
 from gateway.app import build_app  # noqa: E402
 from gateway.config import Settings, load_settings  # noqa: E402
 from gateway.serve import started_gateway  # noqa: E402
@@ -36,13 +32,9 @@ def ask(text: str, system: dict = SYSTEM) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def backend_url() -> Iterator[str]:
-    cfg = load_engine_config(None, device="cpu", dtype="float32", kv_cache_tokens=8192, max_num_seqs=8)
-    llm = LLMEngine(cfg)
-    engine = AsyncEngine(llm)
-    with serve_in_thread(build_backend_app(engine, MODEL, 1 << 20)) as url:
-        yield f"{url}/v1"
-    engine.shutdown()
+def backend_url(shared_backend_url: str) -> str:
+    """The session's one built-in backend (tests/conftest.py); modules import this name."""
+    return shared_backend_url
 
 
 def settings_for(data_dir, backends: list[str], **cache_over) -> Settings:
