@@ -33,6 +33,18 @@ def serve_in_thread(app, lifespan: str = "off", start_timeout: float = 120.0, po
         server.should_exit = True
         thread.join(30)
         sock.close()
+        release_fastapi_caches()
+
+
+def release_fastapi_caches() -> None:
+    """FastAPI keeps endpoint callables in module-level LRU caches (4096 entries); for apps built from
+    bound methods, as the backend and gateway are, that kept every stopped server's engine or gateway
+    (weights, KV cache, encoder) alive for the rest of the run. Clearing them only costs a re-check."""
+    from fastapi.dependencies import models
+
+    for value in vars(models).values():
+        if callable(getattr(value, "cache_clear", None)):
+            value.cache_clear()
 
 
 def free_port() -> int:

@@ -7,6 +7,7 @@ its prefix (its cached_tokens prove it), and a backend that stops answering is r
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sqlite3
@@ -146,7 +147,8 @@ def test_unknown_routing_mode_stops_the_start(tmp_path: Path) -> None:
 
 
 def _engine() -> AsyncEngine:
-    cfg = load_engine_config(None, device="cpu", dtype="float32", kv_cache_tokens=8192, max_num_seqs=8)
+    """A second engine next to the session's: short prompts only, so a small KV cache (90 MB, not 360)."""
+    cfg = load_engine_config(None, device="cpu", dtype="float32", kv_cache_tokens=2048, max_num_seqs=8)
     return AsyncEngine(LLMEngine(cfg))
 
 
@@ -156,6 +158,8 @@ def second_backend() -> Iterator[str]:
     with serve_in_thread(build_backend_app(engine, MODEL, 1 << 20)) as url:
         yield f"{url}/v1"
     engine.shutdown()
+    del engine
+    gc.collect()
 
 
 def logged(data_dir: Path, n: int) -> list[tuple[str, str, int, int]]:
