@@ -102,6 +102,7 @@ class Gateway:
             sync_age=(lambda: time.time() - cache.synced_at) if self.settings.cache.sync_interval_s else None,
         )
         self.recorder = Recorder(store)
+        self._tasks: set[asyncio.Task] = set()  # stream bookkeeping that outlives its response
 
     @property
     def settings(self) -> Settings:
@@ -240,15 +241,28 @@ class Gateway:
                         flow.backend_ms = (time.perf_counter() - start) * 1e3
                         await self._finish_stream(flow, recorder, store, ttl)
                     yield event
-            finally:  # the client went away or the stream broke: record it, store nothing
+                if not finished:  # the backend broke the stream: relay ended it with an error event
+                    finished = True
+                    flow.backend_ms = (time.perf_counter() - start) * 1e3
+                    await self._finish_stream(flow, recorder, store, ttl)
+            finally:  # the client went away: record it, store nothing
                 if not finished:
                     flow.backend_ms = (time.perf_counter() - start) * 1e3
-                    asyncio.get_running_loop().create_task(self._finish_stream(flow, recorder, store, ttl))
+                    task = asyncio.get_running_loop().create_task(
+                        self._finish_stream(flow, recorder, store, ttl)
+                    )
+                    self._tasks.add(task)  # a task without a reference can be collected mid-run
+                    task.add_done_callback(self._tasks.discard)
 
         return StreamingResponse(events(), media_type="text/event-stream", headers=flow.headers())
 
     async def _finish_stream(self, flow: Flow, recorder: SseRecorder, store: bool, ttl: int) -> None:
         flow.response_id = recorder.meta.get("id")
+        if recorder.broken is not None:  # logged as the 502 the client was told of, never stored
+            self.metrics.count_error(502, "backend_error")
+            error = f"backend_error: stream broke after {recorder.relayed_bytes} bytes: {recorder.broken}"
+            self._record(flow, 502, recorder.usage or {}, error[:500])
+            return
         complete = recorder.complete_response()
         if complete is not None:
             await self._after_answer(flow, complete, store, ttl)

@@ -168,6 +168,8 @@ class SseRecorder:
         self.error = False
         self.has_tool_calls = False
         self.extra: dict[str, list[Any]] = {}  # other delta fields (refusal, reasoning_content, ...)
+        self.relayed_bytes = 0  # passed on to the client so far
+        self.broken: str | None = None  # why the backend's stream ended before [DONE], if it did
 
     def feed_event(self, event: bytes) -> bool:
         """Read one SSE event; True if it is the usage-only chunk (no choices)."""
@@ -242,18 +244,40 @@ async def relay(
     response: httpx.Response, recorder: SseRecorder, drop_usage_chunk: bool
 ) -> AsyncIterator[bytes]:
     """The backend's SSE events as they arrive, each passed on whole. When the gateway asked for a
-    usage chunk that the client did not (to record tokens), that one event is held back."""
+    usage chunk that the client did not (to record tokens), that one event is held back.
+
+    A stream the backend breaks (connection lost, or closed before ``[DONE]``) ends with one
+    OpenAI-style error event instead of a dropped connection, so clients can tell a fault from an
+    answer; ``recorder.broken`` says why, and such an answer is never stored."""
     buffer = b""
     try:
-        async for chunk in response.aiter_raw():
-            buffer += chunk
-            while b"\n\n" in buffer:
-                event, buffer = buffer.split(b"\n\n", 1)
-                if recorder.feed_event(event) and drop_usage_chunk:
-                    continue
-                yield event + b"\n\n"
-        if buffer.strip():
+        try:
+            async for chunk in response.aiter_raw():
+                buffer += chunk
+                while b"\n\n" in buffer:
+                    event, buffer = buffer.split(b"\n\n", 1)
+                    if recorder.feed_event(event) and drop_usage_chunk:
+                        continue
+                    recorder.relayed_bytes += len(event) + 2
+                    yield event + b"\n\n"
+        except httpx.HTTPError as exc:  # the backend died or the connection broke mid-stream
+            recorder.broken = f"{type(exc).__name__}: {exc}"[:200] or type(exc).__name__
+        if buffer.strip() and recorder.broken is None:
             recorder.feed_event(buffer)
+            recorder.relayed_bytes += len(buffer)
             yield buffer
+        elif buffer.strip():
+            recorder.error = True  # a torn last event: never part of a stored answer
+        if recorder.broken is None and not recorder.done and not recorder.error:
+            recorder.broken = "the backend closed the stream before [DONE]"
+        if recorder.broken is not None:
+            recorder.error = True
+            yield stream_error_event(f"The backend's stream broke: {recorder.broken}")
     finally:
         await response.aclose()
+
+
+def stream_error_event(message: str, code: str = "backend_error") -> bytes:
+    """One SSE event carrying an OpenAI-style error body (what OpenAI sends for a failed stream)."""
+    body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
