@@ -260,8 +260,8 @@ class Gateway:
         flow.response_id = recorder.meta.get("id")
         if recorder.broken is not None:  # logged as the 502 the client was told of, never stored
             self.metrics.count_error(502, "backend_error")
-            error = f"backend_error: stream broke after {recorder.relayed_bytes} bytes: {recorder.broken}"
-            self._record(flow, 502, recorder.usage or {}, error[:500])
+            broke = f"backend_error: stream broke after {recorder.relayed_bytes} bytes: {recorder.broken}"
+            self._record(flow, 502, recorder.usage or {}, broke[:500])
             return
         complete = recorder.complete_response()
         if complete is not None:
