@@ -6,6 +6,10 @@ import argparse
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gateway.config import Settings
 
 
 def _add_backend_args(p: argparse.ArgumentParser) -> None:
@@ -22,11 +26,29 @@ def _cmd_backend(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_ports(settings: Settings) -> None:
+    """A busy gateway port, or a busy port for the built-in engine, stops the start naming it."""
+    from gateway.supervisor import port_is_free
+
+    g = settings.gateway
+    wanted = [("gateway", g.host, g.port)]
+    if not g.backends:
+        wanted.append(
+            ("built-in backend ([gateway] builtin_backend_port)", "127.0.0.1", g.builtin_backend_port)
+        )
+    for what, host, port in wanted:
+        if not port_is_free(host, port):
+            raise RuntimeError(
+                f"port {port} on {host} for the {what} is in use: stop what listens there or pick another"
+            )
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from gateway.config import load_settings
     from gateway.serve import run_gateway
 
     settings = load_settings(args.config, host=args.host, port=args.port, data_dir=args.data_dir)
+    check_ports(settings)  # in the first second, before any model loads
     run_gateway(settings)
     return 0
 

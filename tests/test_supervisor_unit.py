@@ -19,8 +19,8 @@ from tests.servers import free_port
 
 
 class StandInBackend(BuiltinBackend):
-    def __init__(self, root: Path, port: int, exit_code: int | None = None) -> None:
-        super().__init__("127.0.0.1", port, None, start_timeout_s=60.0)
+    def __init__(self, root: Path, port: int, exit_code: int | None = None, **kw) -> None:
+        super().__init__("127.0.0.1", port, None, start_timeout_s=60.0, **kw)
         self.root, self.exit_code, self.spawned = root, exit_code, 0
 
     def _spawn(self) -> None:
