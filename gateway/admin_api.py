@@ -26,6 +26,7 @@ from gateway.store import MAX_ID
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
+    from gateway.config import PricingConfig
 
 DASHBOARD = Path(__file__).resolve().parent / "static" / "admin.html"
 ADMIN_BODY_BYTES = 1 << 20
@@ -42,11 +43,41 @@ async def json_body(request: Request) -> Any:
     return load_json(await read_limited_body(request, ADMIN_BODY_BYTES) or b"null")
 
 
+MAX_WINDOW_S = 366 * 86400  # every admin query reads at most a year of the log
+MAX_POINTS = 10_000  # buckets of one time series
+
+
 def _window(text: str, param: str = "window") -> float:
     try:
-        return stats.parse_window(text)
+        seconds = stats.parse_window(text)
     except ValueError as exc:
         raise ApiError(400, str(exc), param=param) from exc
+    if seconds > MAX_WINDOW_S:
+        raise ApiError(400, f"{param} may be at most 366d (got {text!r}).", param=param)
+    return seconds
+
+
+def _stats_report(
+    pricing: PricingConfig,
+    tenant_name: Callable[[str], str],
+    rows: list[dict],
+    since: float,
+    until: float,
+    bucket_s: float,
+) -> dict[str, Any]:
+    """The aggregations of /admin/api/stats: pure, CPU-bound, run in a worker thread."""
+    hour0 = since - since % 3600
+    return {
+        "overall": stats.summarize(rows, pricing),
+        "by_model": {m: stats.summarize(r, pricing) for m, r in stats.group(rows, "model").items()},
+        "by_tenant": {
+            tenant_name(t): stats.summarize(r, pricing) for t, r in stats.group(rows, "tenant").items()
+        },
+        "by_backend": stats.by_backend(rows, pricing),
+        "timeseries": {"bucket_s": bucket_s, "points": stats.timeseries(rows, since, until, bucket_s)},
+        "per_hour": stats.timeseries(rows, hour0, until, 3600),
+        "similarity": stats.similarity_histogram(rows),
+    }
 
 
 def scope_threshold(gw: Gateway, model: str, tenant: str) -> float:
@@ -94,28 +125,20 @@ def admin_router(get_gw: Callable[[], Gateway]) -> APIRouter:
         since, until, rows = await rows_for(gw, window, tenant, model)
         window_s = until - since
         bucket_s = _window(bucket, "bucket") if bucket else stats.auto_bucket(window_s)
-        if window_s / bucket_s > 10_000:
+        if window_s / bucket_s > MAX_POINTS:
             raise ApiError(400, "bucket is too small for this window (over 10,000 points).", param="bucket")
-        pricing = gw.settings.pricing
-        hour0 = since - since % 3600
         flagged = await asyncio.to_thread(gw.admin.flagged_request_ids, since)
+        threshold = scope_threshold(gw, model, tenant)
+        # thousands of buckets over many rows: off the event loop, so other callers never wait on it
+        report = await asyncio.to_thread(
+            _stats_report, gw.settings.pricing, gw.tenants.name_of, rows, since, until, bucket_s
+        )
         return {
             "window": window,
             "since": since,
             "until": until,
-            "overall": stats.summarize(rows, pricing),
-            "by_model": {m: stats.summarize(r, pricing) for m, r in stats.group(rows, "model").items()},
-            "by_tenant": {
-                gw.tenants.name_of(t): stats.summarize(r, pricing)
-                for t, r in stats.group(rows, "tenant").items()
-            },
-            "by_backend": stats.by_backend(rows, pricing),
-            "timeseries": {"bucket_s": bucket_s, "points": stats.timeseries(rows, since, until, bucket_s)},
-            "per_hour": stats.timeseries(rows, hour0, until, 3600),
-            "similarity": {
-                **stats.similarity_histogram(rows),
-                "threshold": scope_threshold(gw, model, tenant),
-            },
+            **report,
+            "similarity": {**report["similarity"], "threshold": threshold},
             "cache": {"entries": gw.cache.entries, "bytes": gw.cache.bytes},
             "flagged": len(flagged),
         }
@@ -132,12 +155,13 @@ def admin_router(get_gw: Callable[[], Gateway]) -> APIRouter:
         since, _, rows = await rows_for(gw, window, tenant, model)
         flagged = await asyncio.to_thread(gw.admin.flagged_request_ids, since)
         current = scope_threshold(gw, model, tenant)
-        at = stats.threshold_sweep(rows, flagged, [current, threshold])
+        at = await asyncio.to_thread(stats.threshold_sweep, rows, flagged, [current, threshold])
+        curve = await asyncio.to_thread(stats.threshold_sweep, rows, flagged, stats.SWEEP)
         return {
             "requests": len(rows),
             "current": at[0],
             "proposed": at[1],
-            "curve": stats.threshold_sweep(rows, flagged, stats.SWEEP),
+            "curve": curve,
         }
 
     @router.get("/entries", summary="Browse and search cache entries")
