@@ -38,6 +38,7 @@ from gateway.feedback import parse_feedback, report_bad
 from gateway.hits import hit_response, hit_stream
 from gateway.live_settings import LiveSettings
 from gateway.metrics import BackendCounts, GatewayMetrics
+from gateway.prefix_salt import PrefixSalts
 from gateway.proxy import Backends, SseRecorder, relay
 from gateway.recorder import Recorder
 from gateway.store import Store, reply_key
@@ -73,6 +74,7 @@ class Flow:
         self.backend: str | None = None  # the backend that answered a miss
         self.response_id: str | None = None  # the body's id (the backend's on a miss)
         self.stored_entry: int | None = None  # a miss stored into the cache
+        self.cache_salt: str | None = None  # sent upstream in place of the client's (prefix isolation)
 
     def headers(self) -> dict[str, str]:
         h = {"x-cache": self.result, "x-request-id": self.id}
@@ -92,6 +94,7 @@ class Gateway:
         self.store, self.cache, self.backends = store, cache, backends
         self.admin = AdminStore(store.session)
         self.auth = AdminAuth(admin_token)
+        self.salts = PrefixSalts(admin_token)
         self.tenants = Tenants(self.settings.tenants)
         self.policy: CachePolicy
         self.apply_settings()
@@ -172,6 +175,8 @@ class Gateway:
         store = use_cache and cacheable.may_store
         path = "/chat/completions" if endpoint == "chat" else "/completions"
         urls = self.backends.order(candidates, endpoint, body)  # the canonical prefix picks the backend
+        if settings.tenants.prefix_isolation:  # after the keys: the gateway's own cache is unchanged
+            flow.cache_salt = self.salts.salt(tenant.cache_key, body.get("cache_salt"))
         if flow.stream:
             return await self._forward_stream(flow, urls, path, body, store, ttl)
         return await self._forward_json(flow, urls, path, body, store, ttl)
@@ -198,7 +203,9 @@ class Gateway:
     ) -> Response:
         start = time.perf_counter()
         try:
-            status, data, flow.backend_ms, flow.backend = await self.backends.post_json(urls, path, body)
+            status, data, flow.backend_ms, flow.backend = await self.backends.post_json(
+                urls, path, body, flow.cache_salt
+            )
         except ApiError as exc:  # down, timed out, garbled: the log must show it too
             self._record_failure(flow, exc, start)
             raise
@@ -218,7 +225,7 @@ class Gateway:
         upstream = {**body, "stream_options": {**(body.get("stream_options") or {}), "include_usage": True}}
         start = time.perf_counter()
         try:
-            flow.backend, response = await self.backends.open_stream(urls, path, upstream)
+            flow.backend, response = await self.backends.open_stream(urls, path, upstream, flow.cache_salt)
         except ApiError as exc:
             self._record_failure(flow, exc, start)
             raise

@@ -41,6 +41,7 @@ class GatewayConfig(_Strict):
 class TenantsConfig(_Strict):
     mode: Literal["open", "keys"]
     shared_cache: bool
+    prefix_isolation: bool
     keys: dict[str, str]
 
     @field_validator("keys")

@@ -58,6 +58,7 @@ class Backends:
         self._down_until: dict[str, float] = {}
         self.answered: Counter[str] = Counter()  # per backend, read by the Prometheus collector
         self.refused: Counter[str] = Counter()
+        self.no_salt: set[str] = set()  # backends that answered a 400 naming cache_salt
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -104,13 +105,23 @@ class Backends:
         refusing = set(self.refusing())
         return sorted(self.router.order(urls, endpoint, body), key=lambda u: u in refusing)  # stable sort
 
-    async def _send(self, urls: list[str], path: str, body: dict[str, Any]) -> tuple[str, httpx.Response]:
-        """POST to the first backend that takes the connection; (its url, the response, body unread)."""
+    async def _send(
+        self, urls: list[str], path: str, body: dict[str, Any], cache_salt: str | None = None
+    ) -> tuple[str, httpx.Response]:
+        """POST to the first backend that takes the connection; (its url, the response, body unread).
+
+        ``cache_salt`` replaces the body's own for backends that take it; one that answers a 400
+        naming ``cache_salt`` is remembered and sent the client's body as it came from then on."""
         last: Exception | None = None
         for url in urls:
+            salted = cache_salt is not None and url not in self.no_salt
             try:
-                request = self.client.build_request("POST", f"{url}{path}", json=body)
-                response = await self.client.send(request, stream=True)
+                response = await self._post(url, path, {**body, "cache_salt": cache_salt} if salted else body)
+                if salted and response.status_code == 400 and b"cache_salt" in await response.aread():
+                    await response.aclose()
+                    self.no_salt.add(url)
+                    log.warning("backend %s refuses cache_salt: tenants share its prefix cache", url)
+                    response = await self._post(url, path, body)
             except _RETRYABLE as exc:
                 self._down_until[url] = time.monotonic() + DOWN_FOR_S
                 self.refused[url] += 1
@@ -125,12 +136,16 @@ class Backends:
         assert last is not None, "no backend to send to"
         raise backend_unavailable(", ".join(urls), last) from last
 
+    async def _post(self, url: str, path: str, body: dict[str, Any]) -> httpx.Response:
+        request = self.client.build_request("POST", f"{url}{path}", json=body)
+        return await self.client.send(request, stream=True)
+
     async def post_json(
-        self, urls: list[str], path: str, body: dict[str, Any]
+        self, urls: list[str], path: str, body: dict[str, Any], cache_salt: str | None = None
     ) -> tuple[int, dict[str, Any], float, str]:
         """(status, JSON body, ms, the backend that answered)."""
         start = time.perf_counter()
-        url, r = await self._send(urls, path, body)
+        url, r = await self._send(urls, path, body, cache_salt)
         try:
             await r.aread()
         except httpx.HTTPError as exc:
@@ -149,10 +164,10 @@ class Backends:
         return r.status_code, data, (time.perf_counter() - start) * 1e3, url
 
     async def open_stream(
-        self, urls: list[str], path: str, body: dict[str, Any]
+        self, urls: list[str], path: str, body: dict[str, Any], cache_salt: str | None = None
     ) -> tuple[str, httpx.Response]:
         """Send the request and return the backend that took it and its response, body not yet read."""
-        return await self._send(urls, path, body)
+        return await self._send(urls, path, body, cache_salt)
 
 
 class SseRecorder:
