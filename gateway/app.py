@@ -70,6 +70,7 @@ class Flow:
         self.keys: RequestKeys | None = None
         self.lookup: Lookup | None = None
         self.result = "bypass"
+        self.reason = cacheable.reason  # x-cache-reason: the cacheability row, or the lookup's why
         self.backend_ms: float | None = None
         self.backend: str | None = None  # the backend that answered a miss
         self.response_id: str | None = None  # the body's id (the backend's on a miss)
@@ -77,7 +78,7 @@ class Flow:
         self.cache_salt: str | None = None  # sent upstream in place of the client's (prefix isolation)
 
     def headers(self) -> dict[str, str]:
-        h = {"x-cache": self.result, "x-request-id": self.id}
+        h = {"x-cache": self.result, "x-cache-reason": self.reason, "x-request-id": self.id}
         lk = self.lookup
         if lk is not None and lk.similarity is not None:
             h["x-cache-similarity"] = f"{lk.similarity:.4f}"
@@ -162,6 +163,8 @@ class Gateway:
             body, flow.rules = canonicalize(body, cfg, restore)  # pure, about 0.1 ms
         flow.keys = request_keys(tenant.cache_key, model, endpoint, body)
         use_cache = settings.cache.enabled
+        if not use_cache:
+            flow.reason = "disabled"
         if use_cache and cacheable.may_serve:
             flow.lookup = await self.cache.lookup(
                 tenant.cache_key, tenant.name, model, flow.keys, fresh=cacheable.fresh
@@ -169,6 +172,7 @@ class Gateway:
             self.metrics.lookup.observe(flow.lookup.lookup_ms / 1e3)
             if flow.lookup.embed_ms is not None:
                 self.metrics.embedding.observe(flow.lookup.embed_ms / 1e3)
+            flow.reason = flow.lookup.reason
             if flow.lookup.entry is not None:
                 return await self._serve_hit(flow)
             flow.result = "miss"
@@ -328,6 +332,7 @@ class Gateway:
                 "threshold": lk.threshold if lk else None,
                 "entry_id": lk.entry.id if lk and lk.entry else None,
                 "rules_fired": ",".join(flow.rules),
+                "reason": flow.reason,
                 "embed_ms": lk.embed_ms if lk else None,
                 "lookup_ms": lk.lookup_ms if lk else None,
                 "backend_ms": flow.backend_ms,

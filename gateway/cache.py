@@ -37,6 +37,12 @@ DELETION_LOG_S = 3600.0  # deleted ids are kept this long for other replicas' sy
 
 @dataclass
 class Lookup:
+    """What the cache found. ``reason`` says why (the x-cache-reason header): ``exact`` and
+    ``semantic`` for hits; for a miss, why the nearest candidate was refused: ``no-candidate`` (the
+    scope holds nothing), ``below-threshold``, ``not-servable`` (expired, flagged, too long for
+    max_tokens, cut short), ``entry-threshold`` (its own threshold, raised by feedback), ``verifier``,
+    or ``exact-only`` (no semantic lookup for this request)."""
+
     result: str  # "exact-hit" | "semantic-hit" | "miss"
     entry: CacheEntry | None = None
     similarity: float | None = None  # of the hit, or of the nearest neighbour on a miss
@@ -44,6 +50,7 @@ class Lookup:
     embedding: np.ndarray | None = None
     embed_ms: float | None = None
     lookup_ms: float = 0.0
+    reason: str = "no-candidate"
 
 
 UNKNOWN_LENGTH = 2**31 - 1  # completion_tokens of an answer stored without usage: no limit is known to hold
@@ -133,9 +140,9 @@ class ResponseCache:
                     self._index_exact(entry.exact_key, entry.id)
             for entry in candidates:
                 if entry.tenant == tenant and entry.model == model and servable(entry, keys, now, fresh):
-                    return Lookup("exact-hit", entry, 1.0, lookup_ms=_ms(start))
+                    return Lookup("exact-hit", entry, 1.0, lookup_ms=_ms(start), reason="exact")
         if not (c.semantic and semantic and keys.scope and keys.query and self.batcher):
-            return Lookup("miss", lookup_ms=_ms(start))
+            return Lookup("miss", lookup_ms=_ms(start), reason="exact-only")
         t_embed = time.perf_counter()
         vec = await self.batcher.embed(keys.query)
         embed_ms = _ms(t_embed)
@@ -149,17 +156,26 @@ class ResponseCache:
             embed_ms=embed_ms,
         )
         close = [(i, s) for i, s in hits if s >= threshold]
+        if hits and not close:
+            result.reason = "below-threshold"
         if close:
+            refused: list[str] = []  # why each candidate, nearest first, was not served
             entries = await self._get_entries([i for i, _ in close])
             for entry_id, sim in close:
                 entry = entries.get(entry_id)
                 if entry is None or entry.scope != keys.scope or not servable(entry, keys, now, fresh):
+                    refused.append("not-servable")
                     continue
                 if entry.threshold is not None and sim < entry.threshold:  # learned from feedback
+                    refused.append("entry-threshold")
                     continue
                 if await self._verified(keys.query, vec, entry, sim, threshold):
                     result.result, result.entry, result.similarity = "semantic-hit", entry, sim
+                    result.reason = "semantic"
                     break
+                refused.append("verifier")
+            else:
+                result.reason = refused[0]
         result.lookup_ms = _ms(start)
         return result
 

@@ -104,6 +104,7 @@ class RequestRecord(Base):
     threshold: Mapped[float | None] = mapped_column(Float, nullable=True)
     entry_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
     rules_fired: Mapped[str] = mapped_column(String(256), default="")
+    reason: Mapped[str | None] = mapped_column(String(32), nullable=True)  # x-cache-reason
     embed_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
     lookup_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
     backend_ms: Mapped[float | None] = mapped_column(Float, nullable=True)

@@ -1,0 +1,75 @@
+"""Every response says why the cache did what it did (x-cache-reason), and the request log keeps it.
+
+The real gateway in front of the real engine (the session's shared backend), the openai SDK.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.test_gateway import MODEL, ask, backend_url, chat, gateway, settings_for  # noqa: F401
+
+
+@pytest.fixture(scope="module")
+def gw(backend_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:  # noqa: F811
+    data_dir = tmp_path_factory.mktemp("reasons")
+    with gateway(settings_for(data_dir, [backend_url])) as url:
+        yield url, data_dir
+
+
+def logged_reason(data_dir: Path, request_id: str) -> str | None:
+    deadline = time.monotonic() + 10
+    while True:
+        with sqlite3.connect(data_dir / "cachegw.db") as db:
+            row = db.execute("SELECT reason FROM requests WHERE id = ?", (request_id,)).fetchone()
+        if row or time.monotonic() > deadline:
+            return row[0] if row else "not logged"
+        time.sleep(0.1)
+
+
+def test_misses_and_hits_say_why(gw: tuple[str, Path]) -> None:
+    url, data_dir = gw
+    _, first, _ = chat(url, ask("What is the capital of France?"))
+    assert (first["x-cache"], first["x-cache-reason"]) == ("miss", "no-candidate")
+    _, exact, _ = chat(url, ask("What is the capital of France?"))
+    assert (exact["x-cache"], exact["x-cache-reason"]) == ("exact-hit", "exact")
+    _, para, _ = chat(url, ask("what's the capital of france"))
+    assert (para["x-cache"], para["x-cache-reason"]) == ("semantic-hit", "semantic")
+    _, other, _ = chat(url, ask("How do I bake sourdough bread at home?"))
+    assert (other["x-cache"], other["x-cache-reason"]) == ("miss", "below-threshold")
+    _, limited, _ = chat(url, ask("What is the capital of France?"), max_tokens=1)
+    assert limited["x-cache"] == "miss" and limited["x-cache-reason"] == "not-servable"  # too long for 1
+    for h in (first, exact, para, other, limited):
+        assert logged_reason(data_dir, h["x-request-id"]) == h["x-cache-reason"]
+
+
+@pytest.mark.parametrize(
+    "extra,headers,reason",
+    [
+        ({}, {}, "temperature"),  # temperature left unset: OpenAI's default 1.0 samples
+        ({"temperature": 0}, {"cache-control": "no-store"}, "no-store"),
+        ({"temperature": 0}, {"cache-control": "no-cache"}, "no-cache"),
+        ({"temperature": 0, "n": 2}, {}, "n>1"),
+        ({"temperature": 0, "logprobs": True}, {}, "logprobs"),
+    ],
+)
+def test_a_bypass_names_its_cacheability_row(
+    gw: tuple[str, Path], extra: dict, headers: dict, reason: str
+) -> None:
+    url, data_dir = gw
+    body = {"model": MODEL, "messages": ask("Name a planet."), "max_tokens": 4, **extra}
+    r = httpx.post(
+        f"{url}/v1/chat/completions",
+        json=body,
+        headers={"authorization": "Bearer tenant-a", **headers},
+        timeout=120,
+    )
+    assert r.headers["x-cache"] == "bypass" and r.headers["x-cache-reason"] == reason
+    if reason != "no-store":
+        assert logged_reason(data_dir, r.headers["x-request-id"]) == reason
