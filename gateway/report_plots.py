@@ -113,6 +113,14 @@ def report_tables(s: dict[str, Any]) -> dict[str, TableSpec]:
                 for q in s["top_queries"]
             ],
         ),
+        "reasons": TableSpec(
+            "Why requests were not hits (x-cache-reason)",
+            ["result", "reason", "requests", "share"],
+            [
+                [r["result"], r["reason"], f"{r['requests']:,}", f"{r['share']:.1%}"]
+                for r in s.get("reasons", [])
+            ],
+        ),
         "top_scopes": TableSpec(
             "Top scopes",
             ["scope", "requests", "hits"],
@@ -174,8 +182,10 @@ def print_tables(s: Summary, console: Console) -> None:
     title = f"[bold]cachegw analyze[/]: {escape(m['source'])}, {iso(m['since'])} to {iso(m['until'])}"
     console.print(title, soft_wrap=True)
     specs = report_tables(s)
-    for key in ("overall", "by_model", "by_tenant", "by_backend", "sweep", "top_queries"):
-        if key == "by_backend" and not specs[key].rows:  # a log from before backends were recorded
+    for key in ("overall", "by_model", "by_tenant", "by_backend", "reasons", "sweep", "top_queries"):
+        if (
+            key in ("by_backend", "reasons") and not specs[key].rows
+        ):  # a log from before backends were recorded
             continue
         table = Table(title=specs[key].title, title_justify="left")
         width = min(16, max((len(row[0]) for row in specs[key].rows), default=0))
@@ -227,6 +237,13 @@ def sections(s: Summary) -> list[tuple[str, str, list[str], str | None]]:
             "Top repeated queries and scopes",
             "Asked twice or more in the range.",
             ["top_queries", "top_scopes"],
+            None,
+        ),
+        (
+            "Miss and bypass reasons",
+            "Why requests went to the backend: the cacheability rule of a bypass, or why the nearest "
+            "stored answer was refused on a miss (README: x-cache-reason).",
+            ["reasons"],
             None,
         ),
         (

@@ -73,3 +73,25 @@ def test_a_bypass_names_its_cacheability_row(
     assert r.headers["x-cache"] == "bypass" and r.headers["x-cache-reason"] == reason
     if reason != "no-store":
         assert logged_reason(data_dir, r.headers["x-request-id"]) == reason
+
+
+def test_analyze_counts_the_same_reasons_as_the_log(gw: tuple[str, Path]) -> None:
+    from gateway.analyze import build_summary, read_database
+    from gateway.config import load_settings
+
+    url, data_dir = gw
+    _, h, _ = chat(url, ask("Which ocean is the largest?"), temperature=None)  # unset: a bypass
+    logged_reason(data_dir, h["x-request-id"])
+    with sqlite3.connect(data_dir / "cachegw.db") as db:
+        want = dict(
+            db.execute(
+                "SELECT cache_result || '/' || reason, count(*) FROM requests"
+                " WHERE cache_result IN ('miss', 'bypass') GROUP BY 1"
+            ).fetchall()
+        )
+    log = read_database(f"sqlite:///{data_dir / 'cachegw.db'}", None, None)
+    got = {
+        f"{r['result']}/{r['reason']}": r["requests"]
+        for r in build_summary(log, load_settings(None))["reasons"]
+    }
+    assert got == want and want.get("bypass/temperature", 0) >= 1
