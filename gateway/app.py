@@ -399,16 +399,27 @@ def build_app(gateway_factory) -> FastAPI:
         return {"object": "list", "data": await state["gw"].backends.list_models()}
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
+    async def health(request: Request) -> JSONResponse:
+        """Liveness for anyone; counts and backend addresses only with the admin token (they tell
+        other tenants' activity). 503 "degraded" while a served model has no reachable backend:
+        cached answers are still served on the API routes."""
         gw = state["gw"]
         b = gw.backends
-        return {
-            "status": "ok",
+        unreachable = b.unreachable_models()
+        status = "degraded" if unreachable else "ok"
+        body: dict[str, Any] = {"status": status}
+        try:
+            gw.auth.check(request.headers.get("authorization"))
+        except ApiError:
+            return JSONResponse(body, status_code=503 if unreachable else 200)
+        body |= {
+            "unreachable_models": unreachable,
             "backends": b.urls,
             "backends_refusing": b.refusing(),
             "cache_entries": gw.cache.entries,
             "index_entries": len(gw.cache.index),  # vectors this replica searches (docs/replicas.md)
         }
+        return JSONResponse(body, status_code=503 if unreachable else 200)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -100,6 +100,14 @@ class Backends:
         now = time.monotonic()
         return [u for u in self.urls if self._down_until.get(u, 0.0) > now]
 
+    def unreachable_models(self) -> list[str]:
+        """Models every one of whose backends refused a connection lately (all backends, before any
+        model is known)."""
+        down = set(self.refusing())
+        if not self._models:
+            return ["*"] if down and down >= set(self.urls) else []
+        return sorted(m for m, urls in self._models.items() if urls and set(urls) <= down)
+
     def order(self, urls: list[str], endpoint: str, body: dict[str, Any]) -> list[str]:
         """The routing policy's order, with backends that refused a connection lately moved last."""
         refusing = set(self.refusing())

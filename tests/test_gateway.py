@@ -393,7 +393,8 @@ def test_eviction_keeps_the_cache_within_budget_and_the_index_consistent(backend
         questions = ["Name a fruit.", "Name a vegetable.", "Name a metal.", "Name a gas.", "Name a bird."]
         for q in questions:
             chat(url, ask(q))
-        health = httpx.get(f"{url}/health").json()
+        admin = {"authorization": f"Bearer {(tmp_path / 'admin_token').read_text().strip()}"}
+        health = httpx.get(f"{url}/health", headers=admin).json()  # counts need the admin token
         assert health["cache_entries"] <= 3
         _, h, _ = chat(url, ask("Name a fruit."))  # the least recently used: evicted, from the index too
         assert h["x-cache"] == "miss"

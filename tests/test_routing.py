@@ -254,7 +254,8 @@ def test_a_backend_that_stops_answering_is_routed_around(backend_url: str, tmp_p
             send(url, conversation(normal)[0])
             # the first-choice backend is gone: refused, the stream goes to the next one and ends well
             assert stream_text(url, conversation(first_dying)[0]).strip()
-            health = httpx.get(f"{url}/health", timeout=30).json()  # within the 5 s it is tried last
+            admin = {"authorization": f"Bearer {(tmp_path / 'admin_token').read_text().strip()}"}
+            health = httpx.get(f"{url}/health", headers=admin, timeout=30).json()  # tried last for 5 s
             assert health["backends_refusing"] == [dying]
             send(url, conversation(second_dying)[0])
             rows = logged(tmp_path, 3)

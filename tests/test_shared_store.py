@@ -19,7 +19,7 @@ from gateway.analyze import build_summary, read_database
 from gateway.config import Settings
 from gateway.store import Store
 from tests.services import postgres_server
-from tests.test_admin import admin_settings, api
+from tests.test_admin import TOKEN, admin_settings, api
 from tests.test_gateway import ask, backend_url, chat, gateway  # noqa: F401
 
 
@@ -53,7 +53,8 @@ def on_database(data_dir: Path, backend: str, url: str, **cache_over) -> Setting
 
 
 def health(url: str) -> dict:
-    return httpx.get(f"{url}/health", timeout=30).json()
+    """The admin view of /health (counts need the admin token)."""
+    return httpx.get(f"{url}/health", headers={"authorization": f"Bearer {TOKEN}"}, timeout=30).json()
 
 
 def eventually(check: Callable[[], bool], timeout: float = 10.0) -> None:
