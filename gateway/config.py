@@ -41,7 +41,7 @@ class GatewayConfig(_Strict):
 class TenantsConfig(_Strict):
     mode: Literal["open", "keys"]
     shared_cache: bool
-    prefix_isolation: bool
+    prefix_isolation: bool = True  # config.toml [tenants] holds the documented default
     keys: dict[str, str]
 
     @field_validator("keys")
