@@ -45,10 +45,11 @@ def check_ports(settings: Settings) -> None:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from gateway.config import load_settings
-    from gateway.serve import run_gateway
 
     settings = load_settings(args.config, host=args.host, port=args.port, data_dir=args.data_dir)
-    check_ports(settings)  # in the first second, before any model loads
+    check_ports(settings)  # in the first second, before torch and the models load
+    from gateway.serve import run_gateway
+
     run_gateway(settings)
     return 0
 

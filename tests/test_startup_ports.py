@@ -39,7 +39,11 @@ def serve(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def loaded_torch(stderr: str) -> bool:
-    return any(line.rstrip().endswith("| torch") for line in stderr.splitlines())
+    """From `-X importtime`: lines end in `| <indent>module`, nested imports indented further."""
+    return any(
+        line.startswith("import time:") and line.split("|")[-1].strip() == "torch"
+        for line in stderr.splitlines()
+    )
 
 
 def test_a_busy_gateway_port_stops_the_start_naming_it(tmp_path: Path, busy_port: int) -> None:
