@@ -21,7 +21,7 @@ from backend.protocol import ApiError, load_json
 from backend.server import read_limited_body
 from gateway import live_settings, stats
 from gateway.admin_store import entry_view
-from gateway.feedback import parse_feedback, report_bad
+from gateway.feedback import parse_feedback, report_bad, resolve_entry
 from gateway.store import MAX_ID
 
 if TYPE_CHECKING:
@@ -83,6 +83,15 @@ def _stats_report(
 def scope_threshold(gw: Gateway, model: str, tenant: str) -> float:
     """The threshold in force for a model and a tenant given by name or key hash ("" = any)."""
     return gw.cache.threshold(model, gw.tenants.name_of(gw.tenants.id_of(tenant)) if tenant else "")
+
+
+def entry_path_id(gw: Gateway, text: str) -> int:
+    """An entry named in a path: the database's integer id, or the x-cache-entry id a tenant was shown."""
+    if text.isascii() and text.isdigit():
+        if not 1 <= int(text) <= MAX_ID:
+            raise ApiError(400, f"entry_id must be between 1 and {MAX_ID}.", param="entry_id")
+        return int(text)
+    return resolve_entry(gw, text, None)
 
 
 def admin_router(get_gw: Callable[[], Gateway]) -> APIRouter:
@@ -183,21 +192,22 @@ def admin_router(get_gw: Callable[[], Gateway]) -> APIRouter:
         )
         return {"total": total, "data": data}
 
-    @router.get("/entries/{entry_id}", summary="One entry with its full stored response")
-    async def get_entry(request: Request, entry_id: int = PathParam(ge=1, le=MAX_ID)) -> dict[str, Any]:
+    @router.get("/entries/{entry_id}", summary="One entry (integer id or x-cache-entry id), full response")
+    async def get_entry(request: Request, entry_id: str = PathParam(max_length=64)) -> dict[str, Any]:
         gw = authed(request)
-        entry = await asyncio.to_thread(gw.admin.get_entry, entry_id)
+        entry = await asyncio.to_thread(gw.admin.get_entry, entry_path_id(gw, entry_id))
         if entry is None:
             raise ApiError(404, f"No cache entry {entry_id}.", param="entry_id", code="not_found")
         return {**entry_view(entry, preview=1 << 20), "response": json.loads(entry.response)}
 
-    @router.delete("/entries/{entry_id}", summary="Delete one entry")
-    async def delete_entry(request: Request, entry_id: int = PathParam(ge=1, le=MAX_ID)) -> dict[str, Any]:
+    @router.delete("/entries/{entry_id}", summary="Delete one entry (integer id or x-cache-entry id)")
+    async def delete_entry(request: Request, entry_id: str = PathParam(max_length=64)) -> dict[str, Any]:
         gw = authed(request)
-        removed = await gw.cache.delete([entry_id])
+        eid = entry_path_id(gw, entry_id)
+        removed = await gw.cache.delete([eid])
         if not removed:
             raise ApiError(404, f"No cache entry {entry_id}.", param="entry_id", code="not_found")
-        await asyncio.to_thread(gw.admin.audit, actor(request), "entries.delete", f"entry {entry_id}")
+        await asyncio.to_thread(gw.admin.audit, actor(request), "entries.delete", f"entry {eid}")
         return {"deleted": removed}
 
     @router.delete("/entries", summary="Delete every entry of a tenant, model and/or scope")

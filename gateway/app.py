@@ -34,6 +34,7 @@ from gateway.admin_store import AdminStore
 from gateway.cache import Lookup, ResponseCache
 from gateway.cache_keys import RequestKeys, request_keys
 from gateway.config import Settings
+from gateway.entry_ids import EntryIds
 from gateway.feedback import parse_feedback, report_bad
 from gateway.hits import hit_response, hit_stream
 from gateway.live_settings import LiveSettings
@@ -77,13 +78,13 @@ class Flow:
         self.stored_entry: int | None = None  # a miss stored into the cache
         self.cache_salt: str | None = None  # sent upstream in place of the client's (prefix isolation)
 
-    def headers(self) -> dict[str, str]:
+    def headers(self, entry_ids: EntryIds) -> dict[str, str]:
         h = {"x-cache": self.result, "x-cache-reason": self.reason, "x-request-id": self.id}
         lk = self.lookup
         if lk is not None and lk.similarity is not None:
             h["x-cache-similarity"] = f"{lk.similarity:.4f}"
         if lk is not None and lk.entry is not None:
-            h["x-cache-entry"] = str(lk.entry.id)
+            h["x-cache-entry"] = entry_ids.encode(self.tenant.id, lk.entry.id)  # opaque, per tenant
         return h
 
 
@@ -96,6 +97,7 @@ class Gateway:
         self.admin = AdminStore(store.session)
         self.auth = AdminAuth(admin_token)
         self.salts = PrefixSalts(admin_token)
+        self.entry_ids = EntryIds(admin_token)
         self.tenants = Tenants(self.settings.tenants)
         self.policy: CachePolicy
         self.apply_settings()
@@ -194,12 +196,12 @@ class Gateway:
         usage = stored.get("usage") or {}
         self._record(flow, 200, usage)
         if not flow.stream:
-            return JSONResponse(hit_response(stored, flow.id), headers=flow.headers())
+            return JSONResponse(hit_response(stored, flow.id), headers=flow.headers(self.entry_ids))
         include_usage = bool((flow.body.get("stream_options") or {}).get("include_usage"))
         return StreamingResponse(
             hit_stream(stored, flow.id, flow.endpoint, include_usage),
             media_type="text/event-stream",
-            headers=flow.headers(),
+            headers=flow.headers(self.entry_ids),
         )
 
     async def _forward_json(
@@ -220,7 +222,7 @@ class Gateway:
         else:
             self._count_backend_error(status, data)
         self._record(flow, status, data.get("usage") or {}, None if status == 200 else json.dumps(data)[:500])
-        return JSONResponse(data, status_code=status, headers=flow.headers())
+        return JSONResponse(data, status_code=status, headers=flow.headers(self.entry_ids))
 
     async def _forward_stream(
         self, flow: Flow, urls: list[str], path: str, body: dict, store: bool, ttl: int
@@ -238,7 +240,7 @@ class Gateway:
             await response.aclose()
             self._count_backend_error(response.status_code, data)
             self._record(flow, response.status_code, {}, json.dumps(data)[:500])
-            return JSONResponse(data, status_code=response.status_code, headers=flow.headers())
+            return JSONResponse(data, status_code=response.status_code, headers=flow.headers(self.entry_ids))
         recorder = SseRecorder(flow.endpoint)
 
         async def events():
@@ -265,7 +267,8 @@ class Gateway:
                     self._tasks.add(task)  # a task without a reference can be collected mid-run
                     task.add_done_callback(self._tasks.discard)
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers=flow.headers())
+        headers = flow.headers(self.entry_ids)
+        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
     async def _finish_stream(self, flow: Flow, recorder: SseRecorder, store: bool, ttl: int) -> None:
         flow.response_id = recorder.meta.get("id")
@@ -379,11 +382,12 @@ def build_app(gateway_factory) -> FastAPI:
 
     @app.post("/v1/cache/feedback")
     async def feedback(request: Request) -> dict[str, Any]:
-        """A tenant flags one of its own answers as bad (by the response id or x-request-id)."""
+        """A tenant flags one of its own answers as bad (by the response id or x-request-id, or the
+        x-cache-entry id of a hit)."""
         gw = state["gw"]
         tenant = gw.tenants.from_headers(request.headers)
-        request_id, _ = parse_feedback(await json_body(request), admin=False)
-        return await report_bad(gw, f"tenant:{tenant.name[:16]}", request_id, None, tenant=tenant.id)
+        request_id, entry_id = parse_feedback(await json_body(request), admin=False)
+        return await report_bad(gw, f"tenant:{tenant.name[:16]}", request_id, entry_id, tenant=tenant)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:

@@ -1,55 +1,70 @@
 """Bad-hit feedback: find what answered a request, and make the cache stop giving that answer.
 
-A tenant may flag only its own requests (another tenant's id is answered 404, as if unknown, so
-ids leak nothing); an admin may flag any request, or an entry directly.
+A tenant may flag only its own requests, or an entry by the x-cache-entry id it was shown (another
+tenant's id is answered 404, as if unknown, so ids leak nothing); an admin may flag any request, or
+an entry directly.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import Field, field_validator
 
 from backend.protocol import ApiError
+from gateway.bodies import StrictBody, parse_body
 from gateway.store import MAX_ID
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
+    from gateway.tenants import Tenant
 
 HIT_RESULTS = ("exact-hit", "semantic-hit")
+RequestId = Annotated[str, Field(min_length=1, max_length=256)]
 
 
-def parse_feedback(body: Any, admin: bool) -> tuple[str | None, int | None]:
-    """(request_id, entry_id) from the JSON body, or a 400 that says what is wrong."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "The request body must be a JSON object.")
-    verdict = body.get("verdict")
-    if verdict != "bad":
-        raise ApiError(400, 'verdict must be "bad".', param="verdict")
-    request_id = body.get("request_id")
-    entry_id = body.get("entry_id") if admin else None
-    if request_id is not None and not _id_text(request_id):
-        raise ApiError(
-            400, "request_id must be a non-empty string of at most 256 characters.", param="request_id"
-        )
-    if entry_id is not None and (isinstance(entry_id, bool) or not isinstance(entry_id, int)):
-        raise ApiError(400, "entry_id must be an integer.", param="entry_id")
-    if entry_id is not None and not 1 <= entry_id <= MAX_ID:
-        raise ApiError(400, f"entry_id must be between 1 and {MAX_ID}.", param="entry_id")
-    if request_id is None and entry_id is None:
-        need = "request_id or entry_id" if admin else "request_id"
-        raise ApiError(400, f"Missing required parameter: {need}.", param="request_id")
-    return request_id, entry_id
+class FeedbackBody(StrictBody):
+    """POST /v1/cache/feedback and /admin/api/feedback. ``entry_id`` is the ``x-cache-entry`` id a hit
+    carried; the admin API also takes the database's integer id."""
+
+    verdict: Literal["bad"]
+    request_id: RequestId | None = None
+    entry_id: Annotated[int, Field(ge=1, le=MAX_ID)] | Annotated[str, Field(max_length=64)] | None = None
+
+    @field_validator("request_id")
+    @classmethod
+    def _encodable(cls, value: str | None) -> str | None:
+        """A string a database can look up: no lone surrogate (JSON allows one)."""
+        if value is not None:
+            try:
+                value.encode()
+            except UnicodeEncodeError:
+                raise ValueError("not a valid Unicode string") from None
+        return value
 
 
-def _id_text(value: Any) -> bool:
-    """A string a database can look up: not empty, not huge, no lone surrogate (JSON allows one)."""
-    if not isinstance(value, str) or not 0 < len(value) <= 256:
-        return False
-    try:
-        value.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
+def parse_feedback(body: Any, admin: bool) -> tuple[str | None, int | str | None]:
+    """(request_id, entry_id) from the JSON body, or a 400 that names the field."""
+    fb = parse_body(FeedbackBody, body, "The request body", param_of=lambda loc: str(loc[0]))
+    if fb.request_id is None and fb.entry_id is None:
+        raise ApiError(400, "Missing required parameter: request_id or entry_id.", param="request_id")
+    if not admin and isinstance(fb.entry_id, int):
+        raise ApiError(400, "entry_id must be the x-cache-entry header of a hit.", param="entry_id")
+    return fb.request_id, fb.entry_id
+
+
+def resolve_entry(gw: Gateway, entry_id: int | str, tenant: Tenant | None) -> int:
+    """The database id behind an x-cache-entry id (or, for an admin, an integer id); a 404 for an id
+    the caller was never shown, as for one that does not exist."""
+    if isinstance(entry_id, int):
+        return entry_id
+    found = gw.entry_ids.decode(tenant.id, entry_id) if tenant else gw.entry_ids.decode_any(entry_id)
+    if found is None and tenant is None and not gw.entry_ids.looks_opaque(entry_id):
+        raise ApiError(400, "entry_id must be an integer or an x-cache-entry id.", param="entry_id")
+    if found is None:
+        raise ApiError(404, f"No cache entry '{entry_id}'.", param="entry_id", code="not_found")
+    return found
 
 
 async def _find_request(gw: Gateway, request_id: str) -> dict[str, Any] | None:
@@ -57,14 +72,15 @@ async def _find_request(gw: Gateway, request_id: str) -> dict[str, Any] | None:
 
 
 async def report_bad(
-    gw: Gateway, actor: str, request_id: str | None, entry_id: int | None, tenant: str | None
+    gw: Gateway, actor: str, request_id: str | None, entry_id: int | str | None, tenant: Tenant | None
 ) -> dict[str, Any]:
-    """Flag a bad answer; ``tenant`` is the caller's tenant id (None for an admin)."""
+    """Flag a bad answer; ``tenant`` is the caller (None for an admin). A tenant is answered with the
+    entry's x-cache-entry id, never the database's counter."""
     record = None
     similarity, result, whole_entry = None, None, True
     if request_id is not None:
         record = await _find_request(gw, request_id)
-        if record is None or (tenant is not None and record["tenant"] != tenant):
+        if record is None or (tenant is not None and record["tenant"] != tenant.id):
             raise ApiError(404, f"No request with id '{request_id}'.", param="request_id", code="not_found")
         result = record["cache_result"]
         if result in HIT_RESULTS:
@@ -79,17 +95,20 @@ async def report_bad(
                 param="request_id",
                 code="not_cached",
             )
-    assert entry_id is not None
+    elif entry_id is not None:
+        entry_id = resolve_entry(gw, entry_id, tenant)
+    assert isinstance(entry_id, int)
+    shown: int | str = entry_id if tenant is None else gw.entry_ids.encode(tenant.id, entry_id)
     flagged = await gw.cache.flag_bad(entry_id, similarity, whole_entry)
     if flagged is None:
         raise ApiError(
-            404, f"No cache entry {entry_id} (deleted or expired).", param="entry_id", code="not_found"
+            404, f"No cache entry '{shown}' (deleted or expired).", param="entry_id", code="not_found"
         )
     entry, action = flagged
     row = {
         "request_id": record["id"] if record else None,
         "entry_id": entry_id,
-        "tenant": record["tenant"] if record else entry.tenant,
+        "tenant": record["tenant"] if record else (tenant.id if tenant else entry.tenant),
         "actor": actor,
         "verdict": "bad",
         "cache_result": result,
@@ -106,4 +125,6 @@ async def report_bad(
     }
     feedback_id = await asyncio.to_thread(gw.admin.add_feedback, row, audit)
     gw.metrics.feedback.inc()
+    if tenant is not None:  # global counters (entry and feedback ids) would tell of other tenants
+        return {**row, "entry_id": shown}
     return {"id": feedback_id, **row}

@@ -11,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 
-from backend.protocol import ApiError
 from gateway.admin_store import AdminStore
+from gateway.bodies import StrictBody, parse_body
 from gateway.config import Settings
 from policies.canonicalize import RULES
 
@@ -22,35 +22,31 @@ KEY = "runtime"
 Unit = Annotated[float, Field(ge=0, le=1)]
 
 
-class _Patch(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class ThresholdsPatch(_Patch):
+class ThresholdsPatch(StrictBody):
     default: Unit | None = None
     models: dict[str, Unit | None] | None = None  # None as a value removes that override
     tenants: dict[str, Unit | None] | None = None
 
 
-class VerifierPatch(_Patch):
+class VerifierPatch(StrictBody):
     enabled: bool | None = None
     threshold: Unit | None = None
 
 
-class EvictionPatch(_Patch):
+class EvictionPatch(StrictBody):
     policy: Literal["lru", "lfu"] | None = None
     max_entries: int | None = Field(None, gt=0)
     max_bytes: int | None = Field(None, gt=0)
 
 
-class CacheSwitches(_Patch):
+class CacheSwitches(StrictBody):
     enabled: bool | None = None
     exact: bool | None = None
     semantic: bool | None = None
     serve_temperature_above_zero: bool | None = None
 
 
-class SettingsPatch(_Patch):
+class SettingsPatch(StrictBody):
     """What PUT /admin/api/settings accepts; every part is optional."""
 
     thresholds: ThresholdsPatch | None = None
@@ -99,17 +95,6 @@ def view(s: Settings) -> dict[str, Any]:
     }
 
 
-def _validated(body: Any) -> SettingsPatch:
-    if not isinstance(body, dict):
-        raise ApiError(400, "The settings must be a JSON object.")
-    try:
-        return SettingsPatch.model_validate(body)
-    except ValidationError as exc:
-        err = exc.errors(include_url=False)[0]
-        param = ".".join(str(p) for p in err["loc"])
-        raise ApiError(400, f"Invalid setting '{param}': {err['msg']}.", param=param) from exc
-
-
 def _merge(overrides: dict[str, Any], patch: SettingsPatch) -> dict[str, Any]:
     """Overrides are flat {"cache.threshold": 0.9, "cache.thresholds_by_model": {...}, ...}."""
     out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in overrides.items()}
@@ -154,7 +139,7 @@ class LiveSettings:
 
     def patch(self, body: Any, actor: str) -> Settings:
         """Validate, merge, persist with an audit event; the caller swaps the new settings in."""
-        patch = _validated(body)
+        patch = parse_body(SettingsPatch, body, "The settings")
         overrides = _merge(self.overrides, patch)
         for (part, sub), name in _MAPS.items():
             section = getattr(patch, part)

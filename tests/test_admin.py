@@ -170,6 +170,15 @@ def test_ttl_setting_applies_to_new_entries(gw):
         ({"ttl_seconds": 0}, "ttl_seconds"),
         ({"canonicalization": {"no_such_rule": True}}, "canonicalization.no_such_rule.[key]"),
         ({"threshold": 0.5}, "threshold"),
+        # strict types, as on /v1: these were coerced (issue 13)
+        ({"verifier": {"enabled": "on"}}, "verifier.enabled"),
+        ({"thresholds": {"default": "0.5"}}, "thresholds.default"),
+        ({"ttl_seconds": "100"}, "ttl_seconds"),
+        ({"eviction": {"max_entries": "100"}}, "eviction.max_entries"),
+        ({"eviction": {"max_bytes": 1.0e6}}, "eviction.max_bytes"),
+        ({"cache": {"exact": 1}}, "cache.exact"),
+        ({"canonicalization": {"sort_tools": "false"}}, "canonicalization.sort_tools"),
+        ({"thresholds": {"models": {"m": "0.9"}}}, "thresholds.models.m"),
     ],
 )
 def test_invalid_settings_are_a_400_and_change_nothing(gw, body, param):
@@ -252,7 +261,8 @@ def test_flagged_exact_hit_is_never_served_again(gw):
     _, h3, _ = chat(gw, ask("Name a color of the rainbow."))
     assert h3["x-cache"] == "miss"
     flagged = api(gw, "GET", "/feedback").json()["data"][0]
-    assert flagged["request_id"] == h2["x-request-id"] and flagged["entry_id"] == int(h2["x-cache-entry"])
+    entry = api(gw, "GET", f"/entries/{h2['x-cache-entry']}").json()  # the admin API reads the opaque id
+    assert flagged["request_id"] == h2["x-request-id"] and flagged["entry_id"] == entry["id"]
 
 
 def test_flagged_semantic_hit_raises_the_entry_threshold(gw):
@@ -293,11 +303,30 @@ def test_a_tenant_cannot_flag_another_tenants_request(gw):
         ({"verdict": "bad"}, 400, "request_id"),
         ({"request_id": 12, "verdict": "bad"}, 400, "request_id"),
         ([1], 400, None),
+        ({"request_id": "", "verdict": "bad"}, 400, "request_id"),
+        ({"request_id": "x", "verdict": "bad", "comment": "wrong"}, 400, "comment"),  # unknown field
+        ({"entry_id": 5, "verdict": "bad"}, 400, "entry_id"),  # a tenant names entries by x-cache-entry
+        ({"entry_id": "ce-" + "A" * 22, "verdict": "bad"}, 404, "entry_id"),  # never shown to it
     ],
 )
 def test_feedback_bad_input(gw, body, status, param):
     r = httpx.post(f"{gw}/v1/cache/feedback", headers={"authorization": "Bearer tenant-a"}, json=body)
     assert r.status_code == status and r.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"entry_id": "100", "verdict": "bad"}, "entry_id"),  # a string is not an integer id
+        ({"entry_id": True, "verdict": "bad"}, "entry_id"),
+        ({"entry_id": 1.0, "verdict": "bad"}, "entry_id"),
+        ({"entry_id": 1, "verdict": ["bad"]}, "verdict"),
+        ({"entry_id": 1}, "verdict"),
+    ],
+)
+def test_admin_feedback_types_are_strict(gw, body, param):
+    r = api(gw, "POST", "/feedback", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 def test_feedback_on_a_bypass_is_a_409(gw):

@@ -57,6 +57,10 @@ def test_per_model_thresholds_merge_and_none_removes_one(db: Store) -> None:
         ({"eviction": {"policy": "fifo"}}, "eviction.policy"),
         ({"unknown": 1}, "unknown"),
         ({"canonicalization": {"no_such_rule": True}}, "canonicalization.no_such_rule"),
+        ({"verifier": {"enabled": "on"}}, "verifier.enabled"),
+        ({"thresholds": {"default": "0.5"}}, "thresholds.default"),
+        ({"max_ttl_seconds": "100"}, "max_ttl_seconds"),
+        ({"cache": {"semantic": 0}}, "cache.semantic"),
     ],
 )
 def test_invalid_patch_is_a_400_naming_the_field_and_changes_nothing(db: Store, body, param) -> None:
