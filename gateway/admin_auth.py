@@ -36,15 +36,20 @@ def resolve_admin_token(configured: str, data_dir: Path) -> str:
 
 
 class AdminAuth:
-    def __init__(self, token: str) -> None:
+    """A bearer token check; ``what`` names the token in errors (the metrics token uses it too)."""
+
+    def __init__(self, token: str, what: str = "admin") -> None:
         self._token = token.encode()
+        self._what, self._code = what, f"{what}_unauthorized"
 
     def check(self, authorization: str | None) -> None:
-        """401 unless ``Authorization: Bearer <admin token>``; the body never says what was expected."""
+        """401 unless ``Authorization: Bearer <token>``; the body never says what was expected."""
         scheme, _, value = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not value.strip():
             raise ApiError(
-                401, "Admin token required (Authorization: Bearer <token>).", code="admin_unauthorized"
+                401,
+                f"{self._what.capitalize()} token required (Authorization: Bearer <token>).",
+                code=self._code,
             )
         if not hmac.compare_digest(value.strip().encode(), self._token):
-            raise ApiError(401, "Invalid admin token.", code="admin_unauthorized")
+            raise ApiError(401, f"Invalid {self._what} token.", code=self._code)

@@ -39,6 +39,7 @@ from gateway.feedback import parse_feedback, report_bad
 from gateway.hits import hit_response, hit_stream
 from gateway.live_settings import LiveSettings
 from gateway.metrics import BackendCounts, GatewayMetrics
+from gateway.metrics_http import metrics_response
 from gateway.prefix_salt import PrefixSalts
 from gateway.proxy import Backends, SseRecorder, relay
 from gateway.recorder import Recorder
@@ -107,7 +108,7 @@ class Gateway:
             index_entries=lambda: float(len(cache.index)),
             sync_age=(lambda: time.time() - cache.synced_at) if self.settings.cache.sync_interval_s else None,
         )
-        self.recorder = Recorder(store)
+        self.recorder = Recorder(store, per_request=self.settings.gateway.request_log_commit == "per_request")
         self._tasks: set[asyncio.Task] = set()  # stream bookkeeping that outlives its response
 
     @property
@@ -194,7 +195,7 @@ class Gateway:
         self.cache.record_hit(entry)
         stored = json.loads(entry.response)
         usage = stored.get("usage") or {}
-        self._record(flow, 200, usage)
+        await self._record(flow, 200, usage)
         if not flow.stream:
             return JSONResponse(hit_response(stored, flow.id), headers=flow.headers(self.entry_ids))
         include_usage = bool((flow.body.get("stream_options") or {}).get("include_usage"))
@@ -213,7 +214,7 @@ class Gateway:
                 urls, path, body, flow.cache_salt
             )
         except ApiError as exc:  # down, timed out, garbled: the log must show it too
-            self._record_failure(flow, exc, start)
+            await self._record_failure(flow, exc, start)
             raise
         flow.response_id = data.get("id") if isinstance(data.get("id"), str) else None
         self.metrics.backend.observe(flow.backend_ms / 1e3)
@@ -221,7 +222,9 @@ class Gateway:
             await self._after_answer(flow, data, store, ttl)
         else:
             self._count_backend_error(status, data)
-        self._record(flow, status, data.get("usage") or {}, None if status == 200 else json.dumps(data)[:500])
+        await self._record(
+            flow, status, data.get("usage") or {}, None if status == 200 else json.dumps(data)[:500]
+        )
         return JSONResponse(data, status_code=status, headers=flow.headers(self.entry_ids))
 
     async def _forward_stream(
@@ -233,13 +236,13 @@ class Gateway:
         try:
             flow.backend, response = await self.backends.open_stream(urls, path, upstream, flow.cache_salt)
         except ApiError as exc:
-            self._record_failure(flow, exc, start)
+            await self._record_failure(flow, exc, start)
             raise
         if response.status_code != 200:
             data = json.loads(await response.aread() or b"{}")
             await response.aclose()
             self._count_backend_error(response.status_code, data)
-            self._record(flow, response.status_code, {}, json.dumps(data)[:500])
+            await self._record(flow, response.status_code, {}, json.dumps(data)[:500])
             return JSONResponse(data, status_code=response.status_code, headers=flow.headers(self.entry_ids))
         recorder = SseRecorder(flow.endpoint)
 
@@ -275,13 +278,13 @@ class Gateway:
         if recorder.broken is not None:  # logged as the 502 the client was told of, never stored
             self.metrics.count_error(502, "backend_error")
             broke = f"backend_error: stream broke after {recorder.relayed_bytes} bytes: {recorder.broken}"
-            self._record(flow, 502, recorder.usage or {}, broke[:500])
+            await self._record(flow, 502, recorder.usage or {}, broke[:500])
             return
         complete = recorder.complete_response()
         if complete is not None:
             await self._after_answer(flow, complete, store, ttl)
         error = None if complete is not None else "stream incomplete or failed: not stored"
-        self._record(flow, 200, recorder.usage or {}, error)
+        await self._record(flow, 200, recorder.usage or {}, error)
 
     async def _after_answer(self, flow: Flow, data: dict, store: bool, ttl: int) -> None:
         """Remember the reply's exact bytes, and store the answer when policy and quality allow."""
@@ -305,11 +308,11 @@ class Gateway:
         """A backend's own error, passed through as it came (a sampling value it refuses, ...)."""
         self.metrics.count_error(status, error_code(data) or "backend_error")
 
-    def _record_failure(self, flow: Flow, exc: ApiError, backend_start: float) -> None:
+    async def _record_failure(self, flow: Flow, exc: ApiError, backend_start: float) -> None:
         flow.backend_ms = (time.perf_counter() - backend_start) * 1e3
-        self._record(flow, exc.status, {}, f"{exc.code}: {exc.message}"[:500])
+        await self._record(flow, exc.status, {}, f"{exc.code}: {exc.message}"[:500])
 
-    def _record(self, flow: Flow, status: int, usage: dict, error: str | None = None) -> None:
+    async def _record(self, flow: Flow, status: int, usage: dict, error: str | None = None) -> None:
         total_ms = (time.perf_counter() - flow.start) * 1e3
         details = usage.get("prompt_tokens_details") or {}
         lk = flow.lookup
@@ -322,7 +325,7 @@ class Gateway:
         if flow.result in ("miss", "bypass") and usage:
             self.metrics.prompt_tokens.inc(usage.get("prompt_tokens") or 0)
             self.metrics.cached_tokens.inc(details.get("cached_tokens") or 0)
-        self.recorder.record(
+        await self.recorder.record(
             {
                 "id": flow.id,
                 "ts": time.time(),
@@ -426,7 +429,10 @@ def build_app(gateway_factory) -> FastAPI:
         return JSONResponse(body, status_code=503 if unreachable else 200)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(state["gw"].metrics.render(), media_type="text/plain; version=0.0.4")
+    async def metrics(request: Request) -> Response:
+        """Prometheus; 404 here when ``metrics_port`` serves it elsewhere (gateway/metrics_http.py)."""
+        return metrics_response(state["gw"], request, own_port=False)
+
+    app.state.gateway = lambda: state.get("gw")  # for the separate metrics listener
 
     return app

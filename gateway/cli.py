@@ -32,6 +32,8 @@ def check_ports(settings: Settings) -> None:
 
     g = settings.gateway
     wanted = [("gateway", g.host, g.port)]
+    if g.metrics_port:
+        wanted.append(("metrics ([gateway] metrics_port)", g.metrics_host, g.metrics_port))
     if not g.backends:
         wanted.append(
             ("built-in backend ([gateway] builtin_backend_port)", "127.0.0.1", g.builtin_backend_port)

@@ -33,6 +33,10 @@ class GatewayConfig(_Strict):
     routing: RoutingMode
     builtin_backend_port: int = Field(ge=0, le=65535)
     log_query_text: bool
+    request_log_commit: Literal["batched", "per_request"]
+    metrics_token: str
+    metrics_host: str
+    metrics_port: int = Field(ge=0, le=65535)
 
     def resolved_database_url(self, data_dir: Path) -> str:
         return self.database_url or f"sqlite:///{data_dir / 'cachegw.db'}"

@@ -9,6 +9,7 @@ import os
 from collections.abc import AsyncIterator
 
 import uvicorn
+from fastapi import FastAPI
 
 from embeddings.batcher import EmbeddingBatcher
 from embeddings.encoder import make_encoder
@@ -19,6 +20,7 @@ from gateway.app import Gateway, build_app
 from gateway.cache import HIT_FLUSH_S, ResponseCache
 from gateway.config import Settings
 from gateway.live_settings import LiveSettings
+from gateway.metrics_http import metrics_app
 from gateway.proxy import Backends
 from gateway.store import Store
 from gateway.supervisor import BuiltinBackend
@@ -119,4 +121,26 @@ def run_gateway(settings: Settings) -> None:
     g = settings.gateway
     log.info("gateway on http://%s:%d/v1 (data in %s)", g.host, g.port, settings.data_dir)
     log.info("dashboard on http://%s:%d/admin (admin token: see docs/admin.md)", g.host, g.port)
-    uvicorn.run(app, host=g.host, port=g.port, log_level="info")
+    if not g.metrics_port:
+        uvicorn.run(app, host=g.host, port=g.port, log_level="info")
+        return
+    log.info("metrics on http://%s:%d/metrics only", g.metrics_host, g.metrics_port)
+    asyncio.run(serve_with_metrics(app, settings))
+
+
+async def serve_with_metrics(app: FastAPI, settings: Settings) -> None:
+    """The gateway and its metrics listener in one process and loop; when one stops, so does the other.
+
+    Each server catches SIGINT/SIGTERM while it runs and hands the signal on when it returns (uvicorn
+    re-raises it), so a stop signal ends both."""
+    g = settings.gateway
+    main = uvicorn.Server(uvicorn.Config(app, host=g.host, port=g.port, log_level="info"))
+    side = metrics_app(app.state.gateway)
+    metrics = uvicorn.Server(
+        # log_config None: a second logging setup would silence the main server's log
+        uvicorn.Config(side, host=g.metrics_host, port=g.metrics_port, lifespan="off", log_config=None)
+    )
+    tasks = [asyncio.create_task(main.serve()), asyncio.create_task(metrics.serve())]
+    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    main.should_exit = metrics.should_exit = True
+    await asyncio.gather(*tasks)

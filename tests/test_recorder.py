@@ -46,10 +46,10 @@ def test_close_writes_every_recorded_row(tmp_path: Path, close_after_s: float) -
         rec = Recorder(store, flush_every_s=0.2)
         rec.start()
         for i in range(50):
-            rec.record(row(i))
+            await rec.record(row(i))
         await asyncio.sleep(0.01)  # the writer takes the first row and starts gathering its batch
         for i in range(50, 60):
-            rec.record(row(i))
+            await rec.record(row(i))
         await asyncio.sleep(close_after_s)
         await rec.close()
 
@@ -65,7 +65,7 @@ def test_rows_recorded_while_a_batch_is_written_go_in_the_next(tmp_path: Path) -
         rec = Recorder(store, flush_every_s=0.05, max_batch=7)
         rec.start()
         for i in range(100):
-            rec.record(row(i))
+            await rec.record(row(i))
             if i % 10 == 0:
                 await asyncio.sleep(0.02)
         await asyncio.sleep(0.5)
