@@ -208,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         report |= log_check(Path(tmp) / "data" / "cachegw.db", load.outcomes + broken_streams, faults)
         report["cut_streams"] = len(broken_streams)
         report["cut_streams_stored"] = stored(Path(tmp) / "data" / "cachegw.db", broken_streams)
+        report["supervisor_log"] = supervisor_lines(Path(tmp))
     report |= {
         "command": "python -m bench.chaos " + " ".join(argv if argv is not None else sys.argv[1:]),
         "log_commit": args.log_commit,
@@ -249,6 +250,13 @@ def verify(gw: Gateway, load: Load, first: dict[str, str]) -> dict:
     }
 
 
+def supervisor_lines(work: Path) -> list[str]:
+    """What the supervisor said (restart causes and delays, engine ready): where downtime went."""
+    keep = ("built-in backend", "restart")
+    lines = [ln for log in sorted(work.glob("gateway-*.log")) for ln in log.read_text().splitlines()]
+    return [ln[11:110] for ln in lines if any(k in ln for k in keep)]
+
+
 def stored(db: Path, streams: list[Outcome]) -> int:
     """Cut streams whose question has a cache entry: each one would serve a truncated answer."""
     with sqlite3.connect(db) as conn:
@@ -261,20 +269,19 @@ def stored(db: Path, streams: list[Outcome]) -> int:
 
 
 def log_check(db: Path, outcomes: list[Outcome], faults: list[Fault]) -> dict:
-    """Request-log rows missing for requests the clients got an answer to (attributed to the fault
-    that followed them)."""
+    """Request-log rows missing for requests the clients got an answer to, by the nearest fault."""
     with sqlite3.connect(db) as conn:
         rows = {r[0] for r in conn.execute("SELECT id FROM requests")}
     answered = [o for o in outcomes if o.request_id and o.status == 200 and o.stream_end in ("", "done")]
     missing = [o for o in answered if o.request_id not in rows]
     by_fault: Counter[str] = Counter()
     for o in missing:
-        after = [f for f in faults if f.at >= o.end]
-        by_fault[min(after, key=lambda f: f.at).kind if after else "none"] += 1
+        # the nearest fault: a client may finish reading an answer just after a kill began
+        by_fault[min(faults, key=lambda f: abs(f.at - o.end)).kind if faults else "none"] += 1
     return {
         "log_rows_expected": len(answered),
         "log_rows_lost": len(missing),
-        "log_rows_lost_before": dict(by_fault),
+        "log_rows_lost_near": dict(by_fault),
     }
 
 
