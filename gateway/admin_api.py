@@ -77,6 +77,7 @@ def _stats_report(
         "timeseries": {"bucket_s": bucket_s, "points": stats.timeseries(rows, since, until, bucket_s)},
         "per_hour": stats.timeseries(rows, hour0, until, 3600),
         "similarity": stats.similarity_histogram(rows),
+        "reasons": stats.reasons(rows),
     }
 
 
