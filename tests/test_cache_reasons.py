@@ -15,7 +15,6 @@ import pytest
 
 from tests.test_gateway import MODEL, ask, backend_url, chat, gateway, settings_for  # noqa: F401
 
-
 ADMIN_TOKEN = "cgw-reasons-admin-token"
 
 

@@ -137,7 +137,12 @@ def test_dashboard_end_to_end(admin_gw, browser, tmp_path):
         row = page.locator(f'#reasons tbody tr[data-reason="{reason["result"]}:{reason["reason"]}"]')
         row.wait_for()
         cells = row.locator("td").all_inner_texts()
-        assert cells[:4] == [reason["result"], reason["reason"], str(reason["requests"]), pct(reason["share"])]
+        assert cells[:4] == [
+            reason["result"],
+            reason["reason"],
+            str(reason["requests"]),
+            pct(reason["share"]),
+        ]
         assert row.locator("svg rect").count() >= 1
     # user text is shown as text, never parsed as markup
     page.locator("#entries td", has_text=MARKUP).wait_for()
