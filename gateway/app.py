@@ -178,7 +178,11 @@ class Gateway:
             flow.result = "miss"
         store = use_cache and cacheable.may_store
         path = "/chat/completions" if endpoint == "chat" else "/completions"
-        urls = self.backends.order(candidates, endpoint, body)  # the canonical prefix picks the backend
+        try:  # the canonical prefix picks the backend; none up: a 503 at once
+            urls = self.backends.order(candidates, endpoint, body)
+        except ApiError as exc:
+            self._record_failure(flow, exc, time.perf_counter())
+            raise
         if settings.tenants.prefix_isolation:  # after the keys: the gateway's own cache is unchanged
             flow.cache_salt = self.salts.salt(tenant.cache_key, body.get("cache_salt"))
         if flow.stream:
@@ -416,6 +420,7 @@ def build_app(gateway_factory) -> FastAPI:
             "unreachable_models": unreachable,
             "backends": b.urls,
             "backends_refusing": b.refusing(),
+            "backends_down": sorted(b.down),  # by the health probes (docs/reliability.md)
             "cache_entries": gw.cache.entries,
             "index_entries": len(gw.cache.index),  # vectors this replica searches (docs/replicas.md)
         }

@@ -10,12 +10,13 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import httpx
 
 from backend.protocol import ApiError
+from gateway.config import BackendSpec
 from policies.routing import Router, RoutingMode
 
 log = logging.getLogger("cachegw.gateway")
@@ -44,12 +45,22 @@ _RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout)
 
 
 class Backends:
-    """The configured backends: which serve a model, in which order to try them, and the one HTTP client."""
+    """The configured backends: which serve a model, in which order to try them, and the one HTTP client.
+
+    Each backend's own headers (its API key) go on every request to it; nothing of the client's request
+    but the body is forwarded, so a client's key never reaches a backend."""
 
     def __init__(
-        self, urls: list[str], connect_timeout: float, read_timeout: float, routing: RoutingMode = "prefix"
+        self,
+        backends: Sequence[BackendSpec | str],
+        connect_timeout: float,
+        read_timeout: float,
+        routing: RoutingMode = "prefix",
+        retry_after_s: int = 5,
     ) -> None:
-        self.urls = [u.rstrip("/") for u in urls]
+        specs = [b if isinstance(b, BackendSpec) else BackendSpec(url=b) for b in backends]
+        self.urls = [s.url for s in specs]
+        self._headers = {s.url: s.upstream_headers() for s in specs}
         timeout = httpx.Timeout(read_timeout, connect=connect_timeout)
         limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
         self.client = httpx.AsyncClient(timeout=timeout, limits=limits)
@@ -59,6 +70,20 @@ class Backends:
         self.answered: Counter[str] = Counter()  # per backend, read by the Prometheus collector
         self.refused: Counter[str] = Counter()
         self.no_salt: set[str] = set()  # backends that answered a 400 naming cache_salt
+        self.down: set[str] = set()  # marked down by the health probes (gateway/backend_health.py): skipped
+        self.retry_after_s = retry_after_s  # told to clients when no backend of a model is up
+
+    def headers(self, url: str) -> dict[str, str]:
+        """The backend's own headers (its credentials); copied, so a caller cannot change them."""
+        return dict(self._headers[url])
+
+    def mark(self, url: str, up: bool) -> None:
+        """The health probes' verdict; an answered probe also ends a refused connection's pause."""
+        if up:
+            self.down.discard(url)
+            self._down_until.pop(url, None)
+        else:
+            self.down.add(url)
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -67,8 +92,10 @@ class Backends:
         """The union of the backends' /v1/models, one card per model (a down backend contributes nothing)."""
         cards: dict[str, dict[str, Any]] = {}
         for url in self.urls:
+            if url in self.down:  # a hung backend would hold every caller for the timeout
+                continue
             try:
-                r = await self.client.get(f"{url}/models", timeout=5.0)
+                r = await self.client.get(f"{url}/models", headers=self._headers[url], timeout=5.0)
                 r.raise_for_status()
                 for card in r.json().get("data", []):
                     serving = self._models.setdefault(card["id"], [])
@@ -101,17 +128,28 @@ class Backends:
         return [u for u in self.urls if self._down_until.get(u, 0.0) > now]
 
     def unreachable_models(self) -> list[str]:
-        """Models every one of whose backends refused a connection lately (all backends, before any
-        model is known)."""
-        down = set(self.refusing())
+        """Models every one of whose backends is marked down or refused a connection lately (all
+        backends, before any model is known)."""
+        down = set(self.refusing()) | self.down
         if not self._models:
             return ["*"] if down and down >= set(self.urls) else []
         return sorted(m for m, urls in self._models.items() if urls and set(urls) <= down)
 
     def order(self, urls: list[str], endpoint: str, body: dict[str, Any]) -> list[str]:
-        """The routing policy's order, with backends that refused a connection lately moved last."""
+        """The routing policy's order over the backends that are up, those that refused a connection
+        lately moved last; a 503 with ``Retry-After`` at once when the probes marked all of them down."""
+        up = [u for u in urls if u not in self.down]
+        if not up:
+            raise ApiError(
+                503,
+                "No backend serving this model is answering its health checks; retry after "
+                f"{self.retry_after_s} s (cached answers are still served).",
+                type="backend_error",
+                code="backend_unavailable",
+                headers={"Retry-After": str(self.retry_after_s)},
+            )
         refusing = set(self.refusing())
-        return sorted(self.router.order(urls, endpoint, body), key=lambda u: u in refusing)  # stable sort
+        return sorted(self.router.order(up, endpoint, body), key=lambda u: u in refusing)  # stable sort
 
     async def _send(
         self, urls: list[str], path: str, body: dict[str, Any], cache_salt: str | None = None
@@ -145,7 +183,7 @@ class Backends:
         raise backend_unavailable(", ".join(urls), last) from last
 
     async def _post(self, url: str, path: str, body: dict[str, Any]) -> httpx.Response:
-        request = self.client.build_request("POST", f"{url}{path}", json=body)
+        request = self.client.build_request("POST", f"{url}{path}", json=body, headers=self._headers[url])
         return await self.client.send(request, stream=True)
 
     async def post_json(
