@@ -14,6 +14,7 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -153,7 +154,10 @@ class Gateway:
         model = body.get("model") or ""
         candidates = await self.backends.route(model or None)  # 404 for an unknown model, before any work
         ttl = self._ttl(request, settings)
-        cacheable = decide(body, request.headers, self.policy)
+        policy = self.policy
+        if settings.cache.serves_unset_temperature(model, tenant.name):
+            policy = replace(policy, serve_unset_temperature=True)
+        cacheable = decide(body, request.headers, policy)
         flow = Flow(endpoint, tenant, model, body, cacheable)
         cfg, restore = settings.canonicalize, self._restorer(tenant)
         if any(isinstance(m, dict) and m.get("role") == "assistant" for m in body.get("messages") or []):

@@ -148,6 +148,9 @@ class CacheConfig(_Strict):
     max_bytes: int = Field(gt=0)
     eviction: Literal["lru", "lfu"]
     serve_temperature_above_zero: bool
+    serve_unset_temperature: bool
+    serve_unset_temperature_by_model: dict[str, bool]
+    serve_unset_temperature_by_tenant: dict[str, bool]
     embed_batch_window_ms: float = Field(ge=0)
     embed_max_batch: int = Field(gt=0)
     feedback_margin: float = Field(ge=0, le=1)
@@ -162,6 +165,12 @@ class CacheConfig(_Strict):
         if bad:
             raise ValueError(f"thresholds must be in [0, 1]: {bad}")
         return values
+
+    def serves_unset_temperature(self, model: str, tenant_name: str) -> bool:
+        """Whether a request leaving ``temperature`` unset may be served from (and stored into) the cache:
+        per-tenant over per-model over the global switch, as the thresholds."""
+        by_model = self.serve_unset_temperature_by_model.get(model, self.serve_unset_temperature)
+        return self.serve_unset_temperature_by_tenant.get(tenant_name, by_model)
 
 
 class IndexConfig(_Strict):
