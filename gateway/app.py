@@ -40,9 +40,10 @@ from gateway.hits import hit_response, hit_stream
 from gateway.live_settings import LiveSettings
 from gateway.metrics import BackendCounts, GatewayMetrics
 from gateway.prefix_salt import PrefixSalts
-from gateway.proxy import Backends, SseRecorder, relay
+from gateway.proxy import Backends
 from gateway.recorder import Recorder
 from gateway.store import Store, reply_key
+from gateway.streams import SseRecorder, relay
 from gateway.tenants import Tenant, Tenants
 from policies.cacheability import Cacheability, CachePolicy, decide
 from policies.canonicalize import Restore, canonicalize, normalize_for_match, normalize_reply
@@ -252,7 +253,8 @@ class Gateway:
         async def events():
             finished = False
             try:
-                async for event in relay(response, recorder, drop_usage_chunk=not client_usage):
+                gone = self.backends.gone(flow.backend or "")
+                async for event in relay(response, recorder, not client_usage, gone):
                     if recorder.done and not finished:
                         # Store before [DONE] reaches the client: a repeat sent right after the
                         # stream ends must find the answer (read-your-writes).

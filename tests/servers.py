@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
 
 
 @contextlib.contextmanager
@@ -67,6 +70,7 @@ class Upstream:
         default_factory=list
     )  # method, path, headers, body
     hang: bool = False  # while True every request waits, unanswered (as a SIGSTOPped server)
+    stall_streams: bool = False  # while True a stream stops after its first chunk
 
     def requests(self, path: str) -> list[tuple[str, str, dict[str, str], bytes]]:
         return [r for r in self.seen if r[1] == path]
@@ -94,7 +98,9 @@ def recording_upstream(up: Upstream) -> FastAPI:
         return {"object": "list", "data": [{"id": up.model, "object": "model", "owned_by": "test"}]}
 
     @app.post("/v1/chat/completions")
-    async def chat() -> dict:
+    async def chat(request: Request) -> Any:
+        if (await request.json()).get("stream"):
+            return StreamingResponse(stream(), media_type="text/event-stream")
         message = {"role": "assistant", "content": up.answer}
         return {
             "id": f"chatcmpl-{len(up.seen)}",
@@ -104,5 +110,17 @@ def recording_upstream(up: Upstream) -> FastAPI:
             "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
             "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
         }
+
+    async def stream() -> AsyncIterator[bytes]:
+        def chunk(delta: dict, finish: str | None = None) -> bytes:
+            choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            body = {"id": "chatcmpl-s", "object": "chat.completion.chunk", "created": 0, "model": up.model}
+            return b"data: " + json.dumps({**body, "choices": [choice]}).encode() + b"\n\n"
+
+        yield chunk({"role": "assistant", "content": up.answer})
+        while up.stall_streams:
+            await asyncio.sleep(0.02)
+        yield chunk({}, "stop")
+        yield b"data: [DONE]\n\n"
 
     return app

@@ -9,9 +9,11 @@ state /health reports rather than for a time."""
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -132,3 +134,48 @@ async def test_probe_falls_back_to_models_and_counts_misses_in_a_row() -> None:
         assert gone.down == {f"{base}/v1"}
     finally:
         await gone.close()
+
+
+def test_requests_already_waiting_on_a_backend_that_hangs_give_up_when_it_is_marked_down(
+    tmp_path: Path,
+) -> None:
+    """A JSON miss sent just before the backend hung gets the 503 (not a 504 after backend_timeout_s),
+    and a stream that stalls mid-answer ends with an SSE error event naming the probes."""
+    up = Upstream("m")
+    with serve_in_thread(recording_upstream(up)) as backend:
+        s = fast_settings(tmp_path, [f"{backend}/v1"])
+        slow = {"probe_misses": 5, "backend_timeout_s": 60.0}  # marked down well after the request is in
+        s = s.model_copy(update={"gateway": s.gateway.model_copy(update=slow)})
+        with gateway(s) as url, ThreadPoolExecutor(2) as pool:
+            assert ask(url, "Sky colour?").status_code == 200  # the gateway knows the backend's model
+            up.hang = True
+            waiting = pool.submit(ask, url, "Grass colour?")
+            wait_for(lambda: len(up.requests("/v1/chat/completions")) == 2, "sent to the backend")
+            assert _down(url, tmp_path) == []  # it reached the backend before the probes gave up on it
+            miss = waiting.result()
+            assert miss.status_code == 503 and miss.headers["retry-after"] == "1", miss.text
+            assert miss.json()["error"]["code"] == "backend_unavailable"
+            up.hang = False
+            wait_for(lambda: _down(url, tmp_path) == [], "marked up again")
+
+            up.stall_streams = True
+            body = {"model": "m", "messages": [{"role": "user", "content": "Sea colour?"}], "temperature": 0}
+
+            def stream() -> str:
+                with httpx.stream(
+                    "POST",
+                    f"{url}/v1/chat/completions",
+                    json={**body, "stream": True},
+                    headers={"authorization": "Bearer t"},
+                    timeout=120,
+                ) as r:
+                    return r.read().decode()
+
+            streaming = pool.submit(stream)
+            wait_for(lambda: len(up.requests("/v1/chat/completions")) == 3, "stream sent")
+            up.hang = True  # now the probes stop getting answers too
+            events = streaming.result()
+            up.hang = up.stall_streams = False
+    assert '"content": "blue"' in events and "[DONE]" not in events
+    error = json.loads(events.strip().split("\n\n")[-1].removeprefix("data: "))["error"]
+    assert error["code"] == "backend_error" and "health probes" in error["message"]
