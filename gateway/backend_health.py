@@ -87,10 +87,13 @@ class HealthProbes:
             await self.backends.list_models()
 
     async def run(self) -> None:
-        """Probe now (a backend down at start is known at once), then every ``interval_s``."""
+        """Probe now (a backend down at start is known at once), then a round every ``interval_s``
+        (a round that waited for timeouts does not push the next one back)."""
+        loop = asyncio.get_running_loop()
         while True:
+            start = loop.time()
             try:
                 await self.round()
             except Exception:
                 log.exception("backend health probes failed")
-            await asyncio.sleep(self.interval_s)
+            await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - start)))

@@ -115,6 +115,9 @@ def run_gateway(settings: Settings) -> None:
     import torch
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # httpx logs every request it sends at INFO: with health probes, a line per backend every few
+    # seconds. Failures are logged by the gateway itself; uvicorn's access log shows the requests.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     # One-query embeddings are tiny: extra OpenMP threads only spin against the event loop (a
     # single-sentence encode took 80-260 ms with 2 threads on a busy 2-core machine, 13 ms with 1).
     torch.set_num_threads(settings.cache.embed_threads)
