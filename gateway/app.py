@@ -103,7 +103,7 @@ class Gateway:
         self.apply_settings()
         self.metrics = GatewayMetrics(
             lambda: float(cache.entries),
-            BackendCounts(backends.answered, backends.refused),
+            BackendCounts(backends.answered, backends.refused, backends.urls, backends.down),
             index_entries=lambda: float(len(cache.index)),
             sync_age=(lambda: time.time() - cache.synced_at) if self.settings.cache.sync_interval_s else None,
         )

@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 
 from gateway.backend_health import HealthProbes, health_url
+from gateway.metrics import BackendCounts, GatewayMetrics
 from gateway.proxy import Backends
 from tests.servers import Upstream, recording_upstream, serve_in_thread
 from tests.test_gateway import gateway, settings_for
@@ -132,6 +133,10 @@ async def test_probe_falls_back_to_models_and_counts_misses_in_a_row() -> None:
         assert gone.down == set()  # one miss is not enough
         await probes.round()
         assert gone.down == {f"{base}/v1"}
+        metrics = GatewayMetrics(
+            lambda: 0.0, BackendCounts(gone.answered, gone.refused, gone.urls, gone.down)
+        )
+        assert f'cachegw_gateway_backend_up{{backend="{base}/v1"}} 0.0' in metrics.render().decode()
     finally:
         await gone.close()
 
