@@ -11,7 +11,7 @@ storing if an identical request could be served from it. The first row that appl
 | 3 | ``Cache-Control: no-store`` | no | no | no-store |
 | 4 | ``n`` > 1, or a completions ``prompt`` list of several prompts | no | no | n>1 |
 | 5 | chat ``logprobs: true`` or ``top_logprobs`` set; completions ``logprobs`` set | no | no | logprobs |
-| 6 | sampling, and the policy does not serve sampled answers | no | no | temperature |
+| 6 | sampling, unless the policy serves sampled answers or unset temperatures | no | no | temperature |
 | 7 | ``Cache-Control: no-cache`` / ``max-age=0``; ``Pragma: no-cache`` alone | no | yes | no-cache |
 | 8 | ``stream_options`` beyond ``include_usage`` / ``include_obfuscation`` | no | yes | stream-options |
 | 9 | anything else | yes | yes | ok |
@@ -28,7 +28,9 @@ Why:
 6. sampling = temperature > 0 (absent or null = OpenAI's default 1.0), unless ``top_k`` = 1 (only
    the best token can be drawn, so it is greedy). The client asked for a fresh sample; and storing
    is useless, since an identical request could never be served from the entry. With
-   ``serve_temperature_above_zero`` both are allowed.
+   ``serve_temperature_above_zero`` both are allowed; with ``serve_unset_temperature`` (the
+   operator's trade-off for clients that never set it) both are allowed when temperature is absent
+   or null.
 7. RFC 9111: go to the origin (the backend); its fresh answer is still good to keep. ``Pragma``
    counts only when no Cache-Control is sent (RFC 9111 5.4).
 8. a replayed stream cannot honour options we do not know (e.g. vLLM's per-chunk usage); the answer
@@ -60,6 +62,7 @@ class CachePolicy:
 
     enabled: bool = True
     serve_temperature_above_zero: bool = False
+    serve_unset_temperature: bool = False  # per request: the gateway resolves it per model and tenant
 
     @classmethod
     def from_dict(cls, cache_section: Mapping[str, Any]) -> CachePolicy:
@@ -112,7 +115,7 @@ def decide(body: Mapping[str, Any], headers: Mapping[str, str], policy: CachePol
         return _NEITHER["n>1"]
     if _wants_logprobs(body):
         return _NEITHER["logprobs"]
-    if _samples(body) and not policy.serve_temperature_above_zero:
+    if _samples(body) and not _sampling_served(body, policy):
         return _NEITHER["temperature"]
     if "no-cache" in directives or directives.get("max-age") == "0":
         return _STORE_ONLY["no-cache"]
@@ -170,6 +173,12 @@ def _wants_logprobs(body: Mapping[str, Any]) -> bool:
     if "messages" in body:
         return logprobs is True
     return logprobs is not None and logprobs is not False
+
+
+def _sampling_served(body: Mapping[str, Any], policy: CachePolicy) -> bool:
+    if policy.serve_temperature_above_zero:
+        return True
+    return policy.serve_unset_temperature and body.get("temperature") is None
 
 
 def _samples(body: Mapping[str, Any]) -> bool:

@@ -50,7 +50,7 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[int, str], None] | 
 
     async def api_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
-        return answer(exc.body(), exc.status)
+        return answer(exc.body(), exc.status, exc.headers)
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)

@@ -14,6 +14,7 @@ from policies.cacheability import Cacheability, CachePolicy, decide
 ROOT = Path(__file__).resolve().parents[1]
 STRICT = CachePolicy()
 SAMPLING_OK = CachePolicy(serve_temperature_above_zero=True)
+UNSET_OK = CachePolicy(serve_unset_temperature=True)  # the operator's trade-off for unset temperatures
 CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
 COMPLETION: dict[str, Any] = {"model": "m", "prompt": "Once upon", "temperature": 0}
 
@@ -76,6 +77,9 @@ def test_repeated_headers_are_all_read() -> None:
         ({"temperature": 0.7}, STRICT, (False, False, "temperature")),
         ({"temperature": None}, STRICT, (False, False, "temperature")),  # null = OpenAI's default 1.0
         ({"temperature": 0.7}, SAMPLING_OK, (True, True, "ok")),
+        ({"temperature": None}, UNSET_OK, (True, True, "ok")),
+        ({"temperature": 0.7}, UNSET_OK, (False, False, "temperature")),  # asked for a sample explicitly
+        ({"temperature": 1.0}, UNSET_OK, (False, False, "temperature")),
         ({"temperature": 0.7, "seed": 42}, STRICT, (False, False, "temperature")),
         ({"temperature": 0.7, "seed": 42}, SAMPLING_OK, (True, True, "ok")),
         ({"temperature": 0.7, "top_k": 1}, STRICT, (True, True, "ok")),  # greedy after all
