@@ -23,6 +23,7 @@ from embeddings.batcher import EmbeddingBatcher
 from embeddings.index import ScopedIndex
 from gateway.cache_keys import RequestKeys
 from gateway.config import CacheConfig
+from gateway.keyed_locks import KeyedLocks
 from gateway.store import CacheEntry, Store
 from policies.cacheability import ANY_AGE, Freshness, judge_answer
 from policies.verifier import DecisionRule, Verifier
@@ -93,6 +94,7 @@ class ResponseCache:
         # query; a key it does not know is still looked up in the database (another replica's).
         self._exact: dict[str, list[int]] = {}
         self._exact_of: dict[int, str] = {}
+        self._storing = KeyedLocks()  # one insert per exact key at a time: its replace is seen whole
         self.synced_at = time.time()  # of the last successful ``sync`` (a metric)
 
     def threshold(self, model: str, tenant_name: str) -> float:
@@ -130,10 +132,10 @@ class ResponseCache:
         c = self.config
         if c.exact:
             known = self._exact.get(keys.exact)
-            if known:
-                found = await self._get_entries(list(known))
+            found = await self._get_entries(list(known)) if known else {}
+            if found:
                 candidates = sorted(found.values(), key=lambda e: -e.id)
-            else:
+            else:  # unknown here, or replaced by another replica since the last sync
                 candidates = await asyncio.to_thread(self.store.find_exact, tenant, model, keys.exact, now)
                 for entry in candidates:
                     self._remember(entry)
@@ -259,14 +261,21 @@ class ResponseCache:
             created_at=now,
             expires_at=now + ttl_seconds,
         )
-        entry_id = await asyncio.to_thread(self.store.add_entry, entry, replies)
-        self._remember(entry)
-        self._index_exact(keys.exact, entry_id)
-        if entry.embedding is not None and embedding is not None and scope and entry_id not in self.index:
-            # ``sync`` may have been first
-            self.index.add(scope, np.array([entry_id], dtype=np.int64), embedding[None].astype(np.float32))
-        self.entries += 1
-        self.bytes += entry.size_bytes
+        async with self._storing.hold(keys.exact):
+            entry_id, replaced = await asyncio.to_thread(self.store.put_entry, entry, replies)
+            # the key's earlier answer is gone from the database: from every view here too (only what
+            # this replica counted is uncounted; ``sync`` never sees these ids again)
+            known = [(i, size) for i, size in replaced if i in self._exact_of]
+            self._forget([i for i, _ in replaced])
+            self._remember(entry)
+            self._index_exact(keys.exact, entry_id)
+            if entry.embedding is not None and embedding is not None and scope and entry_id not in self.index:
+                # ``sync`` may have been first
+                self.index.add(
+                    scope, np.array([entry_id], dtype=np.int64), embedding[None].astype(np.float32)
+                )
+        self.entries += 1 - len(known)
+        self.bytes += entry.size_bytes - sum(size for _, size in known)
         if self.entries > self.config.max_entries or self.bytes > self.config.max_bytes:
             await self.evict()
         return entry_id
