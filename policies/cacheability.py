@@ -29,7 +29,8 @@ Why:
    the best token can be drawn, so it is greedy). The client asked for a fresh sample; and storing
    is useless, since an identical request could never be served from the entry. With
    ``serve_temperature_above_zero`` both are allowed.
-7. RFC 9111: go to the origin (the backend); its fresh answer is still good to keep. ``Pragma``
+7. RFC 9111: go to the origin (the backend); its fresh answer is still good to keep, and replaces
+   the stored one (one live entry per exact key). ``Pragma``
    counts only when no Cache-Control is sent (RFC 9111 5.4).
 8. a replayed stream cannot honour options we do not know (e.g. vLLM's per-chunk usage); the answer
    itself is ordinary, so it is stored.
@@ -38,8 +39,8 @@ Deliberately not rules:
 - ``seed``: a seed does not make sampling cacheable on its own (OpenAI: best effort only); with
   ``serve_temperature_above_zero`` the seed is part of the exact key like any parameter.
 - ``tool_choice`` ("required", a named function, "none"): the answer to an identical request, tools
-  included, is the same tool call; the client still runs the tool itself. The gateway should mint
-  fresh tool-call ids when it serves one.
+  included, is the same tool call; the client still runs the tool itself. The gateway mints fresh
+  tool-call ids when it serves one (``gateway/hits.py``).
 - ``stream``: a stored answer can be replayed as a stream (usage chunk included).
 - ``top_p``, ``stop``, ``max_tokens``, ``response_format``...: part of the key, not of this decision.
 Headers are matched case-insensitively, repeated headers and comma lists are both read.
