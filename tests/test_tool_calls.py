@@ -19,7 +19,8 @@ import openai
 import pytest
 
 from tests.servers import serve_in_thread
-from tests.test_gateway import gateway, settings_for
+from tests.test_admin import admin_settings, api
+from tests.test_gateway import gateway
 from tests.tool_server import Calls, tool_backend, weather_tool
 
 TOOLS = [weather_tool()]
@@ -36,7 +37,7 @@ def backend() -> Iterator[tuple[str, Calls]]:
 @pytest.fixture(scope="module")
 def gw(backend: tuple[str, Calls], tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     data_dir = tmp_path_factory.mktemp("tools")
-    with gateway(settings_for(data_dir, [backend[0]])) as url:
+    with gateway(admin_settings(data_dir, backend[0])) as url:
         yield url, data_dir
 
 
@@ -203,9 +204,12 @@ def test_other_tools_or_tool_choice_are_a_miss(gw, backend) -> None:
     assert h["x-cache"] == "miss"
 
 
-def test_tool_call_entries_have_no_embedding(gw) -> None:
-    """Exact repeats only: a stored call never enters the vector index."""
-    _, data_dir = gw
+def test_tool_call_entries_have_no_embedding_and_show_their_calls(gw) -> None:
+    """Exact repeats only: a stored call never enters the vector index. The dashboard's entry list
+    shows the call (it showed an empty answer)."""
+    url, data_dir = gw
+    answers = [e["answer"] for e in api(url, "GET", "/entries", params={"limit": 100}).json()["data"]]
+    assert 'get_weather({"city": "Paris", "unit": "celsius"})' in answers
     with sqlite3.connect(data_dir / "cachegw.db") as db:
         rows = db.execute("SELECT response, embedding, scope FROM cache_entries").fetchall()
     with_calls = [(e, s) for r, e, s in rows if json.loads(r)["choices"][0]["message"].get("tool_calls")]
