@@ -191,6 +191,25 @@ def test_a_repeated_tool_result_turn_hits_exactly_and_a_paraphrase_does_not(gw, 
     assert hq["x-cache"] == "miss" and len(backend[1]) == before + 3
 
 
+def schema(*fields: str) -> dict[str, Any]:
+    properties = {f: {"type": "string"} for f in fields}
+    body = {"type": "object", "properties": properties, "required": list(fields)}
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": body}}
+
+
+def test_a_structured_answer_hits_only_under_the_same_schema(gw) -> None:
+    url, _ = gw
+    messages = [{"role": "user", "content": "Describe Madrid as JSON."}]
+    first, h1 = ask(url, messages, response_format=schema("city", "country"))
+    again, h2 = ask(url, messages, response_format=schema("city", "country"))
+    assert (h1["x-cache"], h2["x-cache"]) == ("miss", "exact-hit")
+    assert again.choices[0].message.content == first.choices[0].message.content
+    # the same fields generated in another order is another answer
+    _, h3 = ask(url, messages, response_format=schema("country", "city"))
+    _, h4 = ask(url, messages, response_format={"type": "json_object"})
+    assert (h3["x-cache"], h4["x-cache"]) == ("miss", "miss")
+
+
 def test_other_tools_or_tool_choice_are_a_miss(gw, backend) -> None:
     url, _ = gw
     messages = [{"role": "user", "content": "What is the weather in Rome?"}]
