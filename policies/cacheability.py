@@ -53,8 +53,9 @@ paraphrase of the conversation is not the same data. Such a turn hits only when 
 What answer may be stored (``judge_answer``), after the request may be: one choice that completed
 well: finish_reason ``stop``, ``length`` (only for a request with a max_tokens, to be served to that
 same limit), or ``tool_calls``; ``stop`` with tool calls counts too (vLLM, llama.cpp and Ollama say
-``stop``). Every tool call must be whole: an id, type ``function``, a name, and arguments that parse
-as JSON (a call cut short by ``length`` never does). The message may carry nothing else than role,
+``stop``). Every tool call must be whole: a function (type ``function``, or no type) with a name and
+arguments that parse as JSON (a call cut short by ``length`` never does); its id may be missing, since
+a replay mints a fresh one anyway. The message may carry nothing else than role,
 content and tool calls (empty fields such as ``refusal: null`` or vLLM's ``tool_calls: []`` count as
 absent): a refusal, reasoning or audio cannot be replayed as a stream. An answer with tool calls is
 served to exact repeats only (``AnswerVerdict.semantic`` false): its arguments carry the values of
@@ -263,10 +264,10 @@ def judge_answer(response: Mapping[str, Any], max_tokens: int | None) -> AnswerV
 
 def _whole_call(call: Any) -> bool:
     """A function call as OpenAI shapes it, its arguments complete JSON."""
-    if not isinstance(call, Mapping) or call.get("type") != "function":
+    if not isinstance(call, Mapping) or call.get("type", "function") != "function":
         return False
     fn = call.get("function")
-    if not isinstance(call.get("id"), str) or not call["id"] or not isinstance(fn, Mapping):
+    if not isinstance(call.get("id", ""), str) or not isinstance(fn, Mapping):
         return False
     name, arguments = fn.get("name"), fn.get("arguments")
     if not isinstance(name, str) or not name or not isinstance(arguments, str):

@@ -202,6 +202,11 @@ def answer(message: dict[str, Any], finish: str | None = "stop", n: int = 1) -> 
             (True, "ok", False),
         ),
         (
+            answer({"role": "assistant", "tool_calls": [{"function": CALL["function"]}]}, "tool_calls"),
+            None,
+            (True, "ok", False),
+        ),
+        (
             answer({"role": "assistant", "content": None, "tool_calls": [CALL]}, "stop"),
             None,
             (True, "ok", False),
@@ -242,7 +247,7 @@ def answer(message: dict[str, Any], finish: str | None = "stop", n: int = 1) -> 
         (
             answer({"role": "assistant", "tool_calls": [{**CALL, "id": ""}]}, "tool_calls"),
             None,
-            (False, "tool-call", True),
+            (True, "ok", False),
         ),
         (
             answer({"role": "assistant", "tool_calls": [{**CALL, "type": "custom"}]}, "tool_calls"),
@@ -266,6 +271,7 @@ def answer(message: dict[str, Any], finish: str | None = "stop", n: int = 1) -> 
         "text",
         "vllm-empty-fields",
         "tool-calls",
+        "call-without-type-or-id",
         "tool-calls-with-stop",
         "length-same-limit",
         "length-no-limit",
@@ -278,7 +284,7 @@ def answer(message: dict[str, Any], finish: str | None = "stop", n: int = 1) -> 
         "reasoning",
         "tool_calls-without-calls",
         "arguments-not-json",
-        "call-without-id",
+        "call-without-id-gets-one-on-replay",
         "not-a-function",
         "call-without-name",
         "calls-not-a-list",
