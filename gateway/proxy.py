@@ -15,8 +15,8 @@ from typing import Any
 
 import httpx
 
-from backend.protocol import ApiError
 from policies.routing import Router, RoutingMode
+from protocol.errors import ApiError
 
 log = logging.getLogger("cachegw.gateway")
 
