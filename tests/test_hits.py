@@ -149,3 +149,34 @@ def test_the_stream_recorder_reassembles_tool_call_deltas() -> None:
     broken.feed_event(b'data: {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}')
     broken.feed_event(b"data: [DONE]")
     assert broken.complete_response() is None  # a delta without an index cannot be placed
+
+
+def test_the_stream_recorder_puts_interleaved_parallel_calls_back_by_index() -> None:
+    """Two calls whose pieces alternate, one chunk carrying pieces of both, ids only in the first
+    delta of each (as vLLM streams parallel calls)."""
+    from gateway.proxy import SseRecorder
+
+    def delta(*calls: dict) -> bytes:
+        chunk = {"id": "c", "choices": [{"index": 0, "delta": {"tool_calls": list(calls)}}]}
+        return b"data: " + json.dumps(chunk).encode()
+
+    recorder = SseRecorder("chat")
+    for event in (
+        delta({"index": 0, "id": "call_x", "type": "function", "function": {"name": "get_weather"}}),
+        delta({"index": 1, "id": "call_y", "type": "function", "function": {"name": "get_time"}}),
+        delta(
+            {"index": 0, "function": {"arguments": '{"city": '}}, {"index": 1, "function": {"arguments": "{"}}
+        ),
+        delta({"index": 1, "function": {"arguments": "}"}}),
+        delta({"index": 0, "function": {"arguments": '"Oslo"}'}}),
+        b'data: {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}',
+        b"data: [DONE]",
+    ):
+        recorder.feed_event(event)
+    done = recorder.complete_response()
+    assert done is not None
+    calls = done["choices"][0]["message"]["tool_calls"]
+    assert [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        ("call_x", "get_weather", '{"city": "Oslo"}'),
+        ("call_y", "get_time", "{}"),
+    ]
