@@ -48,7 +48,7 @@ class SseRecorder:
         self.meta: dict[str, Any] = {}
         self.done = False
         self.error = False
-        self.has_tool_calls = False
+        self.calls: dict[int, dict[str, Any]] = {}  # tool calls by index, reassembled from their deltas
         self.extra: dict[str, list[Any]] = {}  # other delta fields (refusal, reasoning_content, ...)
         self.relayed_bytes = 0  # passed on to the client so far
         self.broken: str | None = None  # why the backend's stream ended before [DONE], if it did
@@ -82,7 +82,8 @@ class SseRecorder:
                 continue
             if self.endpoint == "chat":
                 delta = choice.get("delta") or {}
-                self.has_tool_calls |= bool(delta.get("tool_calls"))
+                if not self._tool_call_deltas(delta.get("tool_calls")):
+                    self.error = True  # pieces that cannot be put together: never stored
                 if delta.get("content"):
                     self.text.append(delta["content"])
                 for key, value in delta.items():
@@ -94,18 +95,47 @@ class SseRecorder:
                 self.finish_reason = choice["finish_reason"]
         return obj.get("choices") == [] and bool(obj.get("usage"))
 
+    def _tool_call_deltas(self, deltas: Any) -> bool:
+        """Fold one chunk's tool-call deltas into ``calls`` as the openai SDK does: by ``index``, the
+        name and arguments concatenated from their pieces, ``id`` and ``type`` from the chunk that
+        carries them. False for pieces that are not shaped like a tool-call delta."""
+        if deltas in (None, []):
+            return True
+        if not isinstance(deltas, list):
+            return False
+        for d in deltas:
+            index = d.get("index") if isinstance(d, dict) else None
+            if not isinstance(index, int) or isinstance(index, bool):
+                return False
+            call = self.calls.setdefault(index, {"id": "", "type": "function", "function": {}})
+            if d.get("id"):
+                call["id"] = d["id"]
+            if d.get("type"):
+                call["type"] = d["type"]
+            fn = d.get("function") or {}
+            if not isinstance(fn, dict):
+                return False
+            for key in ("name", "arguments"):
+                piece = fn.get(key)
+                if piece is not None and not isinstance(piece, str):
+                    return False
+                call["function"][key] = call["function"].get(key, "") + (piece or "")
+        return True
+
     def complete_response(self) -> dict[str, Any] | None:
         """The answer as one non-stream response, or None unless the stream ended well."""
-        if not self.done or self.error or self.has_tool_calls or self.finish_reason is None:
+        if not self.done or self.error or self.finish_reason is None:
             return None
         text = "".join(self.text)
         if self.endpoint == "chat":
             extra = {
                 k: "".join(v) if all(isinstance(x, str) for x in v) else v for k, v in self.extra.items()
             }
+            if self.calls:  # as OpenAI's JSON has them: content null when the answer is only calls
+                extra["tool_calls"] = [self.calls[i] for i in sorted(self.calls)]
             choice = {
                 "index": 0,
-                "message": {"role": "assistant", "content": text, **extra},
+                "message": {"role": "assistant", "content": text or (None if self.calls else ""), **extra},
                 "finish_reason": self.finish_reason,
             }
             obj = "chat.completion"
