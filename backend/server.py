@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import json
 import logging
 import re
 import time
@@ -39,6 +38,7 @@ from backend.protocol import (
     usage,
 )
 from backend.sampling_params import InvalidParameter, SamplingParams
+from protocol import sse
 from protocol.errors import ApiError, error_body
 from protocol.http import ClientGone, install_error_handlers, read_limited_body
 from protocol.requests import ChatCompletionRequest, CompletionRequest, parse_request
@@ -56,7 +56,7 @@ class _EventStream(StreamingResponse):
     not depend on garbage collection.
     """
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self._on_close = on_close
 
@@ -78,10 +78,6 @@ def _own_tokenizer(engine: AsyncEngine) -> Any:
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(engine.engine.model_dir))
-
-
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
 async def _last_output(stream: RequestStream) -> RequestOutput:
@@ -178,16 +174,16 @@ class _Server:
             stream.close()
 
     def event_stream(self, stream: RequestStream, events: AsyncIterator[dict[str, Any]]) -> _EventStream:
-        async def body() -> AsyncIterator[str]:
+        async def body() -> AsyncIterator[bytes]:
             try:
                 async for event in events:
-                    yield _sse(event)
+                    yield sse.event(event)
             except EngineError as exc:
-                yield _sse(error_body(str(exc), "server_error", None, "engine_error"))
+                yield sse.error_event(str(exc), "engine_error")
             except Exception as exc:
                 log.exception("stream failed")
-                yield _sse(error_body(f"internal error: {type(exc).__name__}", "server_error"))
-            yield "data: [DONE]\n\n"
+                yield sse.error_event(f"internal error: {type(exc).__name__}", "internal_error")
+            yield sse.DONE
 
         return _EventStream(body(), stream.close)
 

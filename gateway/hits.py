@@ -7,12 +7,13 @@ twice. The cache keys tool-call ids by position, so the follow-up turn still rep
 
 from __future__ import annotations
 
-import json
 import re
 import secrets
 import time
 from collections.abc import Iterator
 from typing import Any
+
+from protocol import sse
 
 _PIECE = re.compile(r"\S+\s*|\s+")
 WORDS_PER_CHUNK = 4
@@ -47,10 +48,6 @@ def _pieces(text: str) -> list[str]:
     return ["".join(words[i : i + WORDS_PER_CHUNK]) for i in range(0, len(words), WORDS_PER_CHUNK)] or [""]
 
 
-def _sse(obj: dict[str, Any]) -> bytes:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
-
-
 def hit_stream(
     stored: dict[str, Any], request_id: str, endpoint: str, include_usage: bool
 ) -> Iterator[bytes]:
@@ -66,7 +63,7 @@ def hit_stream(
         calls = with_fresh_call_ids(stored)["choices"][0]["message"].get("tool_calls") or []
 
         def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
-            return _sse(
+            return sse.event(
                 {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}], **usage}
             )
 
@@ -82,7 +79,7 @@ def hit_stream(
         pieces = _pieces(choice.get("text") or "")
         for i, piece in enumerate(pieces):
             last = i == len(pieces) - 1
-            yield _sse(
+            yield sse.event(
                 {
                     **head,
                     "choices": [
@@ -97,8 +94,8 @@ def hit_stream(
                 }
             )
     if include_usage:
-        yield _sse({**head, "choices": [], "usage": stored.get("usage")})
-    yield b"data: [DONE]\n\n"
+        yield sse.event({**head, "choices": [], "usage": stored.get("usage")})
+    yield sse.DONE
 
 
 def _tool_call_chunks(chunk: Any, index: int, call: dict[str, Any]) -> Iterator[bytes]:

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from typing import Any, TypeVar
 
 import httpx
+
+from protocol import sse
 
 T = TypeVar("T")
 
@@ -55,11 +57,8 @@ class SseRecorder:
 
     def feed_event(self, event: bytes) -> bool:
         """Read one SSE event; True if it is the usage-only chunk (no choices)."""
-        usage_only = False
-        for line in event.split(b"\n"):
-            if line.startswith(b"data:"):
-                usage_only |= self._data(line[5:].strip())
-        return usage_only
+        data = sse.data_of(event)
+        return False if data is None else self._data(data.strip())
 
     def _data(self, data: bytes) -> bool:
         if data == b"[DONE]":
@@ -165,21 +164,27 @@ async def relay(
     OpenAI-style error event instead of a dropped connection, so clients can tell a fault from an
     answer; ``recorder.broken`` says why, and such an answer is never stored. ``gone`` (the backend
     marked down by the health probes) ends a stream that hung the same way."""
-    buffer = b""
+    splitter = sse.EventSplitter()
+
+    def passed(events: list[bytes]) -> Iterator[bytes]:
+        for event in events:
+            if recorder.feed_event(event) and drop_usage_chunk:
+                continue
+            recorder.relayed_bytes += len(event) + 2
+            yield event + b"\n\n"
+
     try:
         try:
             async for chunk in _chunks(response, gone):
-                buffer += chunk
-                while b"\n\n" in buffer:
-                    event, buffer = buffer.split(b"\n\n", 1)
-                    if recorder.feed_event(event) and drop_usage_chunk:
-                        continue
-                    recorder.relayed_bytes += len(event) + 2
-                    yield event + b"\n\n"
+                for out in passed(splitter.feed(chunk)):
+                    yield out
+            for out in passed(splitter.close()):
+                yield out
         except httpx.HTTPError as exc:  # the backend died or the connection broke mid-stream
             recorder.broken = f"{type(exc).__name__}: {exc}"[:200] or type(exc).__name__
         except MarkedDown:
             recorder.broken = "the backend stopped answering (marked down by the health probes)"
+        buffer = splitter.rest
         if buffer.strip() and recorder.broken is None:
             recorder.feed_event(buffer)
             recorder.relayed_bytes += len(buffer)
@@ -232,5 +237,4 @@ async def _chunks(response: httpx.Response, gone: asyncio.Event | None) -> Async
 
 def stream_error_event(message: str, code: str = "backend_error") -> bytes:
     """One SSE event carrying an OpenAI-style error body (what OpenAI sends for a failed stream)."""
-    body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
-    return b"data: " + json.dumps(body).encode() + b"\n\n"
+    return sse.error_event(message, code)
