@@ -380,24 +380,10 @@ def build_summary(log: RequestLog, settings: Settings) -> dict[str, Any]:
         "threshold_sweep": {"current": curve[-1], "curve": curve[:-1]},
         "top_queries": top_repeated(rows, "query_hash"),
         "top_scopes": top_repeated(rows, "scope"),
-        "reasons": reasons(rows),
+        "reasons": stats.reasons(rows),
         "prefix_cache_by_system": prefix_cache_by_system(rows, settings),
         "rules": rule_gains(rows, overall, settings),
     }
-
-
-def reasons(rows: Sequence[Row]) -> list[dict[str, Any]]:
-    """Why requests were not hits: (result, x-cache-reason) counted, most frequent first."""
-    counts = Counter(
-        (r["cache_result"], r.get("reason") or "unrecorded")
-        for r in rows
-        if r.get("cache_result") in ("miss", "bypass")
-    )
-    total = sum(counts.values())
-    return [
-        {"result": result, "reason": reason, "requests": n, "share": n / total}
-        for (result, reason), n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
-    ]
 
 
 def _sorted(groups: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:

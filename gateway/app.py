@@ -20,15 +20,6 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from backend.protocol import (
-    ApiError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    error_code,
-    load_json,
-    parse_request,
-)
-from backend.server import install_error_handlers, read_limited_body
 from gateway.admin_api import admin_router, dashboard_page, json_body
 from gateway.admin_auth import AdminAuth
 from gateway.admin_store import AdminStore
@@ -47,6 +38,9 @@ from gateway.streams import SseRecorder, relay
 from gateway.tenants import Tenant, Tenants
 from policies.cacheability import Cacheability, CachePolicy, decide
 from policies.canonicalize import Restore, canonicalize, normalize_for_match, normalize_reply
+from protocol.errors import ApiError, error_code
+from protocol.http import install_error_handlers, read_limited_body
+from protocol.requests import ChatCompletionRequest, CompletionRequest, load_json, parse_request
 
 log = logging.getLogger("cachegw.gateway")
 QUERY_CHARS = 500  # of the last user message kept in the request log (gateway.log_query_text)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
-from backend.protocol import ApiError
 from gateway.store import MAX_ID
+from protocol.errors import ApiError
 
 if TYPE_CHECKING:
     from gateway.app import Gateway

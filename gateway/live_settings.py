@@ -13,10 +13,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
-from backend.protocol import ApiError
 from gateway.admin_store import AdminStore
 from gateway.config import Settings
 from policies.canonicalize import RULES
+from protocol.errors import ApiError
 
 KEY = "runtime"
 Unit = Annotated[float, Field(ge=0, le=1)]

@@ -16,10 +16,10 @@ from typing import Any
 
 import httpx
 
-from backend.protocol import ApiError
 from gateway.config import BackendSpec
 from gateway.streams import MarkedDown, unless_gone
 from policies.routing import Router, RoutingMode
+from protocol.errors import ApiError
 
 log = logging.getLogger("cachegw.gateway")
 
