@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
@@ -43,6 +43,7 @@ def backend_unavailable(url: str, exc: Exception) -> ApiError:
 # A backend that refused a connection is tried last for this long; a request it would have answered goes
 # to its next choice meanwhile (only refused connections are retried: the request never reached it).
 DOWN_FOR_S = 5.0
+RELIST_AFTER_S = 5.0  # an unknown model re-reads the backends' model lists at most this often
 _RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout)
 
 
@@ -59,7 +60,10 @@ class Backends:
         read_timeout: float,
         routing: RoutingMode = "prefix",
         retry_after_s: int = 5,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self._clock = clock
+        self._listed_at = -RELIST_AFTER_S  # when the model lists were last read (clock time)
         specs = [b if isinstance(b, BackendSpec) else BackendSpec(url=b) for b in backends]
         self.urls = [s.url for s in specs]
         self._headers = {s.url: s.upstream_headers() for s in specs}
@@ -111,6 +115,7 @@ class Backends:
     async def list_models(self) -> list[dict[str, Any]]:
         """The union of the backends' /v1/models, one card per model (a down backend contributes nothing)."""
         cards: dict[str, dict[str, Any]] = {}
+        self._listed_at = self._clock()
         for url in self.urls:
             if url in self.down:  # a hung backend would hold every caller for the timeout
                 continue
@@ -128,8 +133,11 @@ class Backends:
         return list(cards.values())
 
     async def route(self, model: str | None) -> list[str]:
-        """The backends that may answer ``model`` (404 for a model none of them serves)."""
-        if model and model not in self._models:
+        """The backends that may answer ``model`` (404 for a model none of them serves).
+
+        An unknown name re-reads the backends' lists (a model loaded since), but at most every
+        RELIST_AFTER_S: requests naming models nobody serves must not each cost a listing per backend."""
+        if model and model not in self._models and self._clock() - self._listed_at >= RELIST_AFTER_S:
             await self.list_models()
         if model and model in self._models:
             return list(self._models[model])
