@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import json
 import logging
 import re
 import time
@@ -22,9 +21,7 @@ from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from backend.async_engine import AsyncEngine, EngineDeadError, EngineError, RequestStream
@@ -33,27 +30,23 @@ from backend.metrics import ServerMetrics
 from backend.model_loader import EMBEDDED_GGUF
 from backend.outputs import RequestOutput
 from backend.protocol import (
-    ApiError,
-    ChatCompletionRequest,
-    CompletionRequest,
     TokenTexts,
     chat_logprobs,
     completion_logprobs,
-    error_body,
-    error_code,
-    parse_request,
+    invalid_parameter,
+    sampling_params,
     usage,
 )
 from backend.sampling_params import InvalidParameter, SamplingParams
+from protocol import sse
+from protocol.errors import ApiError, error_body
+from protocol.http import ClientGone, install_error_handlers, read_limited_body
+from protocol.requests import ChatCompletionRequest, CompletionRequest, parse_request
 
 log = logging.getLogger("cachegw.backend")
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
 T = TypeVar("T")
-
-
-class _ClientGone(Exception):
-    """The client of a non-streaming request disconnected; its request was aborted."""
 
 
 class _EventStream(StreamingResponse):
@@ -63,7 +56,7 @@ class _EventStream(StreamingResponse):
     not depend on garbage collection.
     """
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self._on_close = on_close
 
@@ -87,10 +80,6 @@ def _own_tokenizer(engine: AsyncEngine) -> Any:
         return AutoTokenizer.from_pretrained(str(engine.engine.model_dir))
 
 
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
 async def _last_output(stream: RequestStream) -> RequestOutput:
     last: RequestOutput | None = None
     async for out in stream:
@@ -98,23 +87,6 @@ async def _last_output(stream: RequestStream) -> RequestOutput:
     if last is None:
         raise EngineError("the request ended without output")
     return last
-
-
-async def read_limited_body(request: Request, limit: int) -> bytes:
-    """The raw body, refused with 413 as soon as it is known to exceed ``limit`` bytes."""
-    too_large = ApiError(
-        413, f"The request body exceeds the limit of {limit} bytes.", code="request_too_large"
-    )
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise too_large
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 class _Server:
@@ -171,9 +143,9 @@ class _Server:
         req: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None
     ) -> SamplingParams:
         try:
-            return req.sampling_params(max_tokens, logprobs)
+            return sampling_params(req, max_tokens, logprobs)
         except InvalidParameter as exc:
-            raise ApiError.from_invalid_parameter(exc) from None
+            raise invalid_parameter(exc) from None
 
     async def start(
         self, request_id: str, prompt: list[int], params: SamplingParams, salt: str | None
@@ -181,7 +153,7 @@ class _Server:
         try:
             return await self.engine.add_request(request_id, prompt, params, salt)
         except InvalidParameter as exc:
-            raise ApiError.from_invalid_parameter(exc) from None
+            raise invalid_parameter(exc) from None
         except EngineDeadError as exc:
             raise ApiError(503, str(exc), type="server_error", code="engine_unavailable") from None
 
@@ -194,7 +166,7 @@ class _Server:
                 if done:
                     return task.result()
                 if await request.is_disconnected():
-                    raise _ClientGone
+                    raise ClientGone
         except EngineError as exc:
             raise ApiError(500, str(exc), type="server_error", code="engine_error") from None
         finally:
@@ -202,16 +174,16 @@ class _Server:
             stream.close()
 
     def event_stream(self, stream: RequestStream, events: AsyncIterator[dict[str, Any]]) -> _EventStream:
-        async def body() -> AsyncIterator[str]:
+        async def body() -> AsyncIterator[bytes]:
             try:
                 async for event in events:
-                    yield _sse(event)
+                    yield sse.event(event)
             except EngineError as exc:
-                yield _sse(error_body(str(exc), "server_error", None, "engine_error"))
+                yield sse.error_event(str(exc), "engine_error")
             except Exception as exc:
                 log.exception("stream failed")
-                yield _sse(error_body(f"internal error: {type(exc).__name__}", "server_error"))
-            yield "data: [DONE]\n\n"
+                yield sse.error_event(f"internal error: {type(exc).__name__}", "internal_error")
+            yield sse.DONE
 
         return _EventStream(body(), stream.close)
 
@@ -359,55 +331,6 @@ class _CompletionShaper(_Shaper):
 
 
 # --- app -------------------------------------------------------------------------------------
-
-
-def install_error_handlers(app: FastAPI, on_error: Callable[[int, str], None] | None = None) -> None:
-    """Every error leaves as OpenAI's error JSON, never FastAPI's ``{"detail": ...}``.
-
-    ``on_error(status, code)`` is told of each one (the gateway counts them for Prometheus)."""
-
-    def answer(body: dict[str, Any], status: int, headers: Any = None) -> Response:
-        if on_error is not None:
-            on_error(status, error_code(body))
-        return JSONResponse(body, status_code=status, headers=headers)
-
-    async def api_error(_: Request, exc: Exception) -> Response:
-        assert isinstance(exc, ApiError)
-        return answer(exc.body(), exc.status)
-
-    async def http_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, StarletteHTTPException)
-        if exc.status_code == 404:
-            message = f"Invalid URL ({request.method} {request.url.path})"
-        else:
-            message = str(exc.detail)
-        return answer(error_body(message), exc.status_code, exc.headers)
-
-    async def invalid_request(_: Request, exc: Exception) -> Response:
-        """A bad query or path parameter: name it, as OpenAI names a bad body field."""
-        assert isinstance(exc, RequestValidationError)
-        errors = exc.errors()
-        if not errors:
-            return answer(error_body(str(exc)), 400)
-        param = str(errors[0]["loc"][-1])
-        message = f"Invalid value for '{param}': {errors[0]['msg']}."
-        return answer(error_body(message, param=param), 400)
-
-    async def client_gone(_: Request, __: Exception) -> Response:
-        return Response(status_code=499)  # nobody reads it: the request was aborted
-
-    async def internal(request: Request, exc: Exception) -> Response:
-        log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-        body = error_body(
-            f"Internal server error: {type(exc).__name__}", "server_error", None, "internal_error"
-        )
-        return answer(body, 500)
-
-    app.add_exception_handler(ApiError, api_error)
-    app.add_exception_handler(StarletteHTTPException, http_error)
-    app.add_exception_handler(RequestValidationError, invalid_request)
-    app.add_exception_handler(_ClientGone, client_gone)
-    app.add_exception_handler(Exception, internal)
 
 
 def build_app(engine: AsyncEngine, served_model_name: str, max_request_bytes: int) -> FastAPI:

@@ -17,12 +17,13 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi import Path as PathParam
 from fastapi.responses import HTMLResponse
 
-from backend.protocol import ApiError, load_json
-from backend.server import read_limited_body
 from gateway import live_settings, stats
 from gateway.admin_store import entry_view
 from gateway.feedback import parse_feedback, report_bad, resolve_entry
 from gateway.store import MAX_ID
+from protocol.errors import ApiError
+from protocol.http import read_limited_body
+from protocol.requests import load_json
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
@@ -77,6 +78,7 @@ def _stats_report(
         "timeseries": {"bucket_s": bucket_s, "points": stats.timeseries(rows, since, until, bucket_s)},
         "per_hour": stats.timeseries(rows, hour0, until, 3600),
         "similarity": stats.similarity_histogram(rows),
+        "reasons": stats.reasons(rows),
     }
 
 

@@ -27,11 +27,20 @@ def _like(text: str) -> str:
     return f"%{escaped}%"
 
 
+def _calls_text(calls: Any) -> str:
+    """A stored tool-call answer as the dashboard shows it: ``name(arguments)`` per call."""
+    if not isinstance(calls, list):
+        return ""
+    fns = [c.get("function") or {} for c in calls if isinstance(c, dict)]
+    return "; ".join(f"{fn.get('name')}({fn.get('arguments')})" for fn in fns)
+
+
 def entry_view(e: CacheEntry, preview: int = 300) -> dict[str, Any]:
     """An entry as the API shows it: the query and the start of the stored answer."""
     try:
         choice = (json.loads(e.response).get("choices") or [{}])[0]
-        answer = (choice.get("message") or {}).get("content") or choice.get("text") or ""
+        message = choice.get("message") or {}
+        answer = message.get("content") or choice.get("text") or _calls_text(message.get("tool_calls"))
     except ValueError:
         answer = ""
     return {

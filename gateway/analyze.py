@@ -94,7 +94,7 @@ def main_export(argv: list[str]) -> int:
 def main_analyze(argv: list[str]) -> int:
     """Read the log over a time range; print tables and write the report folder."""
     p = _parser("analyze", jsonl=True)
-    p.add_argument("--out", default="cachegw-report", help="report folder (default ./cachegw-report)")
+    p.add_argument("--out", help="report folder (default <data dir>/report, out of git like the data)")
     p.add_argument("--format", choices=("html", "md"), default="html", help="report page format")
     p.add_argument("--json", action="store_true", help="print summary.json on stdout instead of tables")
     args = p.parse_args(argv)
@@ -144,7 +144,7 @@ def _analyze(args: argparse.Namespace) -> int:
         raise AnalyzeError(f"no requests in {log.source} {_span_text(since, until)}{hint}", code=1)
     with err.status(f"computing statistics over {len(log.rows):,} requests"):
         summary = build_summary(log, settings)
-    out = Path(args.out)
+    out = Path(args.out) if args.out else settings.data_dir / "report"
     try:
         out.mkdir(parents=True, exist_ok=True)
         (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -380,24 +380,10 @@ def build_summary(log: RequestLog, settings: Settings) -> dict[str, Any]:
         "threshold_sweep": {"current": curve[-1], "curve": curve[:-1]},
         "top_queries": top_repeated(rows, "query_hash"),
         "top_scopes": top_repeated(rows, "scope"),
-        "reasons": reasons(rows),
+        "reasons": stats.reasons(rows),
         "prefix_cache_by_system": prefix_cache_by_system(rows, settings),
         "rules": rule_gains(rows, overall, settings),
     }
-
-
-def reasons(rows: Sequence[Row]) -> list[dict[str, Any]]:
-    """Why requests were not hits: (result, x-cache-reason) counted, most frequent first."""
-    counts = Counter(
-        (r["cache_result"], r.get("reason") or "unrecorded")
-        for r in rows
-        if r.get("cache_result") in ("miss", "bypass")
-    )
-    total = sum(counts.values())
-    return [
-        {"result": result, "reason": reason, "requests": n, "share": n / total}
-        for (result, reason), n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
-    ]
 
 
 def _sorted(groups: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:

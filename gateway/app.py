@@ -14,20 +14,12 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from backend.protocol import (
-    ApiError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    error_code,
-    load_json,
-    parse_request,
-)
-from backend.server import install_error_handlers, read_limited_body
 from gateway.admin_api import admin_router, dashboard_page, json_body
 from gateway.admin_auth import AdminAuth
 from gateway.admin_store import AdminStore
@@ -41,12 +33,16 @@ from gateway.live_settings import LiveSettings
 from gateway.metrics import BackendCounts, GatewayMetrics
 from gateway.metrics_http import metrics_response
 from gateway.prefix_salt import PrefixSalts
-from gateway.proxy import Backends, SseRecorder, relay
+from gateway.proxy import Backends
 from gateway.recorder import Recorder
 from gateway.store import Store, reply_key
+from gateway.streams import SseRecorder, relay
 from gateway.tenants import Tenant, Tenants
 from policies.cacheability import Cacheability, CachePolicy, decide
 from policies.canonicalize import Restore, canonicalize, normalize_for_match, normalize_reply
+from protocol.errors import ApiError, error_code
+from protocol.http import install_error_handlers, read_limited_body
+from protocol.requests import ChatCompletionRequest, CompletionRequest, load_json, parse_request
 
 log = logging.getLogger("cachegw.gateway")
 QUERY_CHARS = 500  # of the last user message kept in the request log (gateway.log_query_text)
@@ -104,7 +100,7 @@ class Gateway:
         self.apply_settings()
         self.metrics = GatewayMetrics(
             lambda: float(cache.entries),
-            BackendCounts(backends.answered, backends.refused),
+            BackendCounts(backends.answered, backends.refused, backends.urls, backends.down),
             index_entries=lambda: float(len(cache.index)),
             sync_age=(lambda: time.time() - cache.synced_at) if self.settings.cache.sync_interval_s else None,
         )
@@ -156,7 +152,10 @@ class Gateway:
         model = body.get("model") or ""
         candidates = await self.backends.route(model or None)  # 404 for an unknown model, before any work
         ttl = self._ttl(request, settings)
-        cacheable = decide(body, request.headers, self.policy)
+        policy = self.policy
+        if settings.cache.serves_unset_temperature(model, tenant.name):
+            policy = replace(policy, serve_unset_temperature=True)
+        cacheable = decide(body, request.headers, policy)
         flow = Flow(endpoint, tenant, model, body, cacheable)
         cfg, restore = settings.canonicalize, self._restorer(tenant)
         if any(isinstance(m, dict) and m.get("role") == "assistant" for m in body.get("messages") or []):
@@ -181,7 +180,11 @@ class Gateway:
             flow.result = "miss"
         store = use_cache and cacheable.may_store
         path = "/chat/completions" if endpoint == "chat" else "/completions"
-        urls = self.backends.order(candidates, endpoint, body)  # the canonical prefix picks the backend
+        try:  # the canonical prefix picks the backend; none up: a 503 at once
+            urls = self.backends.order(candidates, endpoint, body)
+        except ApiError as exc:
+            await self._record_failure(flow, exc, time.perf_counter())
+            raise
         if settings.tenants.prefix_isolation:  # after the keys: the gateway's own cache is unchanged
             flow.cache_salt = self.salts.salt(tenant.cache_key, body.get("cache_salt"))
         if flow.stream:
@@ -249,7 +252,8 @@ class Gateway:
         async def events():
             finished = False
             try:
-                async for event in relay(response, recorder, drop_usage_chunk=not client_usage):
+                gone = self.backends.gone(flow.backend or "")
+                async for event in relay(response, recorder, not client_usage, gone):
                     if recorder.done and not finished:
                         # Store before [DONE] reaches the client: a repeat sent right after the
                         # stream ends must find the answer (read-your-writes).
@@ -423,6 +427,7 @@ def build_app(gateway_factory) -> FastAPI:
             "unreachable_models": unreachable,
             "backends": b.urls,
             "backends_refusing": b.refusing(),
+            "backends_down": sorted(b.down),  # by the health probes (docs/reliability.md)
             "cache_entries": gw.cache.entries,
             "index_entries": len(gw.cache.index),  # vectors this replica searches (docs/replicas.md)
         }

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from backend.protocol import ApiError
+from protocol.errors import ApiError
 
 M = TypeVar("M", bound=BaseModel)
 

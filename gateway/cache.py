@@ -1,7 +1,8 @@
 """The two-tier response cache: exact repeats, then paraphrases within the same scope.
 
-A stored answer is served only if it completed well (finish_reason "stop" within the new
-request's max_tokens, or "length" at exactly the same max_tokens), has not expired and was not
+A stored answer is served only if it completed well (finish_reason "stop" or "tool_calls" within
+the new request's max_tokens, or "length" at exactly the same max_tokens; what may be stored at all
+is ``policies.cacheability.judge_answer``), has not expired and was not
 flagged bad. The database is the source of truth: an entry is committed before it enters the
 FAISS index and removed from the index after it leaves the database, and the index is rebuilt
 from the database on start, so a crash can lose an index entry but never serve a deleted one.
@@ -22,8 +23,9 @@ from embeddings.batcher import EmbeddingBatcher
 from embeddings.index import ScopedIndex
 from gateway.cache_keys import RequestKeys
 from gateway.config import CacheConfig
+from gateway.keyed_locks import KeyedLocks
 from gateway.store import CacheEntry, Store
-from policies.cacheability import ANY_AGE, Freshness
+from policies.cacheability import ANY_AGE, Freshness, judge_answer
 from policies.verifier import DecisionRule, Verifier
 
 log = logging.getLogger("cachegw.gateway")
@@ -54,7 +56,6 @@ class Lookup:
 
 
 UNKNOWN_LENGTH = 2**31 - 1  # completion_tokens of an answer stored without usage: no limit is known to hold
-_PLAIN_MESSAGE = frozenset({"role", "content"})
 
 
 def servable(entry: CacheEntry, keys: RequestKeys, now: float, fresh: Freshness = ANY_AGE) -> bool:
@@ -62,7 +63,7 @@ def servable(entry: CacheEntry, keys: RequestKeys, now: float, fresh: Freshness 
         return False
     if fresh.max_age is not None and now - entry.created_at > fresh.max_age:
         return False
-    if entry.finish_reason == "stop":
+    if entry.finish_reason in ("stop", "tool_calls"):
         return keys.max_tokens is None or entry.completion_tokens <= keys.max_tokens
     if entry.finish_reason == "length":  # truncated: only for exactly the same limit
         return keys.max_tokens is not None and keys.max_tokens == entry.max_tokens
@@ -93,6 +94,7 @@ class ResponseCache:
         # query; a key it does not know is still looked up in the database (another replica's).
         self._exact: dict[str, list[int]] = {}
         self._exact_of: dict[int, str] = {}
+        self._storing = KeyedLocks()  # one insert per exact key at a time: its replace is seen whole
         self.synced_at = time.time()  # of the last successful ``sync`` (a metric)
 
     def threshold(self, model: str, tenant_name: str) -> float:
@@ -130,10 +132,10 @@ class ResponseCache:
         c = self.config
         if c.exact:
             known = self._exact.get(keys.exact)
-            if known:
-                found = await self._get_entries(list(known))
+            found = await self._get_entries(list(known)) if known else {}
+            if found:
                 candidates = sorted(found.values(), key=lambda e: -e.id)
-            else:
+            else:  # unknown here, or replaced by another replica since the last sync
                 candidates = await asyncio.to_thread(self.store.find_exact, tenant, model, keys.exact, now)
                 for entry in candidates:
                     self._remember(entry)
@@ -230,17 +232,14 @@ class ResponseCache:
     ) -> int | None:
         """Store a completed answer, with ``replies`` (Store.remember_replies) in the same commit;
         returns its entry id (None if it may not be stored, and then nothing is written)."""
-        choices = response.get("choices") or [{}]
-        choice = choices[0]
-        finish = choice.get("finish_reason")
-        if finish not in ("stop", "length") or len(choices) != 1:
+        verdict = judge_answer(response, keys.max_tokens)
+        if not verdict.store:
             return None
-        if finish == "length" and keys.max_tokens is None:
-            return None
-        message = choice.get("message") or {}
-        if any(v is not None for k, v in message.items() if k not in _PLAIN_MESSAGE):
-            return None  # tool calls, a refusal, reasoning, audio: a replayed stream carries only text
-        if keys.query and embedding is None and self.batcher and keys.scope:
+        finish = response["choices"][0]["finish_reason"]
+        scope = keys.scope if verdict.semantic else None  # a tool call: exact repeats only
+        if scope is None:
+            embedding = None
+        elif keys.query and embedding is None and self.batcher:
             embedding = await self.batcher.embed(keys.query)
         usage = response.get("usage") or {}
         body = json.dumps(response, ensure_ascii=False)
@@ -249,28 +248,34 @@ class ResponseCache:
             tenant=tenant,
             model=model,
             endpoint=endpoint,
-            scope=keys.scope or "",
+            scope=scope or "",
             exact_key=keys.exact,
             query_text=keys.query or "",
             response=body,
             finish_reason=finish,
             max_tokens=keys.max_tokens,
-            embedding=None if embedding is None or not keys.scope else embedding.astype(np.float32).tobytes(),
+            embedding=None if embedding is None or not scope else embedding.astype(np.float32).tobytes(),
             prompt_tokens=int(usage.get("prompt_tokens") or 0),
             completion_tokens=_completion_tokens(usage, keys, finish),
             size_bytes=len(body.encode()),
             created_at=now,
             expires_at=now + ttl_seconds,
         )
-        entry_id = await asyncio.to_thread(self.store.add_entry, entry, replies)
-        self._remember(entry)
-        self._index_exact(keys.exact, entry_id)
-        if entry.embedding is not None and entry_id not in self.index:  # ``sync`` may have been first
-            self.index.add(
-                keys.scope, np.array([entry_id], dtype=np.int64), embedding[None].astype(np.float32)
-            )
-        self.entries += 1
-        self.bytes += entry.size_bytes
+        async with self._storing.hold(keys.exact):
+            entry_id, replaced = await asyncio.to_thread(self.store.put_entry, entry, replies)
+            # the key's earlier answer is gone from the database: from every view here too (only what
+            # this replica counted is uncounted; ``sync`` never sees these ids again)
+            known = [(i, size) for i, size in replaced if i in self._exact_of]
+            self._forget([i for i, _ in replaced])
+            self._remember(entry)
+            self._index_exact(keys.exact, entry_id)
+            if entry.embedding is not None and embedding is not None and scope and entry_id not in self.index:
+                # ``sync`` may have been first
+                self.index.add(
+                    scope, np.array([entry_id], dtype=np.int64), embedding[None].astype(np.float32)
+                )
+        self.entries += 1 - len(known)
+        self.bytes += entry.size_bytes - sum(size for _, size in known)
         if self.entries > self.config.max_entries or self.bytes > self.config.max_bytes:
             await self.evict()
         return entry_id
@@ -397,11 +402,13 @@ class ResponseCache:
 
 def _completion_tokens(usage: dict, keys: RequestKeys, finish: str) -> int:
     """The answer's length, which decides which max_tokens it may be served to. A backend that sent no
-    usage leaves only what its own limit proves: a "stop" answer fit the max_tokens it was asked with."""
+    usage leaves only what its own limit proves: a "stop" (or "tool_calls") answer fit the max_tokens
+    it was asked with."""
     n = usage.get("completion_tokens")
     if isinstance(n, int) and not isinstance(n, bool) and n >= 0:
         return n
-    return keys.max_tokens if keys.max_tokens is not None and finish == "stop" else UNKNOWN_LENGTH
+    ended = finish in ("stop", "tool_calls")
+    return keys.max_tokens if keys.max_tokens is not None and ended else UNKNOWN_LENGTH
 
 
 def _ms(start: float) -> float:

@@ -7,6 +7,11 @@ turns, tools, response_format, the output-changing parameters, the last message'
 message's own text is compared by meaning; across scopes nothing is ever compared, so an answer given
 in another conversation, under another system prompt or to another tenant cannot be served.
 
+Tool-call ids are keyed by position (``_positional_call_ids``): an id is a random name the backend or
+the gateway minted, and a replayed tool call gets a fresh one, so the follow-up turn that carries it
+back must still repeat the original turn exactly. What a tool result answers (which call, in which
+order) is kept; the random name is not.
+
 Hashes keep the order of JSON-schema ``properties`` (it is the order structured output is generated
 in); every other object is hashed with sorted keys.
 """
@@ -17,6 +22,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
+from policies.cacheability import exact_only
 from policies.canonicalize import canonical_json, split_volatile_note
 
 # Fields that do not change the answer's content: left out of both keys. max_tokens is checked
@@ -77,6 +83,33 @@ def text_of(content: Any) -> str | None:
     return None
 
 
+def _positional_call_ids(messages: list[Any]) -> list[Any]:
+    """A copy of the messages with every tool-call id (an assistant's ``tool_calls[].id``, a tool
+    message's ``tool_call_id``) renamed ``#N`` by its first appearance; the body itself is untouched."""
+    names: dict[str, str] = {}
+
+    def rename(value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        return names.setdefault(value, f"#{len(names)}")
+
+    out: list[Any] = []
+    for m in messages:
+        if not isinstance(m, dict):
+            out.append(m)
+            continue
+        m = dict(m)
+        calls = m.get("tool_calls")
+        if isinstance(calls, list):
+            m["tool_calls"] = [
+                {**c, "id": rename(c["id"])} if isinstance(c, dict) and "id" in c else c for c in calls
+            ]
+        if "tool_call_id" in m:
+            m["tool_call_id"] = rename(m["tool_call_id"])
+        out.append(m)
+    return out
+
+
 def request_keys(tenant: str, model: str, endpoint: str, body: dict[str, Any]) -> RequestKeys:
     params = {k: v for k, v in body.items() if k not in _NOT_OUTPUT}
     max_tokens = body.get("max_completion_tokens")
@@ -84,10 +117,11 @@ def request_keys(tenant: str, model: str, endpoint: str, body: dict[str, Any]) -
         max_tokens = body.get("max_tokens")
     head = {"tenant": tenant, "model": model, "endpoint": endpoint, "params": params}
     if endpoint == "chat":
-        messages = body.get("messages") or []
+        messages = _positional_call_ids(body.get("messages") or [])
         exact = _digest({**head, "messages": messages})
         last = messages[-1] if messages else None
-        text = text_of(last.get("content")) if isinstance(last, dict) and last.get("role") == "user" else None
+        user_turn = isinstance(last, dict) and not exact_only(body)
+        text = text_of(last.get("content")) if user_turn and isinstance(last, dict) else None
         query, note = split_volatile_note(text) if text is not None else (None, "")
         scope = None
         if query:

@@ -63,7 +63,7 @@ def _train_verifier(argv: list[str]) -> int:
 
 
 def _calibrate(argv: list[str]) -> int:
-    from policies.calibrate import main_calibrate
+    from gateway.calibrate import main_calibrate
 
     return main_calibrate(argv)
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, field_validator, model_validator
 
 from backend.config import BackendServerConfig, EngineConfig, load_toml, typed_section
 from policies.canonicalize import CanonicalizeConfig
@@ -21,7 +21,63 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+# Headers the gateway sets itself on every upstream request; a backend's ``headers`` may not replace them.
+_RESERVED_HEADERS = frozenset({"host", "content-length", "content-type", "transfer-encoding", "connection"})
+
+
+class BackendSpec(_Strict):
+    """One upstream server and the credentials the gateway sends to it, and to it only.
+
+    The key is read once at start (``api_key``, or the environment variable ``api_key_env``) and sent
+    as ``Authorization: Bearer``; the clients' own keys are never forwarded. Secrets are ``SecretStr``
+    and inputs are hidden from validation errors, so neither a repr nor a config error prints them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
+
+    url: str
+    api_key: SecretStr | None = None
+    api_key_env: str | None = None
+    headers: dict[str, SecretStr] = Field(default_factory=dict)
+    _key: str = PrivateAttr("")
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, url: str) -> str:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"a backend url must start with http:// or https://, got {url!r}")
+        return url.rstrip("/")
+
+    @model_validator(mode="after")
+    def _resolve_key(self) -> BackendSpec:
+        if self.api_key is not None and self.api_key_env is not None:
+            raise ValueError(f"backend {self.url}: give api_key or api_key_env, not both")
+        if self.api_key_env is not None:
+            value = os.environ.get(self.api_key_env, "")
+            if not value:
+                raise ValueError(
+                    f"backend {self.url}: environment variable {self.api_key_env} (api_key_env) is not set"
+                )
+            self._key = value
+        elif self.api_key is not None:
+            self._key = self.api_key.get_secret_value()
+        names = {name.lower() for name in self.headers}
+        if names & _RESERVED_HEADERS:
+            raise ValueError(f"backend {self.url}: headers may not set {sorted(names & _RESERVED_HEADERS)}")
+        if self._key and "authorization" in names:
+            raise ValueError(f"backend {self.url}: an api key and an Authorization header: give one")
+        return self
+
+    def upstream_headers(self) -> dict[str, str]:
+        """What every request to this backend carries (model listing and health probes included)."""
+        out = {name: value.get_secret_value() for name, value in self.headers.items()}
+        if self._key:
+            out["Authorization"] = f"Bearer {self._key}"
+        return out
+
+
 class GatewayConfig(_Strict):
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
+
     host: str
     port: int = Field(ge=0, le=65535)
     data_dir: str
@@ -29,14 +85,33 @@ class GatewayConfig(_Strict):
     max_request_bytes: int = Field(gt=0)
     connect_timeout_s: float = Field(gt=0)
     backend_timeout_s: float = Field(gt=0)
-    backends: tuple[str, ...]
+    backends: tuple[BackendSpec, ...]
     routing: RoutingMode
     builtin_backend_port: int = Field(ge=0, le=65535)
     log_query_text: bool
+    probe_interval_s: float = Field(gt=0)
+    probe_timeout_s: float = Field(gt=0)
+    probe_misses: int = Field(gt=0)
     request_log_commit: Literal["batched", "per_request"]
     metrics_token: str
     metrics_host: str
     metrics_port: int = Field(ge=0, le=65535)
+
+    @field_validator("backends", mode="before")
+    @classmethod
+    def _url_or_table(cls, entries: Any) -> Any:
+        """Each entry is a URL, or a table with ``url`` and its credentials."""
+        if not isinstance(entries, list | tuple):
+            return entries
+        return tuple({"url": e} if isinstance(e, str) else e for e in entries)
+
+    @field_validator("backends")
+    @classmethod
+    def _distinct(cls, specs: tuple[BackendSpec, ...]) -> tuple[BackendSpec, ...]:
+        urls = [s.url for s in specs]
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"a backend is listed twice: {sorted({u for u in urls if urls.count(u) > 1})}")
+        return specs
 
     def resolved_database_url(self, data_dir: Path) -> str:
         return self.database_url or f"sqlite:///{data_dir / 'cachegw.db'}"
@@ -77,6 +152,9 @@ class CacheConfig(_Strict):
     max_bytes: int = Field(gt=0)
     eviction: Literal["lru", "lfu"]
     serve_temperature_above_zero: bool
+    serve_unset_temperature: bool
+    serve_unset_temperature_by_model: dict[str, bool]
+    serve_unset_temperature_by_tenant: dict[str, bool]
     embed_batch_window_ms: float = Field(ge=0)
     embed_max_batch: int = Field(gt=0)
     feedback_margin: float = Field(ge=0, le=1)
@@ -91,6 +169,12 @@ class CacheConfig(_Strict):
         if bad:
             raise ValueError(f"thresholds must be in [0, 1]: {bad}")
         return values
+
+    def serves_unset_temperature(self, model: str, tenant_name: str) -> bool:
+        """Whether a request leaving ``temperature`` unset may be served from (and stored into) the cache:
+        per-tenant over per-model over the global switch, as the thresholds."""
+        by_model = self.serve_unset_temperature_by_model.get(model, self.serve_unset_temperature)
+        return self.serve_unset_temperature_by_tenant.get(tenant_name, by_model)
 
 
 class IndexConfig(_Strict):

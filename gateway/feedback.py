@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
-from backend.protocol import ApiError
 from gateway.bodies import StrictBody, parse_body
 from gateway.store import MAX_ID
+from protocol.errors import ApiError
 
 if TYPE_CHECKING:
     from gateway.app import Gateway

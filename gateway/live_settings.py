@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, StrictBool
 
 from gateway.admin_store import AdminStore
 from gateway.bodies import StrictBody, parse_body
@@ -46,6 +46,14 @@ class CacheSwitches(StrictBody):
     serve_temperature_above_zero: bool | None = None
 
 
+class UnsetTemperaturePatch(StrictBody):
+    """Serve cached answers to requests that leave temperature unset: everywhere, per model, per tenant."""
+
+    default: StrictBool | None = None
+    models: dict[str, StrictBool | None] | None = None  # None as a value removes that override
+    tenants: dict[str, StrictBool | None] | None = None
+
+
 class SettingsPatch(StrictBody):
     """What PUT /admin/api/settings accepts; every part is optional."""
 
@@ -56,6 +64,7 @@ class SettingsPatch(StrictBody):
     eviction: EvictionPatch | None = None
     canonicalization: dict[Literal["enabled", *RULES], bool] | None = None  # type: ignore[valid-type]
     cache: CacheSwitches | None = None
+    unset_temperature: UnsetTemperaturePatch | None = None
 
 
 # Where each patch field lands: (section, config field).
@@ -68,10 +77,16 @@ _FLAT = {
     ("eviction", "policy"): ("cache", "eviction"),
     ("eviction", "max_entries"): ("cache", "max_entries"),
     ("eviction", "max_bytes"): ("cache", "max_bytes"),
+    ("unset_temperature", "default"): ("cache", "serve_unset_temperature"),
     **{("cache", k): ("cache", k) for k in CacheSwitches.model_fields},
     **{("canonicalization", r): ("canonicalize", r) for r in ("enabled", *RULES)},
 }
-_MAPS = {("thresholds", "models"): "thresholds_by_model", ("thresholds", "tenants"): "thresholds_by_tenant"}
+_MAPS = {
+    ("thresholds", "models"): "thresholds_by_model",
+    ("thresholds", "tenants"): "thresholds_by_tenant",
+    ("unset_temperature", "models"): "serve_unset_temperature_by_model",
+    ("unset_temperature", "tenants"): "serve_unset_temperature_by_tenant",
+}
 
 
 def view(s: Settings) -> dict[str, Any]:
@@ -92,6 +107,11 @@ def view(s: Settings) -> dict[str, Any]:
             **{r: getattr(s.canonicalize, r) for r in RULES},
         },
         "cache": {k: getattr(c, k) for k in CacheSwitches.model_fields},
+        "unset_temperature": {
+            "default": c.serve_unset_temperature,
+            "models": dict(c.serve_unset_temperature_by_model),
+            "tenants": dict(c.serve_unset_temperature_by_tenant),
+        },
     }
 
 

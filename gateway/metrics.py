@@ -3,24 +3,38 @@
 from __future__ import annotations
 
 from collections import Counter as Tally
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class BackendCounts(Collector):
-    """Per backend: requests it answered, and connections it refused (each a failover to the next one).
+    """Per backend: requests it answered, connections it refused (each a failover to the next one), and
+    whether the health probes see it up.
 
     The proxy counts in plain Counters (no Prometheus import there); this reads them at scrape time."""
 
-    def __init__(self, answered: Tally[str], refused: Tally[str]) -> None:
+    def __init__(
+        self,
+        answered: Tally[str],
+        refused: Tally[str],
+        urls: Sequence[str] = (),
+        down: Collection[str] = frozenset(),
+    ) -> None:
         self.answered, self.refused = answered, refused
+        self.urls, self.down = urls, down
 
-    def collect(self) -> Iterator[CounterMetricFamily]:
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        up = GaugeMetricFamily(
+            "cachegw_gateway_backend_up", "1 unless the health probes marked it down", labels=["backend"]
+        )
+        for url in self.urls:
+            up.add_metric([url], 0.0 if url in self.down else 1.0)
+        yield up
         for name, doc, counts in (
             ("cachegw_gateway_backend_requests", "Requests each backend answered", self.answered),
             ("cachegw_gateway_backend_refusals", "Connections a backend refused (failovers)", self.refused),

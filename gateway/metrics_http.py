@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from backend.protocol import ApiError
-from backend.server import install_error_handlers
 from gateway.admin_auth import AdminAuth
+from protocol.errors import ApiError
+from protocol.http import install_error_handlers
 
 if TYPE_CHECKING:
     from gateway.app import Gateway

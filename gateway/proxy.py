@@ -1,22 +1,25 @@
 """Talking to backends: one shared httpx client for the built-in engine, vLLM, SGLang or llama.cpp.
 
-Streams pass through chunk by chunk with no added buffering; on the way an ``SseRecorder``
-reads the same bytes to rebuild the complete answer for the cache and the request log.
+Which backends serve a model, in which order to try them, with which credentials; a backend the
+health probes marked down is skipped, and requests waiting on it give up. Streams are relayed by
+``gateway.streams``.
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
 
-from backend.protocol import ApiError
+from gateway.config import BackendSpec
+from gateway.streams import MarkedDown, unless_gone
 from policies.routing import Router, RoutingMode
+from protocol.errors import ApiError
 
 log = logging.getLogger("cachegw.gateway")
 
@@ -40,16 +43,30 @@ def backend_unavailable(url: str, exc: Exception) -> ApiError:
 # A backend that refused a connection is tried last for this long; a request it would have answered goes
 # to its next choice meanwhile (only refused connections are retried: the request never reached it).
 DOWN_FOR_S = 5.0
+RELIST_AFTER_S = 5.0  # an unknown model re-reads the backends' model lists at most this often
 _RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout)
 
 
 class Backends:
-    """The configured backends: which serve a model, in which order to try them, and the one HTTP client."""
+    """The configured backends: which serve a model, in which order to try them, and the one HTTP client.
+
+    Each backend's own headers (its API key) go on every request to it; nothing of the client's request
+    but the body is forwarded, so a client's key never reaches a backend."""
 
     def __init__(
-        self, urls: list[str], connect_timeout: float, read_timeout: float, routing: RoutingMode = "prefix"
+        self,
+        backends: Sequence[BackendSpec | str],
+        connect_timeout: float,
+        read_timeout: float,
+        routing: RoutingMode = "prefix",
+        retry_after_s: int = 5,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.urls = [u.rstrip("/") for u in urls]
+        self._clock = clock
+        self._listed_at = -RELIST_AFTER_S  # when the model lists were last read (clock time)
+        specs = [b if isinstance(b, BackendSpec) else BackendSpec(url=b) for b in backends]
+        self.urls = [s.url for s in specs]
+        self._headers = {s.url: s.upstream_headers() for s in specs}
         timeout = httpx.Timeout(read_timeout, connect=connect_timeout)
         limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
         self.client = httpx.AsyncClient(timeout=timeout, limits=limits)
@@ -59,6 +76,38 @@ class Backends:
         self.answered: Counter[str] = Counter()  # per backend, read by the Prometheus collector
         self.refused: Counter[str] = Counter()
         self.no_salt: set[str] = set()  # backends that answered a 400 naming cache_salt
+        self.down: set[str] = set()  # marked down by the health probes (gateway/backend_health.py): skipped
+        self._gone: dict[str, asyncio.Event] = {}  # set (and replaced) when a backend is marked down
+        self.retry_after_s = retry_after_s  # told to clients when no backend of a model is up
+
+    def headers(self, url: str) -> dict[str, str]:
+        """The backend's own headers (its credentials); copied, so a caller cannot change them."""
+        return dict(self._headers[url])
+
+    def mark(self, url: str, up: bool) -> None:
+        """The health probes' verdict; an answered probe also ends a refused connection's pause."""
+        if up:
+            self.down.discard(url)
+            self._down_until.pop(url, None)
+        else:
+            self.down.add(url)
+            if url in self._gone:
+                self._gone.pop(url).set()  # requests waiting on it give up; later ones get a new event
+
+    def gone(self, url: str) -> asyncio.Event:
+        """Set when the probes mark ``url`` down from now on (requests under way wait on it too)."""
+        return self._gone.setdefault(url, asyncio.Event())
+
+    def unavailable(self) -> ApiError:
+        """The 503 of a miss no backend that is up can answer; clients may retry after a probe round."""
+        return ApiError(
+            503,
+            "No backend serving this model is answering its health checks; retry after "
+            f"{self.retry_after_s} s (cached answers are still served).",
+            type="backend_error",
+            code="backend_unavailable",
+            headers={"Retry-After": str(self.retry_after_s)},
+        )
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -66,9 +115,12 @@ class Backends:
     async def list_models(self) -> list[dict[str, Any]]:
         """The union of the backends' /v1/models, one card per model (a down backend contributes nothing)."""
         cards: dict[str, dict[str, Any]] = {}
+        self._listed_at = self._clock()
         for url in self.urls:
+            if url in self.down:  # a hung backend would hold every caller for the timeout
+                continue
             try:
-                r = await self.client.get(f"{url}/models", timeout=5.0)
+                r = await self.client.get(f"{url}/models", headers=self._headers[url], timeout=5.0)
                 r.raise_for_status()
                 for card in r.json().get("data", []):
                     serving = self._models.setdefault(card["id"], [])
@@ -81,8 +133,11 @@ class Backends:
         return list(cards.values())
 
     async def route(self, model: str | None) -> list[str]:
-        """The backends that may answer ``model`` (404 for a model none of them serves)."""
-        if model and model not in self._models:
+        """The backends that may answer ``model`` (404 for a model none of them serves).
+
+        An unknown name re-reads the backends' lists (a model loaded since), but at most every
+        RELIST_AFTER_S: requests naming models nobody serves must not each cost a listing per backend."""
+        if model and model not in self._models and self._clock() - self._listed_at >= RELIST_AFTER_S:
             await self.list_models()
         if model and model in self._models:
             return list(self._models[model])
@@ -101,17 +156,21 @@ class Backends:
         return [u for u in self.urls if self._down_until.get(u, 0.0) > now]
 
     def unreachable_models(self) -> list[str]:
-        """Models every one of whose backends refused a connection lately (all backends, before any
-        model is known)."""
-        down = set(self.refusing())
+        """Models every one of whose backends is marked down or refused a connection lately (all
+        backends, before any model is known)."""
+        down = set(self.refusing()) | self.down
         if not self._models:
             return ["*"] if down and down >= set(self.urls) else []
         return sorted(m for m, urls in self._models.items() if urls and set(urls) <= down)
 
     def order(self, urls: list[str], endpoint: str, body: dict[str, Any]) -> list[str]:
-        """The routing policy's order, with backends that refused a connection lately moved last."""
+        """The routing policy's order over the backends that are up, those that refused a connection
+        lately moved last; a 503 with ``Retry-After`` at once when the probes marked all of them down."""
+        up = [u for u in urls if u not in self.down]
+        if not up:
+            raise self.unavailable()
         refusing = set(self.refusing())
-        return sorted(self.router.order(urls, endpoint, body), key=lambda u: u in refusing)  # stable sort
+        return sorted(self.router.order(up, endpoint, body), key=lambda u: u in refusing)  # stable sort
 
     async def _send(
         self, urls: list[str], path: str, body: dict[str, Any], cache_salt: str | None = None
@@ -123,13 +182,17 @@ class Backends:
         last: Exception | None = None
         for url in urls:
             salted = cache_salt is not None and url not in self.no_salt
+            gone = self.gone(url)
             try:
-                response = await self._post(url, path, {**body, "cache_salt": cache_salt} if salted else body)
+                salted_body = {**body, "cache_salt": cache_salt} if salted else body
+                response = await unless_gone(gone, self._post(url, path, salted_body))
                 if salted and response.status_code == 400 and b"cache_salt" in await response.aread():
                     await response.aclose()
                     self.no_salt.add(url)
                     log.warning("backend %s refuses cache_salt: tenants share its prefix cache", url)
-                    response = await self._post(url, path, body)
+                    response = await unless_gone(gone, self._post(url, path, body))
+            except MarkedDown:
+                raise self.unavailable() from None
             except _RETRYABLE as exc:
                 self._down_until[url] = time.monotonic() + DOWN_FOR_S
                 self.refused[url] += 1
@@ -145,7 +208,7 @@ class Backends:
         raise backend_unavailable(", ".join(urls), last) from last
 
     async def _post(self, url: str, path: str, body: dict[str, Any]) -> httpx.Response:
-        request = self.client.build_request("POST", f"{url}{path}", json=body)
+        request = self.client.build_request("POST", f"{url}{path}", json=body, headers=self._headers[url])
         return await self.client.send(request, stream=True)
 
     async def post_json(
@@ -155,7 +218,9 @@ class Backends:
         start = time.perf_counter()
         url, r = await self._send(urls, path, body, cache_salt)
         try:
-            await r.aread()
+            await unless_gone(self.gone(url), r.aread())
+        except MarkedDown:
+            raise self.unavailable() from None
         except httpx.HTTPError as exc:
             raise backend_unavailable(url, exc) from exc
         finally:
@@ -176,131 +241,3 @@ class Backends:
     ) -> tuple[str, httpx.Response]:
         """Send the request and return the backend that took it and its response, body not yet read."""
         return await self._send(urls, path, body, cache_salt)
-
-
-class SseRecorder:
-    """Rebuilds a non-stream response from the SSE bytes of a chat or completion stream."""
-
-    def __init__(self, endpoint: str) -> None:
-        self.endpoint = endpoint
-        self.text: list[str] = []
-        self.finish_reason: str | None = None
-        self.usage: dict[str, Any] | None = None
-        self.meta: dict[str, Any] = {}
-        self.done = False
-        self.error = False
-        self.has_tool_calls = False
-        self.extra: dict[str, list[Any]] = {}  # other delta fields (refusal, reasoning_content, ...)
-        self.relayed_bytes = 0  # passed on to the client so far
-        self.broken: str | None = None  # why the backend's stream ended before [DONE], if it did
-
-    def feed_event(self, event: bytes) -> bool:
-        """Read one SSE event; True if it is the usage-only chunk (no choices)."""
-        usage_only = False
-        for line in event.split(b"\n"):
-            if line.startswith(b"data:"):
-                usage_only |= self._data(line[5:].strip())
-        return usage_only
-
-    def _data(self, data: bytes) -> bool:
-        if data == b"[DONE]":
-            self.done = True
-            return False
-        try:
-            obj = json.loads(data)
-        except ValueError:
-            self.error = True
-            return False
-        if "error" in obj:
-            self.error = True
-            return False
-        if obj.get("usage"):
-            self.usage = obj["usage"]
-        for key in ("id", "model", "created", "system_fingerprint"):
-            self.meta.setdefault(key, obj.get(key))
-        for choice in obj.get("choices") or []:
-            if choice.get("index", 0) != 0:
-                continue
-            if self.endpoint == "chat":
-                delta = choice.get("delta") or {}
-                self.has_tool_calls |= bool(delta.get("tool_calls"))
-                if delta.get("content"):
-                    self.text.append(delta["content"])
-                for key, value in delta.items():
-                    if key not in ("role", "content", "tool_calls") and value not in (None, "", []):
-                        self.extra.setdefault(key, []).append(value)
-            elif choice.get("text"):
-                self.text.append(choice["text"])
-            if choice.get("finish_reason"):
-                self.finish_reason = choice["finish_reason"]
-        return obj.get("choices") == [] and bool(obj.get("usage"))
-
-    def complete_response(self) -> dict[str, Any] | None:
-        """The answer as one non-stream response, or None unless the stream ended well."""
-        if not self.done or self.error or self.has_tool_calls or self.finish_reason is None:
-            return None
-        text = "".join(self.text)
-        if self.endpoint == "chat":
-            extra = {
-                k: "".join(v) if all(isinstance(x, str) for x in v) else v for k, v in self.extra.items()
-            }
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text, **extra},
-                "finish_reason": self.finish_reason,
-            }
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": self.finish_reason, "logprobs": None}
-            obj = "text_completion"
-        return {
-            "id": self.meta.get("id"),
-            "object": obj,
-            "created": self.meta.get("created"),
-            "model": self.meta.get("model"),
-            "choices": [choice],
-            "usage": self.usage,
-        }
-
-
-async def relay(
-    response: httpx.Response, recorder: SseRecorder, drop_usage_chunk: bool
-) -> AsyncIterator[bytes]:
-    """The backend's SSE events as they arrive, each passed on whole. When the gateway asked for a
-    usage chunk that the client did not (to record tokens), that one event is held back.
-
-    A stream the backend breaks (connection lost, or closed before ``[DONE]``) ends with one
-    OpenAI-style error event instead of a dropped connection, so clients can tell a fault from an
-    answer; ``recorder.broken`` says why, and such an answer is never stored."""
-    buffer = b""
-    try:
-        try:
-            async for chunk in response.aiter_raw():
-                buffer += chunk
-                while b"\n\n" in buffer:
-                    event, buffer = buffer.split(b"\n\n", 1)
-                    if recorder.feed_event(event) and drop_usage_chunk:
-                        continue
-                    recorder.relayed_bytes += len(event) + 2
-                    yield event + b"\n\n"
-        except httpx.HTTPError as exc:  # the backend died or the connection broke mid-stream
-            recorder.broken = f"{type(exc).__name__}: {exc}"[:200] or type(exc).__name__
-        if buffer.strip() and recorder.broken is None:
-            recorder.feed_event(buffer)
-            recorder.relayed_bytes += len(buffer)
-            yield buffer
-        elif buffer.strip():
-            recorder.error = True  # a torn last event: never part of a stored answer
-        if recorder.broken is None and not recorder.done and not recorder.error:
-            recorder.broken = "the backend closed the stream before [DONE]"
-        if recorder.broken is not None:
-            recorder.error = True
-            yield stream_error_event(f"The backend's stream broke: {recorder.broken}")
-    finally:
-        await response.aclose()
-
-
-def stream_error_event(message: str, code: str = "backend_error") -> bytes:
-    """One SSE event carrying an OpenAI-style error body (what OpenAI sends for a failed stream)."""
-    body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
-    return b"data: " + json.dumps(body).encode() + b"\n\n"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 from collections.abc import AsyncIterator
 
@@ -17,8 +18,9 @@ from embeddings.index import ScopedIndex
 from gateway.admin_auth import resolve_admin_token
 from gateway.admin_store import AdminStore
 from gateway.app import Gateway, build_app
+from gateway.backend_health import HealthProbes
 from gateway.cache import HIT_FLUSH_S, ResponseCache
-from gateway.config import Settings
+from gateway.config import BackendSpec, Settings
 from gateway.live_settings import LiveSettings
 from gateway.metrics_http import metrics_app
 from gateway.proxy import Backends
@@ -64,13 +66,15 @@ async def started_gateway(settings: Settings, progress: bool = True) -> AsyncIte
     n = await asyncio.to_thread(cache.rebuild_index, progress)
     log.info("cache: %d entries, %d in the vector index", cache.entries, n)
     builtin = None
-    urls = list(settings.gateway.backends)
-    if not urls:
+    specs: list[BackendSpec | str] = list(settings.gateway.backends)
+    if not specs:
         builtin = BuiltinBackend("127.0.0.1", settings.gateway.builtin_backend_port, settings.config_path)
         await builtin.start()
-        urls = [builtin.url]
+        specs = [builtin.url]
     g = settings.gateway
-    backends = Backends(urls, g.connect_timeout_s, g.backend_timeout_s, g.routing)
+    retry_after = max(1, math.ceil(g.probe_interval_s))  # a down backend is re-checked that soon
+    backends = Backends(specs, g.connect_timeout_s, g.backend_timeout_s, g.routing, retry_after)
+    probes = HealthProbes(backends, g.probe_interval_s, g.probe_timeout_s, g.probe_misses)
     gw = Gateway(live, store, cache, backends, admin_token)
     gw.recorder.start()
     chores = [
@@ -78,6 +82,7 @@ async def started_gateway(settings: Settings, progress: bool = True) -> AsyncIte
         asyncio.create_task(_every(HIT_FLUSH_S, cache.flush_hits), name="cachegw-hits"),
         asyncio.create_task(_every(SETTINGS_POLL_S, gw.refresh_settings), name="cachegw-settings"),
         asyncio.create_task(_every(DISCOVER_EVERY_S, backends.list_models), name="cachegw-discovery"),
+        asyncio.create_task(probes.run(), name="cachegw-backend-health"),
     ]
     if c.sync_interval_s > 0:  # other replicas' entries, flags and deletions
         chores.append(asyncio.create_task(_every(c.sync_interval_s, cache.sync), name="cachegw-sync"))
@@ -112,6 +117,9 @@ def run_gateway(settings: Settings) -> None:
     import torch
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # httpx logs every request it sends at INFO: with health probes, a line per backend every few
+    # seconds. Failures are logged by the gateway itself; uvicorn's access log shows the requests.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     # One-query embeddings are tiny: extra OpenMP threads only spin against the event loop (a
     # single-sentence encode took 80-260 ms with 2 threads on a busy 2-core machine, 13 ms with 1).
     torch.set_num_threads(settings.cache.embed_threads)

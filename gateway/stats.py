@@ -19,6 +19,7 @@ from gateway.config import PricingConfig
 
 RESULTS = ("exact-hit", "semantic-hit", "miss", "bypass")
 HITS = frozenset({"exact-hit", "semantic-hit"})
+NOT_HITS = frozenset({"miss", "bypass"})
 _WINDOW = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 Row = dict[str, Any]
@@ -130,9 +131,25 @@ def timeseries(rows: Sequence[Row], since: float, until: float, bucket_s: float)
                 "bypasses": c["bypass"],
                 "hit_ratio": round((c["exact-hit"] + c["semantic-hit"]) / len(b), 4) if b else None,
                 "prefix_cache_ratio": round(cached / prompt, 4) if prompt else None,
+                # "miss:below-threshold" -> count: the dashboard's reasons-over-time table
+                "reasons": dict(Counter(_reason_key(r) for r in b if r.get("cache_result") in NOT_HITS)),
             }
         )
     return points
+
+
+def _reason_key(row: Row) -> str:
+    return f"{row['cache_result']}:{row.get('reason') or 'unrecorded'}"
+
+
+def reasons(rows: Iterable[Row]) -> list[dict[str, Any]]:
+    """Why requests were not hits: (result, x-cache-reason) counted, most frequent first."""
+    counts = Counter(_reason_key(r) for r in rows if r.get("cache_result") in NOT_HITS)
+    total = sum(counts.values())
+    return [
+        {"result": key.split(":", 1)[0], "reason": key.split(":", 1)[1], "requests": n, "share": n / total}
+        for key, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    ]
 
 
 def auto_bucket(window_s: float) -> float:

@@ -3,11 +3,19 @@
 SQLAlchemy 2 on any URL; SQLite (the default, in the data dir) runs in WAL mode so readers never
 wait for the writer and a kill -9 loses nothing that was committed. Every method is synchronous
 and short: the app calls them from worker threads.
+
+One live entry per exact key: storing an answer retires the key's other live entries in the same
+transaction (``put_entry``), and on SQLite and PostgreSQL a unique partial index over the live rows
+(``ux_entries_live_key``) makes a second copy impossible even when two replicas store the same key at
+once (the later commit fails, and is retried, then replacing the first). A flagged (bad) entry is
+not live: it stays as the record of the feedback while the key takes a new answer. A database made
+before the index has its copies retired at start (``_retire_duplicate_keys``), the newest kept.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,9 +41,19 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError, SQLAlchemyError
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.exc import ArgumentError, IntegrityError, SQLAlchemyError
+from sqlalchemy.orm import (
+    DeclarativeBase,
+    Mapped,
+    Session,
+    aliased,
+    make_transient,
+    mapped_column,
+    sessionmaker,
+)
+
+log = logging.getLogger("cachegw.gateway")
 
 # The largest SQL integer (SQLite INTEGER, PostgreSQL BIGINT): ids and offsets above it are 400s.
 MAX_ID = 2**63 - 1
@@ -175,6 +193,18 @@ class Feedback(Base):
 
 
 Index("ix_entries_lookup", CacheEntry.tenant, CacheEntry.model, CacheEntry.exact_key)
+LIVE_KEY_INDEX = "ux_entries_live_key"
+# Partial indexes exist on SQLite and PostgreSQL only: elsewhere the transactional replace alone holds.
+Index(
+    LIVE_KEY_INDEX,
+    CacheEntry.tenant,
+    CacheEntry.model,
+    CacheEntry.exact_key,
+    unique=True,
+    sqlite_where=CacheEntry.bad.is_(False),
+    postgresql_where=CacheEntry.bad.is_(False),
+).ddl_if(dialect=("sqlite", "postgresql"))
+PUT_ATTEMPTS = 3  # a store that lost a race for its key's unique slot replaces the winner on retry
 
 
 def _sqlite_pragmas(dbapi_conn, _record) -> None:
@@ -186,17 +216,83 @@ def _sqlite_pragmas(dbapi_conn, _record) -> None:
 
 
 def _add_missing_columns(engine) -> None:
-    """Databases made by an older cachegw get the nullable columns (and indexes) added since; no data
-    is touched."""
-    present = {t: {c["name"] for c in inspect(engine).get_columns(t)} for t in Base.metadata.tables}
+    """Databases made by an older cachegw get the nullable columns (and indexes) added since; the only
+    data touched is extra live copies of one exact key, retired before the index that forbids them."""
+    inspector = inspect(engine)
+    present = {t: {c["name"] for c in inspector.get_columns(t)} for t in Base.metadata.tables}
+    unique_key = any(i["name"] == LIVE_KEY_INDEX for i in inspector.get_indexes(CacheEntry.__tablename__))
     with engine.begin() as conn:
         for table in Base.metadata.sorted_tables:
             for col in table.columns:
                 if col.name not in present[table.name] and col.nullable:
                     kind = col.type.compile(dialect=engine.dialect)
                     conn.execute(text(f'ALTER TABLE {table.name} ADD COLUMN "{col.name}" {kind}'))
+        if not unique_key:
+            _retire_duplicate_keys(conn)
+        for table in Base.metadata.sorted_tables:
             for index in table.indexes:  # and their indexes (create_all makes them only with a new table)
                 index.create(conn, checkfirst=True)
+
+
+def _retire_duplicate_keys(conn: Connection) -> int:
+    """Delete every live entry that a newer live entry of the same exact key supersedes (logged for
+    the replicas that hold it); the count deleted."""
+    newer = aliased(CacheEntry)
+    superseded = exists().where(
+        newer.tenant == CacheEntry.tenant,
+        newer.model == CacheEntry.model,
+        newer.exact_key == CacheEntry.exact_key,
+        newer.bad.is_(False),
+        newer.id > CacheEntry.id,
+    )
+    rows = conn.execute(
+        select(CacheEntry.id, CacheEntry.size_bytes).where(CacheEntry.bad.is_(False), superseded)
+    ).all()
+    _delete_logged(conn, [(int(i), int(size)) for i, size in rows])
+    if rows:
+        log.warning("retired %d older copies of cached answers (one live entry per exact key)", len(rows))
+    return len(rows)
+
+
+def _key_lock_id(entry: CacheEntry) -> int:
+    """A signed 64-bit number naming one exact key, for PostgreSQL's advisory locks."""
+    name = f"{entry.tenant}\x00{entry.model}\x00{entry.exact_key}".encode()
+    return int.from_bytes(hashlib.sha256(name).digest()[:8], "big", signed=True)
+
+
+def _retire_key(s: Session, entry: CacheEntry) -> list[tuple[int, int]]:
+    """Delete the live entries of ``entry``'s exact key (logged); their [(id, size)]."""
+    table = CacheEntry.__table__
+    live = (
+        table.c.tenant == entry.tenant,
+        table.c.model == entry.model,
+        table.c.exact_key == entry.exact_key,
+        table.c.bad.is_(False),
+    )
+    if s.get_bind().dialect.delete_returning:  # SQLite >= 3.35, PostgreSQL: one statement
+        rows = s.execute(delete(table).where(*live).returning(table.c.id, table.c.size_bytes)).all()
+        gone = [(int(i), int(size)) for i, size in rows]
+        _log_deletions(s, gone)
+        return gone
+    gone = [(int(i), int(size)) for i, size in s.execute(select(table.c.id, table.c.size_bytes).where(*live))]
+    _delete_logged(s, gone)
+    return gone
+
+
+def _delete_logged(conn: Connection | Session, gone: list[tuple[int, int]]) -> None:
+    """Delete entries by (id, size) and log their deletion in the same transaction."""
+    if not gone:
+        return
+    conn.execute(delete(CacheEntry).where(CacheEntry.id.in_([i for i, _ in gone])))
+    _log_deletions(conn, gone)
+
+
+def _log_deletions(conn: Connection | Session, gone: list[tuple[int, int]]) -> None:
+    """So other replicas drop the entries too (``Store.changes_since``)."""
+    if gone:
+        now = time.time()
+        rows = [{"entry_id": i, "size_bytes": size, "ts": now} for i, size in gone]
+        conn.execute(EntryDeletion.__table__.insert(), rows)  # type: ignore[attr-defined]
 
 
 def reply_key(tenant: str, normalized_text: str) -> str:
@@ -234,13 +330,35 @@ class Store:
     # Entries
 
     def add_entry(self, entry: CacheEntry, replies: dict[str, str] | None = None) -> int:
-        """Store an entry, and the reply texts of the same answer in the same commit."""
-        with self.session.begin() as s:
-            if replies:
-                self._add_replies(s, replies)
-            s.add(entry)
-            s.flush()
-            return entry.id
+        """``put_entry``, for callers that do not keep their own view of the entries."""
+        return self.put_entry(entry, replies)[0]
+
+    def put_entry(
+        self, entry: CacheEntry, replies: dict[str, str] | None = None
+    ) -> tuple[int, list[tuple[int, int]]]:
+        """Store an entry as the one live answer of its exact key, and the reply texts of the same
+        answer, in one commit; (its id, [(id, size)] of the live entries of the key it replaced).
+
+        The key's old entries are deleted first: on SQLite that statement takes the write lock, on
+        PostgreSQL a transaction-scoped advisory lock on the key comes first, so writers of one key
+        take turns and each replaces the last. A writer that still loses the race to the unique
+        index (another dialect, a replica of an older cachegw) retries and replaces the winner."""
+        for attempt in range(PUT_ATTEMPTS):
+            try:
+                with self.session.begin() as s:
+                    if s.get_bind().dialect.name == "postgresql":
+                        s.execute(select(func.pg_advisory_xact_lock(_key_lock_id(entry))))
+                    replaced = _retire_key(s, entry)
+                    if replies:
+                        self._add_replies(s, replies)
+                    s.add(entry)
+                    s.flush()
+                    return entry.id, replaced
+            except IntegrityError:  # another writer committed the same key first: replace it
+                if attempt == PUT_ATTEMPTS - 1:
+                    raise
+                make_transient(entry)
+        raise AssertionError("unreachable")
 
     def get_entries(self, ids: list[int]) -> dict[int, CacheEntry]:
         if not ids:
@@ -291,9 +409,7 @@ class Store:
             return 0
         with self.session.begin() as s:
             gone = s.execute(select(CacheEntry.id, CacheEntry.size_bytes).where(CacheEntry.id.in_(ids))).all()
-            s.execute(delete(CacheEntry).where(CacheEntry.id.in_([i for i, _ in gone])))
-            now = time.time()
-            s.add_all(EntryDeletion(entry_id=i, size_bytes=size, ts=now) for i, size in gone)
+            _delete_logged(s, [(int(i), int(size)) for i, size in gone])
             return len(gone)
 
     def changes_since(self, since: float) -> tuple[list[tuple[int, bool]], list[tuple[int, int]]]:

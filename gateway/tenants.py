@@ -11,8 +11,8 @@ import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from backend.protocol import ApiError
 from gateway.config import TenantsConfig
+from protocol.errors import ApiError
 
 ANONYMOUS = "anonymous"
 

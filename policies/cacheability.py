@@ -11,7 +11,7 @@ storing if an identical request could be served from it. The first row that appl
 | 3 | ``Cache-Control: no-store`` | no | no | no-store |
 | 4 | ``n`` > 1, or a completions ``prompt`` list of several prompts | no | no | n>1 |
 | 5 | chat ``logprobs: true`` or ``top_logprobs`` set; completions ``logprobs`` set | no | no | logprobs |
-| 6 | sampling, and the policy does not serve sampled answers | no | no | temperature |
+| 6 | sampling, unless the policy serves sampled answers or unset temperatures | no | no | temperature |
 | 7 | ``Cache-Control: no-cache`` / ``max-age=0``; ``Pragma: no-cache`` alone | no | yes | no-cache |
 | 8 | ``stream_options`` beyond ``include_usage`` / ``include_obfuscation`` | no | yes | stream-options |
 | 9 | anything else | yes | yes | ok |
@@ -28,8 +28,11 @@ Why:
 6. sampling = temperature > 0 (absent or null = OpenAI's default 1.0), unless ``top_k`` = 1 (only
    the best token can be drawn, so it is greedy). The client asked for a fresh sample; and storing
    is useless, since an identical request could never be served from the entry. With
-   ``serve_temperature_above_zero`` both are allowed.
-7. RFC 9111: go to the origin (the backend); its fresh answer is still good to keep. ``Pragma``
+   ``serve_temperature_above_zero`` both are allowed; with ``serve_unset_temperature`` (the
+   operator's trade-off for clients that never set it) both are allowed when temperature is absent
+   or null.
+7. RFC 9111: go to the origin (the backend); its fresh answer is still good to keep, and replaces
+   the stored one (one live entry per exact key). ``Pragma``
    counts only when no Cache-Control is sent (RFC 9111 5.4).
 8. a replayed stream cannot honour options we do not know (e.g. vLLM's per-chunk usage); the answer
    itself is ordinary, so it is stored.
@@ -38,20 +41,39 @@ Deliberately not rules:
 - ``seed``: a seed does not make sampling cacheable on its own (OpenAI: best effort only); with
   ``serve_temperature_above_zero`` the seed is part of the exact key like any parameter.
 - ``tool_choice`` ("required", a named function, "none"): the answer to an identical request, tools
-  included, is the same tool call; the client still runs the tool itself. The gateway should mint
-  fresh tool-call ids when it serves one.
+  included, is the same tool call; the client still runs the tool itself. The gateway mints fresh
+  tool-call ids when it serves one (``gateway/hits.py``).
 - ``stream``: a stored answer can be replayed as a stream (usage chunk included).
 - ``top_p``, ``stop``, ``max_tokens``, ``response_format``...: part of the key, not of this decision.
 Headers are matched case-insensitively, repeated headers and comma lists are both read.
+
+Exact tier only (``exact_only``): a turn whose last message is not a user's (a tool result, an
+assistant prefill) has no question to compare by meaning; what the tool returned is data, and a
+paraphrase of the conversation is not the same data. Such a turn hits only when it repeats exactly
+(tool-call ids aside: ``gateway/cache_keys.py`` keys them by position).
+
+What answer may be stored (``judge_answer``), after the request may be: one choice that completed
+well: finish_reason ``stop``, ``length`` (only for a request with a max_tokens, to be served to that
+same limit), or ``tool_calls``; ``stop`` with tool calls counts too (vLLM, llama.cpp and Ollama say
+``stop``). Every tool call must be whole: a function (type ``function``, or no type) with a name and
+arguments that parse as JSON (a call cut short by ``length`` never does); its id may be missing, since
+a replay mints a fresh one anyway. The message may carry nothing else than role,
+content and tool calls (empty fields such as ``refusal: null`` or vLLM's ``tool_calls: []`` count as
+absent): a refusal, reasoning or audio cannot be replayed as a stream. An answer with tool calls is
+served to exact repeats only (``AnswerVerdict.semantic`` false): its arguments carry the values of
+the user's own request (a city, an amount, an id), which a paraphrase may not share.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
 _KNOWN_STREAM_OPTIONS = frozenset({"include_usage", "include_obfuscation"})
+_REPLAYABLE_FIELDS = frozenset({"role", "content", "tool_calls"})
+COMPLETE_FINISHES = frozenset({"stop", "length", "tool_calls"})  # an answer that ended on its own
 
 
 @dataclass(frozen=True)
@@ -60,6 +82,7 @@ class CachePolicy:
 
     enabled: bool = True
     serve_temperature_above_zero: bool = False
+    serve_unset_temperature: bool = False  # per request: the gateway resolves it per model and tenant
 
     @classmethod
     def from_dict(cls, cache_section: Mapping[str, Any]) -> CachePolicy:
@@ -112,7 +135,7 @@ def decide(body: Mapping[str, Any], headers: Mapping[str, str], policy: CachePol
         return _NEITHER["n>1"]
     if _wants_logprobs(body):
         return _NEITHER["logprobs"]
-    if _samples(body) and not policy.serve_temperature_above_zero:
+    if _samples(body) and not _sampling_served(body, policy):
         return _NEITHER["temperature"]
     if "no-cache" in directives or directives.get("max-age") == "0":
         return _STORE_ONLY["no-cache"]
@@ -172,6 +195,12 @@ def _wants_logprobs(body: Mapping[str, Any]) -> bool:
     return logprobs is not None and logprobs is not False
 
 
+def _sampling_served(body: Mapping[str, Any], policy: CachePolicy) -> bool:
+    if policy.serve_temperature_above_zero:
+        return True
+    return policy.serve_unset_temperature and body.get("temperature") is None
+
+
 def _samples(body: Mapping[str, Any]) -> bool:
     """True unless decoding is greedy: temperature 0, or top_k 1 (only the best token can be drawn)."""
     temperature = body.get("temperature")
@@ -198,3 +227,62 @@ def _cache_directives(headers: Mapping[str, str]) -> dict[str, str]:
     if not cache_control:
         out = {"no-cache": ""} if "no-cache" in out else {}
     return out
+
+
+@dataclass(frozen=True)
+class AnswerVerdict:
+    """May this answer be stored, and may a paraphrase (not only an exact repeat) be served it."""
+
+    store: bool
+    reason: str  # "ok", or why not: "choices", "finish:<reason>", "field:<name>", "tool-call"
+    semantic: bool = True
+
+
+def exact_only(body: Mapping[str, Any]) -> bool:
+    """True when the last message is not a user's (a tool result, an assistant prefill): no semantic
+    lookup, only an exact repeat may be served."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return False
+    last = messages[-1]
+    return isinstance(last, Mapping) and last.get("role") != "user"
+
+
+def judge_answer(response: Mapping[str, Any], max_tokens: int | None) -> AnswerVerdict:
+    """The module's storage rules for a completed answer (JSON, or a stream rebuilt as JSON)."""
+    choices = response.get("choices")
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], Mapping):
+        return AnswerVerdict(False, "choices")
+    choice = choices[0]
+    finish = choice.get("finish_reason")
+    message = choice.get("message") or {}
+    if not isinstance(message, Mapping):
+        return AnswerVerdict(False, "field:message")
+    calls = message.get("tool_calls") or []
+    if finish not in COMPLETE_FINISHES or (finish == "length" and (max_tokens is None or calls)):
+        return AnswerVerdict(False, f"finish:{finish}")
+    for key, value in message.items():
+        if key not in _REPLAYABLE_FIELDS and value not in (None, "", [], {}):
+            return AnswerVerdict(False, f"field:{key}")
+    if finish == "tool_calls" and not calls:
+        return AnswerVerdict(False, "tool-call")
+    if not isinstance(calls, list) or not all(_whole_call(c) for c in calls):
+        return AnswerVerdict(False, "tool-call")
+    return AnswerVerdict(True, "ok", semantic=not calls)
+
+
+def _whole_call(call: Any) -> bool:
+    """A function call as OpenAI shapes it, its arguments complete JSON."""
+    if not isinstance(call, Mapping) or call.get("type", "function") != "function":
+        return False
+    fn = call.get("function")
+    if not isinstance(call.get("id", ""), str) or not isinstance(fn, Mapping):
+        return False
+    name, arguments = fn.get("name"), fn.get("arguments")
+    if not isinstance(name, str) or not name or not isinstance(arguments, str):
+        return False
+    try:
+        json.loads(arguments)
+    except ValueError:
+        return False
+    return True

@@ -1,14 +1,21 @@
-"""Test helper: run an ASGI app with uvicorn on a free loopback port in a background thread."""
+"""Test helpers: run an ASGI app with uvicorn on a free loopback port in a background thread; a small
+OpenAI-compatible upstream that records what it is sent and can be made to hang."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
 
 
 @contextlib.contextmanager
@@ -51,3 +58,69 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@dataclass
+class Upstream:
+    """What a ``recording_upstream`` saw, and a switch that makes it hang."""
+
+    model: str
+    answer: str = "blue"
+    seen: list[tuple[str, str, dict[str, str], bytes]] = field(
+        default_factory=list
+    )  # method, path, headers, body
+    hang: bool = False  # while True every request waits, unanswered (as a SIGSTOPped server)
+    stall_streams: bool = False  # while True a stream stops after its first chunk
+
+    def requests(self, path: str) -> list[tuple[str, str, dict[str, str], bytes]]:
+        return [r for r in self.seen if r[1] == path]
+
+
+def recording_upstream(up: Upstream) -> FastAPI:
+    """A small OpenAI-compatible server for faults and credentials the built-in engine cannot show:
+    it records every request's headers and can be made to hang (tests say where they use it)."""
+    app = FastAPI()
+
+    @app.middleware("http")
+    async def record(request: Request, call_next):  # type: ignore[no-untyped-def]
+        body = await request.body()
+        up.seen.append((request.method, request.url.path, dict(request.headers), body))
+        while up.hang:
+            await asyncio.sleep(0.02)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": up.model, "object": "model", "owned_by": "test"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Any:
+        if (await request.json()).get("stream"):
+            return StreamingResponse(stream(), media_type="text/event-stream")
+        message = {"role": "assistant", "content": up.answer}
+        return {
+            "id": f"chatcmpl-{len(up.seen)}",
+            "object": "chat.completion",
+            "created": 0,
+            "model": up.model,
+            "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
+        }
+
+    async def stream() -> AsyncIterator[bytes]:
+        def chunk(delta: dict, finish: str | None = None) -> bytes:
+            choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            body = {"id": "chatcmpl-s", "object": "chat.completion.chunk", "created": 0, "model": up.model}
+            return b"data: " + json.dumps({**body, "choices": [choice]}).encode() + b"\n\n"
+
+        yield chunk({"role": "assistant", "content": up.answer})
+        while up.stall_streams:
+            await asyncio.sleep(0.02)
+        yield chunk({}, "stop")
+        yield b"data: [DONE]\n\n"
+
+    return app

@@ -280,3 +280,25 @@ def test_cli_subprocess_errors_have_no_traceback(log_db, tmp_path):
     assert p.returncode == 2 and "--since" in p.stderr and "Traceback" not in p.stderr
     p = run_cli("export", "--db", url, "--since", "2020-01-01", "--until", "2020-01-02", "--out", "-")
     assert p.returncode == 0 and p.stdout == "" and "Traceback" not in p.stderr
+
+
+def test_reports_land_out_of_git_by_default(log_db, capsys):
+    """Without --out the report goes to <data dir>/report (./data/report from the repo root, which git
+    ignores, as it ignores a ./cachegw-report of older habits); the shipped artifacts stay tracked."""
+    *_, data_dir = log_db
+    assert main_analyze(["--data-dir", str(data_dir), *RANGE, "--format", "md"]) == 0
+    assert (data_dir / "report" / "report.md").is_file() and (data_dir / "report" / "summary.json").is_file()
+    capsys.readouterr()
+    written = [
+        "data/report/report.md",
+        "cachegw-report/report.html",
+        "docs/cachegw-report/a.png",
+        "verifier.npz",
+    ]
+    ignored = subprocess.run(
+        ["git", "check-ignore", "--no-index", *written, "policies/artifacts/verifier.npz"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert ignored.stdout.split() == written

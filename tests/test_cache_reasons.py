@@ -15,11 +15,15 @@ import pytest
 
 from tests.test_gateway import MODEL, ask, backend_url, chat, gateway, settings_for  # noqa: F401
 
+ADMIN_TOKEN = "cgw-reasons-admin-token"
+
 
 @pytest.fixture(scope="module")
 def gw(backend_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:  # noqa: F811
     data_dir = tmp_path_factory.mktemp("reasons")
-    with gateway(settings_for(data_dir, [backend_url])) as url:
+    s = settings_for(data_dir, [backend_url])
+    s = s.model_copy(update={"admin": s.admin.model_copy(update={"token": ADMIN_TOKEN})})
+    with gateway(s) as url:
         yield url, data_dir
 
 
@@ -95,3 +99,26 @@ def test_analyze_counts_the_same_reasons_as_the_log(gw: tuple[str, Path]) -> Non
         for r in build_summary(log, load_settings(None))["reasons"]
     }
     assert got == want and want.get("bypass/temperature", 0) >= 1
+
+
+def test_admin_stats_count_the_same_reasons_as_the_log(gw: tuple[str, Path]) -> None:
+    """/admin/api/stats (the dashboard's table) agrees with a SQL count, overall and bucket by bucket."""
+    url, data_dir = gw
+    _, h, _ = chat(url, ask("Name a prime number above ten."), temperature=None)
+    logged_reason(data_dir, h["x-request-id"])
+    with sqlite3.connect(data_dir / "cachegw.db") as db:
+        want = dict(
+            db.execute(
+                "SELECT cache_result || ':' || reason, count(*) FROM requests"
+                " WHERE cache_result IN ('miss', 'bypass') GROUP BY 1"
+            ).fetchall()
+        )
+    auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    stats = httpx.get(f"{url}/admin/api/stats", params={"window": "1h"}, headers=auth, timeout=30).json()
+    got = {f"{r['result']}:{r['reason']}": r["requests"] for r in stats["reasons"]}
+    per_bucket: dict[str, int] = {}
+    for point in stats["timeseries"]["points"]:
+        for key, n in point["reasons"].items():
+            per_bucket[key] = per_bucket.get(key, 0) + n
+    assert got == want == per_bucket and want.get("bypass:temperature", 0) >= 1
+    assert abs(sum(r["share"] for r in stats["reasons"]) - 1) < 1e-9

@@ -9,11 +9,12 @@ from typing import Any
 
 import pytest
 
-from policies.cacheability import Cacheability, CachePolicy, decide
+from policies.cacheability import Cacheability, CachePolicy, decide, exact_only, judge_answer
 
 ROOT = Path(__file__).resolve().parents[1]
 STRICT = CachePolicy()
 SAMPLING_OK = CachePolicy(serve_temperature_above_zero=True)
+UNSET_OK = CachePolicy(serve_unset_temperature=True)  # the operator's trade-off for unset temperatures
 CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
 COMPLETION: dict[str, Any] = {"model": "m", "prompt": "Once upon", "temperature": 0}
 
@@ -76,6 +77,9 @@ def test_repeated_headers_are_all_read() -> None:
         ({"temperature": 0.7}, STRICT, (False, False, "temperature")),
         ({"temperature": None}, STRICT, (False, False, "temperature")),  # null = OpenAI's default 1.0
         ({"temperature": 0.7}, SAMPLING_OK, (True, True, "ok")),
+        ({"temperature": None}, UNSET_OK, (True, True, "ok")),
+        ({"temperature": 0.7}, UNSET_OK, (False, False, "temperature")),  # asked for a sample explicitly
+        ({"temperature": 1.0}, UNSET_OK, (False, False, "temperature")),
         ({"temperature": 0.7, "seed": 42}, STRICT, (False, False, "temperature")),
         ({"temperature": 0.7, "seed": 42}, SAMPLING_OK, (True, True, "ok")),
         ({"temperature": 0.7, "top_k": 1}, STRICT, (True, True, "ok")),  # greedy after all
@@ -172,3 +176,137 @@ def test_only_no_store_keeps_nothing() -> None:
     assert decide(CHAT, {"Cache-Control": "no-store"}, STRICT).keeps_nothing
     assert not decide(CHAT, {"Cache-Control": "no-cache"}, STRICT).keeps_nothing
     assert not decide({**CHAT, "temperature": 1}, {}, STRICT).keeps_nothing
+
+
+# ---- what answer may be stored (judge_answer) and which turns are exact-only -------------------
+
+CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+}
+
+
+def answer(message: dict[str, Any], finish: str | None = "stop", n: int = 1) -> dict[str, Any]:
+    return {"choices": [{"index": i, "message": message, "finish_reason": finish} for i in range(n)]}
+
+
+@pytest.mark.parametrize(
+    ("response", "max_tokens", "expected"),
+    [
+        (answer({"role": "assistant", "content": "hi"}), None, (True, "ok", True)),
+        (
+            answer({"role": "assistant", "content": "hi", "tool_calls": [], "refusal": None}),
+            None,
+            (True, "ok", True),
+        ),
+        (
+            answer({"role": "assistant", "content": None, "tool_calls": [CALL]}, "tool_calls"),
+            None,
+            (True, "ok", False),
+        ),
+        (
+            answer({"role": "assistant", "tool_calls": [{"function": CALL["function"]}]}, "tool_calls"),
+            None,
+            (True, "ok", False),
+        ),
+        (
+            answer({"role": "assistant", "content": None, "tool_calls": [CALL]}, "stop"),
+            None,
+            (True, "ok", False),
+        ),
+        (answer({"role": "assistant", "content": "hi"}, "length"), 8, (True, "ok", True)),
+        (answer({"role": "assistant", "content": "hi"}, "length"), None, (False, "finish:length", True)),
+        (
+            answer({"role": "assistant", "content": None, "tool_calls": [CALL]}, "length"),
+            8,
+            (False, "finish:length", True),
+        ),
+        (answer({"role": "assistant", "content": "hi"}, None), None, (False, "finish:None", True)),
+        (
+            answer({"role": "assistant", "content": "hi"}, "content_filter"),
+            None,
+            (False, "finish:content_filter", True),
+        ),
+        (answer({"role": "assistant", "content": "hi"}, n=2), None, (False, "choices", True)),
+        ({"choices": []}, None, (False, "choices", True)),
+        (answer({"role": "assistant", "content": "", "refusal": "no"}), None, (False, "field:refusal", True)),
+        (
+            answer({"role": "assistant", "content": "hi", "reasoning_content": "hm"}),
+            None,
+            (False, "field:reasoning_content", True),
+        ),
+        (answer({"role": "assistant", "content": None}, "tool_calls"), None, (False, "tool-call", True)),
+        (
+            answer(
+                {
+                    "role": "assistant",
+                    "tool_calls": [{**CALL, "function": {"name": "f", "arguments": '{"ci'}}],
+                },
+                "tool_calls",
+            ),
+            None,
+            (False, "tool-call", True),
+        ),
+        (
+            answer({"role": "assistant", "tool_calls": [{**CALL, "id": ""}]}, "tool_calls"),
+            None,
+            (True, "ok", False),
+        ),
+        (
+            answer({"role": "assistant", "tool_calls": [{**CALL, "type": "custom"}]}, "tool_calls"),
+            None,
+            (False, "tool-call", True),
+        ),
+        (
+            answer(
+                {"role": "assistant", "tool_calls": [{**CALL, "function": {"arguments": "{}"}}]}, "tool_calls"
+            ),
+            None,
+            (False, "tool-call", True),
+        ),
+        (
+            answer({"role": "assistant", "tool_calls": {"0": CALL}}, "tool_calls"),
+            None,
+            (False, "tool-call", True),
+        ),
+    ],
+    ids=[
+        "text",
+        "vllm-empty-fields",
+        "tool-calls",
+        "call-without-type-or-id",
+        "tool-calls-with-stop",
+        "length-same-limit",
+        "length-no-limit",
+        "tool-calls-cut-short",
+        "no-finish",
+        "content-filter",
+        "two-choices",
+        "no-choice",
+        "refusal",
+        "reasoning",
+        "tool_calls-without-calls",
+        "arguments-not-json",
+        "call-without-id-gets-one-on-replay",
+        "not-a-function",
+        "call-without-name",
+        "calls-not-a-list",
+    ],
+)
+def test_judge_answer(response: dict, max_tokens: int | None, expected: tuple) -> None:
+    v = judge_answer(response, max_tokens)
+    assert (v.store, v.reason, v.semantic) == expected
+
+
+@pytest.mark.parametrize(
+    ("last", "expected"),
+    [
+        ({"role": "user", "content": "hi"}, False),
+        ({"role": "tool", "tool_call_id": "call_1", "content": "21C"}, True),
+        ({"role": "assistant", "content": "Sure, "}, True),
+    ],
+)
+def test_only_a_user_turn_is_compared_by_meaning(last: dict, expected: bool) -> None:
+    assert exact_only({"messages": [{"role": "user", "content": "q"}, last]}) is expected
+    assert exact_only({"prompt": "Once upon"}) is False

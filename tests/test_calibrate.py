@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from embeddings.encoder import Encoder
+from gateway.calibrate import THRESHOLDS, gateway_query, main_calibrate
 from gateway.config import load_settings
-from policies.calibrate import THRESHOLDS, gateway_query, main_calibrate
 from policies.verifier import DecisionRule, load_verifier
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -131,6 +131,19 @@ def test_dashboard_end_to_end(admin_gw, browser, tmp_path):
     cells = row.locator("td").all_inner_texts()
     assert cells[1] == str(answered["requests"]) and cells[2] == pct(answered["prefix_cache_ratio"])
     assert answered["requests"] == stats["overall"]["misses"] + stats["overall"]["bypasses"]
+    # why the misses were not hits: the same counts as the stats API, with a bar per busy bucket
+    assert stats["reasons"] and sum(r["requests"] for r in stats["reasons"]) == stats["overall"]["misses"]
+    for reason in stats["reasons"]:
+        row = page.locator(f'#reasons tbody tr[data-reason="{reason["result"]}:{reason["reason"]}"]')
+        row.wait_for()
+        cells = row.locator("td").all_inner_texts()
+        assert cells[:4] == [
+            reason["result"],
+            reason["reason"],
+            str(reason["requests"]),
+            pct(reason["share"]),
+        ]
+        assert row.locator("svg rect").count() >= 1
     # user text is shown as text, never parsed as markup
     page.locator("#entries td", has_text=MARKUP).wait_for()
     assert page.locator("#entries img, #entries b").count() == 0

@@ -21,8 +21,8 @@ from embeddings.index import ScopedIndex
 from gateway.cache import ResponseCache
 from gateway.cache_keys import request_keys
 from gateway.config import load_settings
-from gateway.proxy import SseRecorder
 from gateway.store import CacheEntry, Store
+from gateway.streams import SseRecorder
 from tests.test_gateway import (  # noqa: F401
     MODEL,
     SYSTEM,

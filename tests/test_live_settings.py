@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from backend.protocol import ApiError
 from gateway.admin_store import AdminStore
 from gateway.config import load_settings
 from gateway.live_settings import LiveSettings, view
 from gateway.store import Store
+from protocol.errors import ApiError
 
 
 @pytest.fixture

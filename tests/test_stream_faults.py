@@ -7,8 +7,10 @@ fault the real engine cannot be made to produce at a chosen point.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sqlite3
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +24,7 @@ from tests.servers import serve_in_thread
 from tests.test_gateway import gateway, settings_for
 
 MODEL = "faulty"
+RELEASE = threading.Event()  # lets the "crlf" stream send its second half
 
 
 def faulty_backend(calls: list[str]) -> FastAPI:
@@ -38,6 +41,26 @@ def faulty_backend(calls: list[str]) -> FastAPI:
         calls.append(how)
 
         async def events():
+            if how == "crlf":  # framed with CRLF, as the SSE spec allows; a whole, good answer
+                for i, word in enumerate(("Half ", "an answer")):
+                    if i:  # until the test has read the first event; 10 s at most, then end badly
+                        for _ in range(1000):
+                            if RELEASE.is_set():
+                                break
+                            await asyncio.sleep(0.01)
+                        else:
+                            return
+                    chunk = {
+                        "id": "chatcmpl-x",
+                        "object": "chat.completion.chunk",
+                        "created": 0,
+                        "model": MODEL,
+                        "choices": [{"index": 0, "delta": {"content": word}, "finish_reason": None}],
+                    }
+                    yield f"data: {json.dumps(chunk)}\r\n\r\n".encode()
+                last = {**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+                yield f"data: {json.dumps(last)}\r\n\r\ndata: [DONE]\r\n\r\n".encode()
+                return
             for word in ("Half ", "an answer"):
                 chunk = {
                     "id": "chatcmpl-x",
@@ -115,3 +138,43 @@ def test_a_broken_stream_ends_with_an_error_event_is_logged_502_and_never_stored
         assert int(error_logged.split(" after ")[1].split()[0]) > 0  # the bytes relayed are counted
     assert 'cachegw_gateway_errors_total{code="backend_error",status="502"} 2.0' in metrics
     assert 'status="500"' not in metrics
+
+
+def test_a_crlf_framed_stream_is_relayed_event_by_event_and_stored(
+    faulty: tuple[str, list[str]], tmp_path: Path
+) -> None:
+    """The first event reaches the client while the backend still holds the rest back (the gateway split
+    on LF-LF only and held a CRLF stream to its end: this waited for a release that never came)."""
+    backend, _ = faulty
+    RELEASE.clear()
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "crlf"}],
+        "temperature": 0,
+        "stream": True,
+    }
+    with gateway(settings_for(tmp_path, [backend])) as url:
+        auth = {"authorization": "Bearer tenant-a"}
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=auth, timeout=60) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data:"))
+            assert json.loads(first[5:])["choices"][0]["delta"]["content"] == "Half "
+            RELEASE.set()
+            rest = [line[5:].strip() for line in lines if line.startswith("data:")]
+        assert rest[-1] == "[DONE]"
+        status, cache, events = stream(url, "crlf")  # stored whole: the repeat is a hit
+    assert status == 200 and cache == "exact-hit"
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events) == "Half an answer"
+
+
+@pytest.mark.parametrize("framing", [b"\n", b"\r\n", b"\r"])
+def test_the_event_splitter_reads_every_line_ending_across_any_chunking(framing: bytes) -> None:
+    from protocol.sse import EventSplitter, data_of
+
+    stream_bytes = b"".join(b"data: " + w + framing + framing for w in (b"one", b"two", b"[DONE]"))
+    for size in (1, 2, 3, 7, len(stream_bytes)):
+        splitter = EventSplitter()
+        chunks = [stream_bytes[i : i + size] for i in range(0, len(stream_bytes), size)]
+        events = [e for chunk in chunks for e in splitter.feed(chunk)] + splitter.close()
+        assert [data_of(e) for e in events] == [b"one", b"two", b"[DONE]"], (framing, size)
+        assert splitter.rest == b""
