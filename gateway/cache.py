@@ -43,9 +43,9 @@ class Lookup:
     scope holds nothing), ``below-threshold``, ``not-servable`` (expired, flagged, too long for
     max_tokens, cut short), ``entry-threshold`` (its own threshold, raised by feedback), what the
     alignment of the two queries found (``context-differs``: a document, quote or code around the
-    question differs; ``too-long``: the differing part is longer than the encoder reads; ``guard:code``,
-    ``guard:polarity``, ``guard:units``, ``guard:numbers`` and the verifier's other guards),
-    ``verifier`` (the learned verifier said no), or ``exact-only`` (no semantic lookup for this request)."""
+    question differs; ``guard:code``, ``guard:polarity``, ``guard:units``, ``guard:numbers`` and the
+    verifier's other guards), ``verifier`` (the learned verifier said no to the differing part), or
+    ``exact-only`` (no semantic lookup for this request)."""
 
     result: str  # "exact-hit" | "semantic-hit" | "miss"
     entry: CacheEntry | None = None
@@ -208,7 +208,8 @@ class ResponseCache:
             verdict = await asyncio.to_thread(self.verifier.check_aligned, *args)
         if verdict.accepted:
             return None
-        return {"low_cosine": "below-threshold", "low_prob": "verifier"}.get(verdict.reason, verdict.reason)
+        # the verifier's own cosine floor counts as its no: the entry was close enough to be a candidate
+        return "verifier" if verdict.reason in ("low_cosine", "low_prob") else verdict.reason
 
     async def _get_entries(self, ids: list[int]) -> dict[int, CacheEntry]:
         found = {i: self._memo[i] for i in ids if i in self._memo}

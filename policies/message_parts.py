@@ -10,7 +10,8 @@ whitespace), and only the instruction is judged by meaning.
 - Quotes: lines starting with ``>``.
 - Documents: in a message longer than ``LONG_WORDS`` words every block between the first and the last is
   material, and so is a long first or last paragraph except an instruction sentence peeled off it: a
-  first sentence ending in ":" ("Summarize the following:") and the last sentence of the message.
+  first sentence ending in ":" ("Summarize the following:"), else the last sentence of the message when
+  no instruction came before it.
 """
 
 from __future__ import annotations
@@ -117,17 +118,18 @@ def split_message(text: str) -> tuple[Block, ...]:
         elif words(b.text) <= LONG_WORDS:
             out.append(b)
         else:
-            out += _peel(b.text, first=i == 0, last=i == last)
+            has_instruction = any(x.kind == "text" for x in out)
+            out += _peel(b.text, first=i == 0, last=i == last and not has_instruction)
     return tuple(out)
 
 
 def _peel(text: str, first: bool, last: bool) -> list[Block]:
-    """A long first or last paragraph: the material, with an instruction sentence on either end."""
+    """A long first or last paragraph: the material, with an instruction sentence on one end."""
     sents = _sentences(text)
     head: list[Block] = []
     tail: list[Block] = []
     if first and len(sents) > 1 and sents[0].endswith(":") and words(sents[0]) <= LONG_WORDS:
         head.append(Block("text", sents.pop(0)))
-    if last and len(sents) > 1 and words(sents[-1]) <= LONG_WORDS:
+    if last and not head and len(sents) > 1 and words(sents[-1]) <= LONG_WORDS:
         tail.append(Block("text", sents.pop()))
     return [*head, Block("doc", " ".join(sents)), *tail]

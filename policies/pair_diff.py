@@ -9,8 +9,8 @@ identical and only those spans need a verdict:
    otherwise ``guard:code`` (a code block differs) or ``context-differs``.
 2. Where only instruction blocks differ, they are the *focus*: the learned verifier judges the two
    focus texts (re-embedded alone when material was set apart, so a paraphrased question over an
-   identical document still hits). A focus longer than ``FOCUS_MAX_WORDS`` cannot be read whole by the
-   encoder: ``too-long``.
+   identical document still hits). An instruction block has at most ``LONG_WORDS`` (60) words and only
+   the first and the last block of a long message can be one, so the encoder always reads a focus whole.
 3. Inside the focus, each differing token span is checked: code-like tokens (operators, identifiers,
    inline code) must match (``guard:code``), and a short substitution of a word by its opposite
    (WordNet antonyms, a negating prefix: ``policies/opposites.py``) is ``guard:polarity``.
@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from difflib import SequenceMatcher
 from functools import lru_cache
 
-from policies.message_parts import Block, split_message, words
+from policies.message_parts import Block, split_message
 from policies.opposites import opposite
+from policies.verifier_features import STOPWORDS
 
-FOCUS_MAX_WORDS = 150  # about 200 word pieces: what the encoder and the cross-encoder read whole
-_SPAN_MAX = 3  # a substitution of at most this many tokens a side is checked for opposites
+_SPAN_MAX = 2  # a substitution of at most this many tokens a side is checked for opposites
 _TOKEN_RE = re.compile(
     r"`[^`\n]+`"  # inline code, one token
     r"|[A-Za-z_][\w]*(?:\.[A-Za-z_]\w*)+(?:\(\))?"  # dotted names: os.path.join, a.b()
@@ -39,15 +39,22 @@ _TOKEN_RE = re.compile(
     r"|\w+(?:'\w+)?"  # words and numbers
     r"|[+\-*/%=<>!&|^~]+"  # operators
 )
-_CAMEL_RE = re.compile(r"^[a-z]+[A-Z]\w*$")
+_CAMEL_RE = re.compile(r"^[a-z]{2,}[A-Z][a-z]")  # getValue, not iPhone or eBay
 _SNAKE_RE = re.compile(r"[A-Za-z0-9]_[A-Za-z0-9]")
 _OPERATOR_RE = re.compile(r"^[+\-*/%=<>!&|^~]+$")
+# Operators of the common languages; other runs of symbols in prose are punctuation or emoticons (":-/").
+_OPERATORS = frozenset(
+    "== != <= >= += -= *= /= %= -> => && || ** // << >> ++ ::= := === !== = < > | ^ ~".split()
+)
+_ARITHMETIC = frozenset("+ * % &".split())  # code only where the other side has another operator there
+# Top-level domains: "quora.com" or "musical.ly" in a question is a name, not code.
+_DOMAINS = frozenset("com org net io ly co uk in edu gov de fr me tv ai app".split())
 
 
 @dataclass(frozen=True)
 class Alignment:
-    """What the alignment leaves to decide. ``outcome``: "same" (equal up to whitespace and case: a hit
-    with no model call), "refuse" (``reason`` says why) or "judge" (the verifier reads the focus)."""
+    """What the alignment leaves to decide. ``outcome``: "same" (equal up to whitespace: a hit with no
+    model call), "refuse" (``reason`` says why) or "judge" (the verifier reads the focus)."""
 
     outcome: str
     reason: str = ""
@@ -64,13 +71,14 @@ def _tokens(text: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 def _code_token(t: str) -> bool:
-    """Inline code, an identifier (snake_case, camelCase, a call, a dotted name other than "U.S." or
-    "e.g.") or an operator prose rarely writes alone (==, +=, ->, <, |)."""
+    """Inline code, an identifier (snake_case, camelCase, a call, a dotted name such as os.path.join but
+    not "U.S.", "B.Tech" or "quora.com") or a two-character operator of a programming language."""
     if t.startswith("`") or t.endswith("()") or _CAMEL_RE.match(t) or _SNAKE_RE.search(t):
         return True
-    if "." in t:
-        return any(len(part) > 2 for part in t.split("."))
-    return bool(_OPERATOR_RE.match(t)) and (len(t) > 1 or t in "=<>|^~")
+    if "." in t:  # os.path.join, df.sort_values; not "error.can" (a missing space) or "quora.com"
+        parts = t.split(".")
+        return parts[-1] not in _DOMAINS and (len(parts) > 2 or any(not p.isalpha() for p in parts))
+    return t in _OPERATORS and len(t) > 1  # "x >= 1"; a lone "<" or "=" counts against another one
 
 
 def span_reason(text_new: str, text_old: str) -> str:
@@ -81,14 +89,27 @@ def span_reason(text_new: str, text_old: str) -> str:
         if op == "equal":
             continue
         span_a, span_b = raw_a[i1:i2], raw_b[j1:j2]
-        ops_a = [t for t in span_a if _OPERATOR_RE.match(t)]
-        ops_b = [t for t in span_b if _OPERATOR_RE.match(t)]
+        ops_a = [t for t in span_a if t in _OPERATORS or t in _ARITHMETIC]  # "+" / "*", not "!" / "-"
+        ops_b = [t for t in span_b if t in _OPERATORS or t in _ARITHMETIC]
         if any(_code_token(t) for t in span_a + span_b) or (ops_a and ops_b and ops_a != ops_b):
             return "guard:code"
         if op == "replace" and len(span_a) <= _SPAN_MAX and len(span_b) <= _SPAN_MAX:
-            if any(opposite(x, y) for x in a[i1:i2] for y in b[j1:j2]):
+            if _flips(a[i1:i2], b[j1:j2]):
                 return "guard:polarity"
     return ""
+
+
+def _flips(span_a: tuple[str, ...], span_b: tuple[str, ...]) -> bool:
+    """A word swapped for its opposite, with nothing else in the swap but function words ("cheaper" /
+    "more expensive"): "my questions off Quora" / "my question on Quora" changes a content word too
+    and is left to the verifier, as are two flips that cancel ("never" / "un-")."""
+    for x in span_a:
+        for y in span_b:
+            if opposite(x, y):
+                rest = [t for t in span_a if t != x] + [t for t in span_b if t != y]
+                if all(t in STOPWORDS for t in rest):
+                    return True
+    return False
 
 
 def _join(blocks: list[Block]) -> str:
@@ -97,7 +118,7 @@ def _join(blocks: list[Block]) -> str:
 
 def align(q_new: str, q_old: str) -> Alignment:
     """Account for every difference between two user messages (see the module docstring)."""
-    if " ".join(q_new.split()).lower() == " ".join(q_old.split()).lower():
+    if q_new.split() == q_old.split():
         return Alignment("same")
     blocks_a, blocks_b = split_message(q_new), split_message(q_old)
     has_material = any(b.material for b in blocks_a + blocks_b)
@@ -123,8 +144,6 @@ def align(q_new: str, q_old: str) -> Alignment:
         focus_a, focus_b, reembed = _join(diff_a), _join(diff_b), not whole
         if whole:
             focus_a, focus_b = q_new, q_old
-    if max(words(focus_a), words(focus_b)) > FOCUS_MAX_WORDS:
-        return Alignment("refuse", "too-long")
     reason = span_reason(focus_a, focus_b)
     if reason:
         return Alignment("refuse", reason)

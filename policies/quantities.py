@@ -30,7 +30,8 @@ _SPELLED = {"per": "per", "an": "per", "a": "per"}
 # after a number they are almost always the sentence going on.
 _NOT_UNITS = frozenset(
     """a an the in at are is as or and on to of by for it its am pm from with than per x each
-    old more less about over under up down out off into""".split()
+    old more less about over under up down out off into
+    us u pc it my me we be do go no so if he""".split()  # "2016 US", "a Windows 7 PC", "Win 10 it"
 )
 _ALIASES = {"°c": "degC", "°f": "degF", "°": "degree", "celsius": "degC", "fahrenheit": "degF"}
 
@@ -78,10 +79,10 @@ def _fmt(x: float) -> str:
 
 
 @lru_cache(maxsize=65536)
-def quantities(text: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The unit-bearing quantities of a text as canonical strings ("5000 meter", "5 usd"), and the
-    digit strings they consumed (so the plain-number comparison leaves them out). Units keep their case
-    ("5 MB" is megabytes, "5 mb" millibarns); scale words and currencies do not."""
+def quantities(text: str) -> tuple[tuple[str, str], ...]:
+    """The numbers of a text that carry a unit, a currency or a scale word, as (the digits written, the
+    amount: "5000 meter", "5 usd", "50000"), sorted. Units keep their case ("5 MB" is megabytes, "5 mb"
+    millibarns); scale words and currencies do not."""
     found: list[str] = []
     used: list[str] = []
     for m in _QUANTITY_RE.finditer(text):
@@ -99,9 +100,7 @@ def quantities(text: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
             found.append(f"{_fmt(value)} {_CURRENCY_WORDS[first]}")
         else:
             name = None
-            if (
-                len(words) == 3 and words[1].lower() in _SPELLED
-            ):  # "miles per hour", "5 times a day" is not one
+            if len(words) == 3 and words[1].lower() in _SPELLED:  # "miles per hour"
                 name = _unit_name(f"{words[0]}/{words[2]}")
             if name is None and words:
                 name = _unit_name(words[0])
@@ -112,4 +111,4 @@ def quantities(text: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
                 continue
             found.append(_base(value, name))
         used.append(raw)
-    return tuple(sorted(found)), tuple(used)
+    return tuple(sorted(zip(used, found, strict=True)))

@@ -66,7 +66,7 @@ class Verdict:
     prob: float
     cosine: float
     # "hit", "low_cosine", "low_prob", "guard:<name>", or from the alignment (policies/pair_diff.py):
-    # "context-differs", "too-long", "guard:code", "guard:polarity"
+    # "context-differs", "guard:code", "guard:polarity"
     reason: str
 
 

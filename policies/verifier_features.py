@@ -178,6 +178,7 @@ class ParsedQuery:
     content: frozenset[str]
     numbers: tuple[str, ...]  # numbers with units as values in base units ("5 km" -> "5000 meter")
     digits: tuple[str, ...]  # the same numbers as digit strings, units ignored (the guard before units)
+    amounts: tuple[tuple[str, str], ...]  # (digits, amount) of the numbers written with a unit
     arith_ops: frozenset[str]
     negated: bool
     wh: str
@@ -216,16 +217,26 @@ def _digits(lower: str, tokens: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(sorted(vals))
 
 
-def _numbers(text: str, digits: tuple[str, ...]) -> tuple[str, ...]:
-    """``digits`` with each number that carries a unit or a currency replaced by its value in base
-    units ("5 km" and "5000 m": "5000 meter"), so the same amount in other units is equal and the same
-    digits in other units are not."""
-    with_units, used = quantities(text)
+def _numbers(text: str, digits: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """``digits`` with each number that carries a unit, a currency or a scale word replaced by its
+    amount ("5 km" and "5000 m": "5000 meter"), and those numbers as (digits, amount) pairs."""
+    amounts = tuple((_canon_number(raw), amount) for raw, amount in quantities(text))
     vals = list(digits)
-    for raw in used:
-        if _canon_number(raw) in vals:
-            vals.remove(_canon_number(raw))
-    return tuple(sorted(vals + list(with_units)))
+    for raw, _ in amounts:
+        if raw in vals:
+            vals.remove(raw)
+    return tuple(sorted(vals + [amount for _, amount in amounts])), amounts
+
+
+def _amounts_conflict(a: ParsedQuery, b: ParsedQuery) -> bool:
+    """The same digits name other amounts on the two sides: "5 km" / "5 miles", "10 minutes" / "10
+    hours". A unit written on one side only is not a conflict ("19 years" / "after 19")."""
+    with_unit_a = [(r, x) for r, x in a.amounts if " " in x]  # "50k" alone names no unit
+    with_unit_b = [(r, x) for r, x in b.amounts if " " in x]
+    for raw in {r for r, _ in with_unit_a} & {r for r, _ in with_unit_b}:
+        if {x for r, x in with_unit_a if r == raw} != {x for r, x in with_unit_b if r == raw}:
+            return True
+    return False
 
 
 def _entities(text: str) -> frozenset[str]:
@@ -269,12 +280,14 @@ def parse(text: str) -> ParsedQuery:
     squashed = " ".join(tokens)
     first_wh = next((t for t in tokens if t in _WH_WORDS), "")
     digits = _digits(lower, tokens)
+    numbers, amounts = _numbers(text, digits)
     return ParsedQuery(
         tokens=tokens,
         token_set=frozenset(tokens),
         content=frozenset(t for t in tokens if t not in STOPWORDS),
-        numbers=_numbers(text, digits),
+        numbers=numbers,
         digits=digits,
+        amounts=amounts,
         arith_ops=frozenset(_ARITH_RE.findall(lower)),
         negated=bool(_NEGATION_RE.search(_NEUTRAL_NEG_RE.sub(" ", lower))),
         wh=first_wh,
@@ -377,13 +390,14 @@ GUARD_NAMES: tuple[str, ...] = ("numbers", "units", "negation", "antonym", "scri
 
 
 def guard_reason(q_a: str, q_b: str, units: bool = True) -> str | None:
-    """Name of the first hard guard the pair violates, or None when no guard vetoes it. ``units=False``
-    compares numbers as digit strings, as before units were read (the benchmark's "before")."""
+    """Name of the first hard guard the pair violates, or None when no guard vetoes it. Numbers must
+    match as digits or as amounts with their units, and the same digits must not name other amounts
+    ("units"). ``units=False`` compares digits only, as before units were read (the bench's "before")."""
     a, b = parse(q_a), parse(q_b)
-    if not units and a.digits != b.digits:
+    if a.digits != b.digits and (not units or a.numbers != b.numbers):  # "5 km" = "5000 m"
         return "numbers"
-    if units and a.numbers != b.numbers:
-        return "units" if a.digits == b.digits else "numbers"  # "units": same digits, other amounts
+    if units and a.digits == b.digits and _amounts_conflict(a, b):
+        return "units"
     if a.arith_ops != b.arith_ops:
         return "numbers"
     if a.negated != b.negated:
