@@ -11,6 +11,8 @@ artifact on the training side of that split; ``--retrain-cross`` refits the cros
 shipped config: MLP plus the int8 ONNX cross-encoder), and the MLP alone next to it. banking77 is scored
 without retraining.
 Writes bench/results/verifier_quality.json and verifier_quality.png, prints a table.
+Before / after the alignment of two queries (policies/pair_diff.py), per family of request shapes and on
+the same QQP and banking77 sets: bench/verifier_families.py.
 """
 
 from __future__ import annotations
