@@ -25,6 +25,7 @@ from gateway.config import CacheConfig
 from gateway.store import CacheEntry, Store
 from policies.cacheability import ANY_AGE, Freshness
 from policies.pair_diff import align
+from policies.pair_diff import warm as warm_alignment
 from policies.verifier import DecisionRule, Verifier
 
 log = logging.getLogger("cachegw.gateway")
@@ -98,6 +99,8 @@ class ResponseCache:
         self._exact: dict[str, list[int]] = {}
         self._exact_of: dict[int, str] = {}
         self.synced_at = time.time()  # of the last successful ``sync`` (a metric)
+        if config.semantic:
+            warm_alignment()
 
     def threshold(self, model: str, tenant_name: str) -> float:
         """Per-tenant over per-model over the global threshold."""

@@ -29,6 +29,7 @@ from functools import lru_cache
 
 from policies.message_parts import Block, split_message
 from policies.opposites import opposite
+from policies.quantities import warm as warm_units
 from policies.verifier_features import STOPWORDS
 
 _SPAN_MAX = 2  # a substitution of at most this many tokens a side is checked for opposites
@@ -110,6 +111,13 @@ def _flips(span_a: tuple[str, ...], span_b: tuple[str, ...]) -> bool:
                 if all(t in STOPWORDS for t in rest):
                     return True
     return False
+
+
+def warm() -> None:
+    """Read the opposites lexicon and the unit registry now (about 2 s at start) rather than on the event
+    loop during the first lookup."""
+    opposite("on", "off")
+    warm_units()
 
 
 def _join(blocks: list[Block]) -> str:
