@@ -12,7 +12,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-SHARED_DATA = ROOT.parent / "shared" / "data"
+# ../shared/data beside the checkout; a git worktree elsewhere falls back to the workplace's copy
+SHARED_DATA = next(
+    (p for p in (ROOT.parent / "shared" / "data", Path("/work/shared/data")) if p.is_dir()),
+    ROOT.parent / "shared" / "data",
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -11,6 +11,8 @@ artifact on the training side of that split; ``--retrain-cross`` refits the cros
 shipped config: MLP plus the int8 ONNX cross-encoder), and the MLP alone next to it. banking77 is scored
 without retraining.
 Writes bench/results/verifier_quality.json and verifier_quality.png, prints a table.
+Before / after the alignment of two queries (policies/pair_diff.py), per family of request shapes and on
+the same QQP and banking77 sets: bench/verifier_families.py.
 """
 
 from __future__ import annotations
@@ -54,10 +56,11 @@ CACHE_DIR = Path(tempfile.gettempdir()) / "cachegw-bench-embeddings"
 class CachedEncoder:
     """Encoder memoised per text in one store under the temp dir, so reruns skip the 10-minute embed."""
 
-    def __init__(self) -> None:
+    def __init__(self, cache_dir: Path = CACHE_DIR) -> None:
         self._enc = Encoder()
-        CACHE_DIR.mkdir(parents=True, exist_ok=True)
-        self._texts_path, self._emb_path = CACHE_DIR / "texts.json", CACHE_DIR / "emb.npy"
+        self._dir = cache_dir
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        self._texts_path, self._emb_path = cache_dir / "texts.json", cache_dir / "emb.npy"
         self._texts: list[str] = []
         self._emb = np.zeros((0, self._enc.dim), dtype=np.float32)
         if self._texts_path.exists() and self._emb_path.exists():
@@ -68,7 +71,7 @@ class CachedEncoder:
     def encode(self, texts: list[str], show_progress: bool = True) -> np.ndarray:
         missing = list(dict.fromkeys(t for t in texts if t not in self._row))
         if missing:
-            print(f"  embedding {len(missing):,} new texts (cached in {CACHE_DIR})", flush=True)
+            print(f"  embedding {len(missing):,} new texts (cached in {self._dir})", flush=True)
             new = self._enc.encode(missing, show_progress=show_progress)
             self._row.update({t: len(self._texts) + i for i, t in enumerate(missing)})
             self._texts += missing

@@ -26,6 +26,8 @@ from gateway.config import CacheConfig
 from gateway.keyed_locks import KeyedLocks
 from gateway.store import CacheEntry, Store
 from policies.cacheability import ANY_AGE, Freshness, judge_answer
+from policies.pair_diff import align
+from policies.pair_diff import warm as warm_alignment
 from policies.verifier import DecisionRule, Verifier
 
 log = logging.getLogger("cachegw.gateway")
@@ -42,8 +44,11 @@ class Lookup:
     """What the cache found. ``reason`` says why (the x-cache-reason header): ``exact`` and
     ``semantic`` for hits; for a miss, why the nearest candidate was refused: ``no-candidate`` (the
     scope holds nothing), ``below-threshold``, ``not-servable`` (expired, flagged, too long for
-    max_tokens, cut short), ``entry-threshold`` (its own threshold, raised by feedback), ``verifier``,
-    or ``exact-only`` (no semantic lookup for this request)."""
+    max_tokens, cut short), ``entry-threshold`` (its own threshold, raised by feedback), what the
+    alignment of the two queries found (``context-differs``: a document, quote or code around the
+    question differs; ``guard:code``, ``guard:polarity``, ``guard:units``, ``guard:numbers`` and the
+    verifier's other guards), ``verifier`` (the learned verifier said no to the differing part), or
+    ``exact-only`` (no semantic lookup for this request)."""
 
     result: str  # "exact-hit" | "semantic-hit" | "miss"
     entry: CacheEntry | None = None
@@ -96,6 +101,8 @@ class ResponseCache:
         self._exact_of: dict[int, str] = {}
         self._storing = KeyedLocks()  # one insert per exact key at a time: its replace is seen whole
         self.synced_at = time.time()  # of the last successful ``sync`` (a metric)
+        if config.semantic:
+            warm_alignment()
 
     def threshold(self, model: str, tenant_name: str) -> float:
         """Per-tenant over per-model over the global threshold."""
@@ -171,28 +178,43 @@ class ResponseCache:
                 if entry.threshold is not None and sim < entry.threshold:  # learned from feedback
                     refused.append("entry-threshold")
                     continue
-                if await self._verified(keys.query, vec, entry, sim, threshold):
+                why = await self._refusal(keys.query, vec, entry, threshold)
+                if why is None:
                     result.result, result.entry, result.similarity = "semantic-hit", entry, sim
                     result.reason = "semantic"
                     break
-                refused.append("verifier")
+                refused.append(why)
             else:
                 result.reason = refused[0]
         result.lookup_ms = _ms(start)
         return result
 
-    async def _verified(
-        self, query: str, vec: np.ndarray, entry: CacheEntry, sim: float, threshold: float
-    ) -> bool:
+    async def _refusal(self, query: str, vec: np.ndarray, entry: CacheEntry, threshold: float) -> str | None:
+        """Why the candidate may not answer this query, or None. The two texts are aligned first
+        (microseconds): material around the question must be identical and code, opposites and units
+        in the differing spans refuse outright. The verifier then judges the differing part; when that
+        is not the whole text (a question under a document), it is embedded alone, both sides in one
+        encoder call."""
+        al = align(query, entry.query_text)
+        if al.outcome != "judge":
+            return None if al.outcome == "same" else al.reason
         if not self.config.verifier or self.verifier is None or entry.embedding is None:
-            return True
-        stored = np.frombuffer(entry.embedding, dtype=np.float32)
+            return None
+        if al.reembed and self.batcher is not None:
+            emb = await self.batcher.embed_many([al.focus_new, al.focus_old])
+            u, v = emb[0], emb[1]
+        else:
+            u, v = vec, np.frombuffer(entry.embedding, dtype=np.float32)
         rule = DecisionRule(min_cosine=threshold, min_prob=self.config.verifier_threshold)
-        args = ([query], [entry.query_text], vec[None], stored[None], rule)
+        args = (al, u[None], v[None], rule)
         if self.verifier.cross is None:  # the MLP alone takes ~0.1 ms: not worth a thread hop
-            return self.verifier.check_batch(*args)[0].accepted
-        # the cross-encoder (~2 ms) runs off the event loop; ORT releases the GIL
-        return (await asyncio.to_thread(self.verifier.check_batch, *args))[0].accepted
+            verdict = self.verifier.check_aligned(*args)
+        else:  # the cross-encoder (~2 ms) runs off the event loop; ORT releases the GIL
+            verdict = await asyncio.to_thread(self.verifier.check_aligned, *args)
+        if verdict.accepted:
+            return None
+        # the verifier's own cosine floor counts as its no: the entry was close enough to be a candidate
+        return "verifier" if verdict.reason in ("low_cosine", "low_prob") else verdict.reason
 
     async def _get_entries(self, ids: list[int]) -> dict[int, CacheEntry]:
         found = {i: self._memo[i] for i in ids if i in self._memo}

@@ -27,6 +27,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from policies.pair_diff import Alignment
+from policies.quantities import warm
 from policies.verifier_features import LEXICAL_NAMES, guard_reason, pair_features
 
 log = logging.getLogger(__name__)
@@ -63,7 +65,9 @@ class Verdict:
     accepted: bool
     prob: float
     cosine: float
-    reason: str  # "hit", "low_cosine", "low_prob" or "guard:<name>"
+    # "hit", "low_cosine", "low_prob", "guard:<name>", or from the alignment (policies/pair_diff.py):
+    # "context-differs", "guard:code", "guard:polarity"
+    reason: str
 
 
 class VerifierDataError(ValueError):
@@ -94,6 +98,7 @@ class Verifier:
         self.params = {k: np.asarray(params[k], dtype=np.float32) for k in _PARAM_KEYS}
         self.meta = meta
         self.cross = cross
+        self.units = True  # numbers compared as values with units; False: as digit strings (before)
         self._inv_std = 1.0 / self.params["std"]
 
     @classmethod
@@ -106,6 +111,7 @@ class Verifier:
         if meta.get("format_version", FORMAT_VERSION) != FORMAT_VERSION:
             raise ValueError(f"{p}: unsupported verifier format {meta.get('format_version')}")
         log.info("loaded verifier %s (%d features)", p, params["mean"].shape[0])
+        warm()  # the unit registry, read on the first query naming a unit otherwise
         return cls(params, meta, cross)
 
     def save(self, path: str | Path) -> None:
@@ -129,14 +135,16 @@ class Verifier:
         if n != len(q_old):
             raise ValueError("q_new and q_old differ in length")
         out = np.zeros(n, dtype=np.float32)
-        keep = [i for i in range(n) if guard_reason(q_new[i], q_old[i]) is None]
+        keep = [i for i in range(n) if guard_reason(q_new[i], q_old[i], self.units) is None]
         if keep:
             u, v = _as_matrix(emb_new, n)[keep], _as_matrix(emb_old, n)[keep]
             a, b = [q_new[i] for i in keep], [q_old[i] for i in keep]
             out[keep] = self._combine(a, b, self._mlp(pair_features(a, b, u, v)))
         return out
 
-    def _combine(self, a: list[str], b: list[str], p_mlp: np.ndarray, min_prob: float = 0.0) -> np.ndarray:
+    def _combine(
+        self, a: list[str], b: list[str], p_mlp: np.ndarray, min_prob: float = 0.0, cross: bool = True
+    ) -> np.ndarray:
         """The final probability: the MLP's, or its geometric mean with the cross-encoder's.
 
         A pair whose MLP probability is under ``min_prob ** 2`` cannot reach ``min_prob`` whatever the
@@ -145,7 +153,7 @@ class Verifier:
         symmetric, and on QQP its verdict flipped with the order for 8% of candidates, so whether a
         paraphrase hit depended on which of the two queries had come first.
         """
-        if self.cross is None:
+        if self.cross is None or not cross:
             return p_mlp
         out = np.sqrt(p_mlp).astype(np.float32)
         ask = np.flatnonzero(p_mlp >= min_prob**2)
@@ -165,15 +173,17 @@ class Verifier:
         emb_new: np.ndarray,
         emb_old: np.ndarray,
         rule: DecisionRule = DEFAULT_RULE,
+        cross: bool = True,
     ) -> list[Verdict]:
-        """Full decision with reasons; pairs under the cosine pre-filter skip the MLP."""
+        """Full decision with reasons; pairs under the cosine pre-filter skip the MLP. ``cross=False``
+        leaves the cross-encoder out (the MLP's probability alone is compared with ``min_prob``)."""
         n = len(q_new)
         u, v = _as_matrix(emb_new, n), _as_matrix(emb_old, n)
         cos = np.einsum("ij,ij->i", u, v)
         verdicts: list[Verdict | None] = [None] * n
         todo = []
         for i in range(n):
-            guard = guard_reason(q_new[i], q_old[i])
+            guard = guard_reason(q_new[i], q_old[i], self.units)
             if cos[i] < rule.min_cosine:
                 verdicts[i] = Verdict(False, 0.0, float(cos[i]), "low_cosine")
             elif guard is not None:
@@ -182,11 +192,29 @@ class Verifier:
                 todo.append(i)
         if todo:
             a, b = [q_new[i] for i in todo], [q_old[i] for i in todo]
-            probs = self._combine(a, b, self._mlp(pair_features(a, b, u[todo], v[todo])), rule.min_prob)
+            p_mlp = self._mlp(pair_features(a, b, u[todo], v[todo]))
+            probs = self._combine(a, b, p_mlp, rule.min_prob, cross)
             for i, prob in zip(todo, probs, strict=True):
                 ok = rule.decide(float(cos[i]), float(prob))
                 verdicts[i] = Verdict(ok, float(prob), float(cos[i]), "hit" if ok else "low_prob")
         return [v for v in verdicts if v is not None]
+
+    def check_aligned(
+        self, al: Alignment, emb_new: np.ndarray, emb_old: np.ndarray, rule: DecisionRule = DEFAULT_RULE
+    ) -> Verdict:
+        """The verdict on one pair after ``pair_diff.align``: equal texts hit, a refused alignment misses
+        with its reason, and otherwise the guards and models judge the focus. ``emb_new`` / ``emb_old``
+        are the focus texts' embeddings (the whole texts' when ``al.reembed`` is false).
+
+        A focus that is part of a longer message (an instruction over a document or code) is judged by
+        the MLP alone: the cross-encoder learned QQP's questions and refuses light rewordings of an
+        instruction ("What is the tone of this text?" / "What's the tone...": 0.49); on the families'
+        tune split it added no true refusal there (docs/verifier.md)."""
+        if al.outcome == "same":
+            return Verdict(True, 1.0, 1.0, "hit")
+        if al.outcome == "refuse":
+            return Verdict(False, 0.0, 0.0, al.reason)
+        return self.check_batch([al.focus_new], [al.focus_old], emb_new, emb_old, rule, not al.reembed)[0]
 
     def accept_batch(
         self,

@@ -15,6 +15,8 @@ from functools import lru_cache
 
 import numpy as np
 
+from policies.quantities import quantities
+
 _WORD_RE = re.compile(r"[a-z0-9]+(?:'[a-z]+)?")
 _SEQ_RE = re.compile(r"[a-z0-9]+(?:'[a-z]+)?|[,&/]")
 # Words that join symmetric conjuncts: "Java or Python" and "Python or Java" ask the same question.
@@ -174,7 +176,9 @@ class ParsedQuery:
     tokens: tuple[str, ...]
     token_set: frozenset[str]
     content: frozenset[str]
-    numbers: tuple[str, ...]
+    numbers: tuple[str, ...]  # numbers with units as values in base units ("5 km" -> "5000 meter")
+    digits: tuple[str, ...]  # the same numbers as digit strings, units ignored (the guard before units)
+    amounts: tuple[tuple[str, str], ...]  # (digits, amount) of the numbers written with a unit
     arith_ops: frozenset[str]
     negated: bool
     wh: str
@@ -202,11 +206,37 @@ def _singular(word: str) -> str:
     return word[:-1] if len(word) > 3 and word.endswith("s") and not word.endswith("ss") else word
 
 
-def _numbers(lower: str, tokens: tuple[str, ...]) -> tuple[str, ...]:
+def _canon_number(digits: str) -> str:
+    return digits.replace(",", "").rstrip(".").lstrip("0") or "0"
+
+
+def _digits(lower: str, tokens: tuple[str, ...]) -> tuple[str, ...]:
     """Numbers as canonical strings: digits with separators dropped, plus spelled-out number words."""
-    vals = [m.replace(",", "").rstrip(".").lstrip("0") or "0" for m in _NUMBER_RE.findall(lower)]
+    vals = [_canon_number(m) for m in _NUMBER_RE.findall(lower)]
     vals += [str(_NUMBER_WORDS[t]) for t in tokens if t in _NUMBER_WORDS]
     return tuple(sorted(vals))
+
+
+def _numbers(text: str, digits: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """``digits`` with each number that carries a unit, a currency or a scale word replaced by its
+    amount ("5 km" and "5000 m": "5000 meter"), and those numbers as (digits, amount) pairs."""
+    amounts = tuple((_canon_number(raw), amount) for raw, amount in quantities(text))
+    vals = list(digits)
+    for raw, _ in amounts:
+        if raw in vals:
+            vals.remove(raw)
+    return tuple(sorted(vals + [amount for _, amount in amounts])), amounts
+
+
+def _amounts_conflict(a: ParsedQuery, b: ParsedQuery) -> bool:
+    """The same digits name other amounts on the two sides: "5 km" / "5 miles", "10 minutes" / "10
+    hours". A unit written on one side only is not a conflict ("19 years" / "after 19")."""
+    with_unit_a = [(r, x) for r, x in a.amounts if " " in x]  # "50k" alone names no unit
+    with_unit_b = [(r, x) for r, x in b.amounts if " " in x]
+    for raw in {r for r, _ in with_unit_a} & {r for r, _ in with_unit_b}:
+        if {x for r, x in with_unit_a if r == raw} != {x for r, x in with_unit_b if r == raw}:
+            return True
+    return False
 
 
 def _entities(text: str) -> frozenset[str]:
@@ -249,11 +279,15 @@ def parse(text: str) -> ParsedQuery:
     tokens = tuple(_WORD_RE.findall(lower))
     squashed = " ".join(tokens)
     first_wh = next((t for t in tokens if t in _WH_WORDS), "")
+    digits = _digits(lower, tokens)
+    numbers, amounts = _numbers(text, digits)
     return ParsedQuery(
         tokens=tokens,
         token_set=frozenset(tokens),
         content=frozenset(t for t in tokens if t not in STOPWORDS),
-        numbers=_numbers(lower, tokens),
+        numbers=numbers,
+        digits=digits,
+        amounts=amounts,
         arith_ops=frozenset(_ARITH_RE.findall(lower)),
         negated=bool(_NEGATION_RE.search(_NEUTRAL_NEG_RE.sub(" ", lower))),
         wh=first_wh,
@@ -352,13 +386,19 @@ def _role_swap(a: ParsedQuery, b: ParsedQuery, min_overlap: float = 0.5) -> bool
     return False
 
 
-GUARD_NAMES: tuple[str, ...] = ("numbers", "negation", "antonym", "script", "swap", "time")
+GUARD_NAMES: tuple[str, ...] = ("numbers", "units", "negation", "antonym", "script", "swap", "time")
 
 
-def guard_reason(q_a: str, q_b: str) -> str | None:
-    """Name of the first hard guard the pair violates, or None when no guard vetoes it."""
+def guard_reason(q_a: str, q_b: str, units: bool = True) -> str | None:
+    """Name of the first hard guard the pair violates, or None when no guard vetoes it. Numbers must
+    match as digits or as amounts with their units, and the same digits must not name other amounts
+    ("units"). ``units=False`` compares digits only, as before units were read (the bench's "before")."""
     a, b = parse(q_a), parse(q_b)
-    if a.numbers != b.numbers or a.arith_ops != b.arith_ops:
+    if a.digits != b.digits and (not units or a.numbers != b.numbers):  # "5 km" = "5000 m"
+        return "numbers"
+    if units and a.digits == b.digits and _amounts_conflict(a, b):
+        return "units"
+    if a.arith_ops != b.arith_ops:
         return "numbers"
     if a.negated != b.negated:
         return "negation"
