@@ -186,7 +186,7 @@ class Gateway:
             await self._record_failure(flow, exc, time.perf_counter())
             raise
         if settings.tenants.prefix_isolation:  # after the keys: the gateway's own cache is unchanged
-            flow.cache_salt = self.salts.salt(tenant.cache_key, body.get("cache_salt"))
+            flow.cache_salt = self.salts.salt(self.tenants.prefix_key(tenant), body.get("cache_salt"))
         if flow.stream:
             return await self._forward_stream(flow, urls, path, body, store, ttl)
         return await self._forward_json(flow, urls, path, body, store, ttl)

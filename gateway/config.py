@@ -121,6 +121,7 @@ class TenantsConfig(_Strict):
     mode: Literal["open", "keys"]
     shared_cache: bool
     prefix_isolation: bool = True  # config.toml [tenants] holds the documented default
+    prefix_groups: dict[str, list[str]] = {}  # group = [tenant names or key hashes] sharing one salt
     keys: dict[str, str]
 
     @field_validator("keys")
@@ -129,6 +130,19 @@ class TenantsConfig(_Strict):
         if len(set(keys.values())) != len(keys):
             raise ValueError("two tenants share one API key")
         return keys
+
+    @field_validator("prefix_groups")
+    @classmethod
+    def _one_group_each(cls, groups: dict[str, list[str]]) -> dict[str, list[str]]:
+        seen: dict[str, str] = {}
+        for group, members in groups.items():
+            if not group or not members or any(not m for m in members):
+                raise ValueError("a prefix group needs a name and at least one tenant, none empty")
+            for m in members:
+                if m in seen and seen[m] != group:
+                    raise ValueError(f"tenant {m!r} is in two prefix groups ({seen[m]!r} and {group!r})")
+                seen[m] = group
+        return groups
 
 
 Threshold = float

@@ -32,6 +32,13 @@ class Tenants:
     def __init__(self, config: TenantsConfig) -> None:
         self.config = config
         self.by_hash = {key_hash(k): name for name, k in config.keys.items()}
+        self._group_of = {m: g for g, members in config.prefix_groups.items() for m in members}
+
+    def prefix_key(self, tenant: Tenant) -> str:
+        """Who shares the backend's prefix cache: a ``prefix_groups`` group the operator declared
+        (named by tenant name or key hash), else whoever shares the tenant's cached answers."""
+        group = self._group_of.get(tenant.name, self._group_of.get(tenant.id))
+        return f"group\0{group}" if group is not None else tenant.cache_key
 
     def resolve(self, authorization: str | None, api_key: str | None = None) -> Tenant:
         """From ``Authorization: Bearer KEY``, else Azure's ``api-key: KEY`` header, else another

@@ -120,3 +120,33 @@ def test_a_backend_that_refuses_cache_salt_is_detected_once(tmp_path: Path) -> N
                 )
                 assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ok"
     assert ["cache_salt" in b for b in seen] == [True, False, False]  # refused once, then never sent
+
+
+def test_tenants_in_one_prefix_group_share_the_prefix_cache_and_no_one_else(
+    backend_url: str,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """[tenants] prefix_groups: the operator lets A and B share a system prompt's prefix; C stays apart,
+    and the group shares no cached answers."""
+    from gateway.tenants import key_hash
+
+    s = isolated(tmp_path, backend_url, True)
+    groups = {"team": [key_hash("tenant-a"), key_hash("tenant-b")]}
+    s = s.model_copy(update={"tenants": s.tenants.model_copy(update={"prefix_groups": groups})})
+    system = secret_system()
+    with gateway(s) as url:
+        _, _, first = chat(url, ask("What is two plus two?", system), key="tenant-a")
+        _, h, mate = chat(url, ask("What is two plus two?", system), key="tenant-b")
+        _, _, outsider = chat(url, ask("What is five plus five?", system), key="tenant-c")
+    assert h["x-cache"] == "miss"  # the same question from B: its own answer, not A's
+    assert cached(mate) >= first["prompt_tokens"] - 20
+    assert cached(outsider) == 0
+
+
+def test_a_tenant_in_two_prefix_groups_is_refused_at_start() -> None:
+    from pydantic import ValidationError
+
+    from gateway.config import TenantsConfig
+
+    with pytest.raises(ValidationError, match="two prefix groups"):
+        TenantsConfig(mode="open", shared_cache=False, keys={}, prefix_groups={"x": ["a"], "y": ["a", "b"]})
