@@ -244,3 +244,27 @@ def test_plain_request_is_unchanged_beside_a_grammar(llm) -> None:
     mixed = llm.generate([plain, structured, plain], [greedy, constrained, greedy])
     assert mixed[0].outputs[0].token_ids == alone and mixed[2].outputs[0].token_ids == alone
     jsonschema.validate(json.loads(mixed[1].outputs[0].text), schema)
+
+
+def test_preempted_sequences_keep_a_valid_grammar() -> None:
+    """Room for two prompts' blocks (45 tokens, 3 blocks each) and no prefix cache: the first decode
+    that needs a fourth block preempts the newest sequence mid-answer. It is recomputed from its
+    output tokens, which its matcher has already consumed, and answers exactly as it does alone."""
+    from backend import LLM
+
+    small = LLM(dtype="float32", kv_cache_tokens=96, max_num_seqs=4, enable_prefix_caching=False)
+    question, schema = SCHEMAS["array"]
+    spec = StructuredOutput.json_schema(schema, True)
+    prompts = [
+        small.chat_prompt_ids([{"role": "user", "content": f"{question} Answer {i}: {text}"}])
+        for i, text in enumerate(["great", "awful", "fine", "superb"])
+    ]
+    params = SamplingParams(max_tokens=40, temperature=0, structured=spec)
+    alone = [small.generate([p], params)[0].outputs[0] for p in prompts]
+    assert small.engine.scheduler.num_preemptions == 0
+    together = small.generate(prompts, params)
+    assert small.engine.scheduler.num_preemptions > 0
+    assert any(out.metrics.num_preemptions for out in together)
+    for a, t in zip(alone, [o.outputs[0] for o in together], strict=True):
+        assert t.token_ids == a.token_ids and t.finish_reason == "stop"
+        jsonschema.validate(json.loads(t.text), schema)
