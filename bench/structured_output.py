@@ -3,9 +3,10 @@
 Both modes generate exactly the same number of tokens per request (plain text with ignore_eos; the
 schema is an open-ended list, so it never completes before max_tokens), so the batch has the same
 shape step for step and the difference is the grammar's work: computing each row's mask, applying it,
-advancing the matcher. The machine is shared, so the modes alternate (ABBA) over several rounds and
-the report is the ratio per pair of runs plus their median, and, steadier under load, the share
-of each constrained run spent computing and applying masks (timed inside the same run).
+advancing the matcher. The machine is shared and its load swings by 2-4x within a minute, so two
+engines hold the same requests, one plain and one constrained, and are stepped in turn (ABBA by
+step): the report gives tok/s per mode and round, the median ratio of paired steps, and the share
+of the constrained time spent computing and applying masks (timed inside the same run).
 
     .venv/bin/python -m bench.structured_output  [--rounds 3] [--tokens-1 48] [--tokens-32 16]
 """
@@ -60,42 +61,66 @@ class MaskTimer:
         self.calls += 1
 
 
-def run(llm: Any, prompts: list[list[int]], tokens: int, structured: bool, timer: MaskTimer) -> dict:
+def add_requests(engine: Any, prompts: list[list[int]], tokens: int, structured: bool, tag: str) -> None:
     from backend.sampling_params import SamplingParams, StructuredOutput
 
     spec = StructuredOutput.json_schema(OPEN_SCHEMA, True) if structured else None
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, structured=spec)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", prompt, params)
+
+
+def paired_steps(engines: dict[str, Any], prompts: list[list[int]], tokens: int, tag: str) -> dict:
+    """The same requests in two engines, stepped in turn (ABBA by step): each pair of steps has the
+    same batch shape and runs within a fraction of a second of the other, under the same load."""
+    for mode, engine in engines.items():
+        add_requests(engine, prompts, tokens, mode == "json_schema", tag)
+    times: dict[str, list[float]] = {mode: [] for mode in engines}
+    produced = dict.fromkeys(engines, 0)
+    texts: dict[str, str] = {}
+    step = 0
+    while any(e.has_unfinished_requests() for e in engines.values()):
+        modes = list(engines) if step % 2 == 0 else list(reversed(engines))
+        for mode in modes:
+            start = time.perf_counter()
+            outs = engines[mode].step()
+            times[mode].append(time.perf_counter() - start)
+            for out in outs:
+                if out.finished:
+                    produced[mode] += len(out.outputs[0].token_ids)
+                    texts.setdefault(mode, out.outputs[0].text)
+        step += 1
+    assert produced["plain"] == produced["json_schema"] == tokens * len(prompts), produced
+    assert texts["json_schema"].startswith('{"title": "'), texts["json_schema"]
+    return {mode: {"seconds": sum(t), "steps": t} for mode, t in times.items()}
+
+
+def compare(
+    engines: dict[str, Any], prompts: list[list[int]], tokens: int, rounds: int, timer: MaskTimer
+) -> dict:
+    tok_s: dict[str, list[float]] = {mode: [] for mode in engines}
+    step_ratios: list[float] = []
     timer.seconds, timer.calls = 0.0, 0
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - start
-    produced = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert produced == tokens * len(prompts), "a request ended early: the modes would not be comparable"
-    if structured:
-        text = outs[0].outputs[0].text
-        assert text.startswith('{"title": "'), text
-    mask_ms = 1000 * timer.seconds / max(1, timer.calls)
-    share = timer.seconds / elapsed  # measured under the same load as the run itself
-    return {"seconds": elapsed, "tok_s": produced / elapsed, "mask_ms_per_step": mask_ms, "mask_share": share}
-
-
-def compare(llm: Any, prompts: list[list[int]], tokens: int, rounds: int, timer: MaskTimer) -> dict:
-    runs: dict[str, list[dict]] = {"plain": [], "json_schema": []}
     for r in range(rounds):
-        order = ("plain", "json_schema") if r % 2 == 0 else ("json_schema", "plain")  # ABBA
-        for mode in order:
-            runs[mode].append(run(llm, prompts, tokens, mode == "json_schema", timer))
-            say(f"batch {len(prompts)} round {r + 1} {mode}: {runs[mode][-1]['tok_s']:.1f} tok/s")
-    ratios = [s["tok_s"] / p["tok_s"] for p, s in zip(runs["plain"], runs["json_schema"], strict=True)]
+        run = paired_steps(engines, prompts, tokens, f"b{len(prompts)}r{r}")
+        for mode in engines:
+            tok_s[mode].append(tokens * len(prompts) / run[mode]["seconds"])
+        pairs = zip(run["plain"]["steps"], run["json_schema"]["steps"], strict=True)
+        step_ratios += [p / j for p, j in pairs]  # > 1: the constrained step was faster
+        say(f"batch {len(prompts)} round {r + 1}: plain {tok_s['plain'][-1]:.1f} tok/s, "
+            f"json_schema {tok_s['json_schema'][-1]:.1f} tok/s")  # fmt: skip
+    ratios = [j / p for p, j in zip(tok_s["plain"], tok_s["json_schema"], strict=True)]
+    constrained_seconds = sum(tokens * len(prompts) / t for t in tok_s["json_schema"])
     return {
         "requests": len(prompts),
         "tokens_per_request": tokens,
-        "plain_tok_s": [round(x["tok_s"], 2) for x in runs["plain"]],
-        "json_schema_tok_s": [round(x["tok_s"], 2) for x in runs["json_schema"]],
+        "plain_tok_s": [round(x, 2) for x in tok_s["plain"]],
+        "json_schema_tok_s": [round(x, 2) for x in tok_s["json_schema"]],
         "ratios": [round(x, 3) for x in ratios],
         "median_ratio": round(statistics.median(ratios), 3),
-        "mask_ms_per_step": round(statistics.median(x["mask_ms_per_step"] for x in runs["json_schema"]), 3),
-        "mask_share_of_run": round(statistics.median(x["mask_share"] for x in runs["json_schema"]), 5),
+        "median_paired_step_ratio": round(statistics.median(step_ratios), 3),
+        "mask_ms_per_step": round(1000 * timer.seconds / max(1, timer.calls), 3),
+        "mask_share_of_constrained_time": round(timer.seconds / constrained_seconds, 5),
     }
 
 
@@ -136,17 +161,19 @@ def main() -> None:
 
     timer = MaskTimer()
     sampler_module.apply_grammar_masks = timer  # type: ignore[assignment]
-    llm = LLM(dtype="float32", kv_cache_tokens=32768, max_num_seqs=32)
+    llms = {
+        mode: LLM(dtype="float32", kv_cache_tokens=8192, max_num_seqs=32) for mode in ("plain", "json_schema")
+    }
+    engines = {mode: llm.engine for mode, llm in llms.items()}
     say("compiling the schema set")
-    compiles = compile_times(llm)
-    prompts = [llm.chat_prompt_ids([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)] + f" ({i})"}])
+    compiles = compile_times(llms["json_schema"])
+    prompts = [llms["plain"].chat_prompt_ids([{"role": "user", "content": f"{QUESTIONS[i % 8]} ({i})"}])
                for i in range(32)]  # fmt: skip
     say("warm-up")
-    run(llm, prompts[:4], 4, False, timer)
-    run(llm, prompts[:4], 4, True, timer)
+    paired_steps(engines, prompts[:4], 4, "warm")
     result: dict[str, Any] = {"schema": json.dumps(OPEN_SCHEMA), "compile": compiles}
     for size, tokens in ((1, args.tokens_1), (32, args.tokens_32)):
-        result[f"batch_{size}"] = compare(llm, prompts[:size], tokens, args.rounds, timer)
+        result[f"batch_{size}"] = compare(engines, prompts[:size], tokens, args.rounds, timer)
         save("structured_output", result)  # after each part: a run cut short keeps what it measured
     say(json.dumps(result, indent=1))
 

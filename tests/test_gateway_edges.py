@@ -118,7 +118,7 @@ def echo_backend() -> FastAPI:
 
 def test_echo_is_never_a_semantic_hit(tmp_path):
     """With echo the answer starts with the prompt: a paraphrase would get the stored prompt back."""
-    with serve_in_thread(echo_backend()) as backend, gateway(settings_for(tmp_path, [backend])) as gw:
+    with serve_in_thread(echo_backend()) as url, gateway(settings_for(tmp_path, [f"{url}/v1"])) as gw:
         oai = client(gw)
         kw = {"model": MODEL, "max_tokens": 8, "temperature": 0, "echo": True}
         first = oai.completions.with_raw_response.create(prompt="How do I reset my password?", **kw)
