@@ -24,6 +24,7 @@ from backend.sampler import sample
 from backend.sampling_params import InvalidParameter, SamplingParams
 from backend.scheduler import Scheduler
 from backend.sequence import Sequence
+from backend.structured import GrammarCompiler
 
 log = logging.getLogger("cachegw.backend")
 
@@ -69,6 +70,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_token_ids = self._eos_ids(hf_config, GenerationConfig)
+        self.grammars = GrammarCompiler(self.tokenizer, self.runner.spec.vocab_size, self.eos_token_ids)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.requests: dict[str, Sequence] = {}
         self.prompt_tokens = 0
@@ -140,10 +142,12 @@ class LLMEngine:
                 f"The request needs {n + params.max_tokens} tokens of KV cache but the engine holds "
                 f"{self.kv_cache_tokens}. Please reduce the prompt or max_tokens.",
             )
+        grammar = self.grammars.grammar(params.structured) if params.structured else None
         seq = Sequence(
             request_id, ids, params, cache_salt, arrival_time, prompt if isinstance(prompt, str) else None
         )
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
+        seq.grammar = grammar
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         self.requests[request_id] = seq
@@ -198,6 +202,10 @@ class LLMEngine:
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params
+        if seq.grammar is not None and (not seq.grammar.accept(token) or seq.grammar.done):
+            # The JSON is complete (or, should the mask ever fail, broken): nothing may follow.
+            seq.finish_reason, seq.stop_reason = "stop", seq.detokenizer.add(token)
+            return
         if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
             seq.finish_reason, seq.stop_reason = "stop", (None if token in self.eos_token_ids else token)
             return

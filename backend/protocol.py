@@ -8,9 +8,9 @@ import json
 from typing import Any
 
 from backend.outputs import RequestOutput
-from backend.sampling_params import InvalidParameter, SamplingParams
+from backend.sampling_params import InvalidParameter, SamplingParams, StructuredOutput
 from protocol.errors import ApiError
-from protocol.requests import GenerationRequest
+from protocol.requests import GenerationRequest, ResponseFormat
 
 
 def invalid_parameter(exc: InvalidParameter) -> ApiError:
@@ -30,6 +30,24 @@ def sampling_params(req: GenerationRequest, max_tokens: int, logprobs: int | Non
         ignore_eos=bool(req.ignore_eos),
         logprobs=logprobs,
         n=1 if req.n is None else req.n,
+        structured=structured_output(req.response_format),
+    )
+
+
+def structured_output(fmt: ResponseFormat | None) -> StructuredOutput | None:
+    """``response_format`` as the engine enforces it; None for plain text."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return StructuredOutput("json_object")
+    if fmt.type == "json_schema" and fmt.json_schema is not None:
+        # No schema at all (OpenAI allows it) means any JSON value.
+        schema = {} if fmt.json_schema.schema_ is None else fmt.json_schema.schema_
+        return StructuredOutput.json_schema(schema, fmt.json_schema.strict)
+    raise InvalidParameter(
+        "response_format.type",
+        f"response_format type {fmt.type!r} is not supported by this server: use 'text', "
+        "'json_object' or 'json_schema'",
     )
 
 

@@ -2,8 +2,9 @@
 
 Greedy rows take the argmax. Other rows apply temperature, top-k and top-p, then draw with the
 request's own generator when it brought a seed, so a seeded request gives the same tokens
-whatever else shares its batch. Log-probabilities are those of the model's distribution
-(before temperature), as OpenAI reports them.
+whatever else shares its batch. A row whose request asked for structured output first has the
+tokens its grammar forbids masked out (``backend/structured.py``). Log-probabilities are those of
+the model's distribution (before temperature and before the grammar's mask), as OpenAI reports them.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from backend.sequence import Sequence
+from backend.structured import apply_grammar_masks
 
 
 @dataclass
@@ -37,7 +39,14 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.Generator) -> SampleResult:
-    """One token for each row of ``logits`` [R, V] (float32); row i belongs to seqs[i]."""
+    """One token for each row of ``logits`` [R, V] (float32); row i belongs to seqs[i].
+
+    ``logits`` is changed in place where a row has a grammar.
+    """
+    want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    lp = logits[want].log_softmax(dim=-1) if want else None  # the model's own, before any mask
+    if any(s.grammar is not None for s in seqs):
+        apply_grammar_masks(logits, [s.grammar for s in seqs])
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if random_rows:
@@ -56,9 +65,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.
             tokens[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
     token_list = tokens.tolist()
     logprobs: list[dict | None] = [None] * len(seqs)
-    want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-    if want:
-        lp = logits[want].log_softmax(dim=-1)
+    if lp is not None:
         for j, i in enumerate(want):
             k = seqs[i].params.logprobs or 0
             entry: dict = {"token_id": token_list[i], "logprob": float(lp[j, token_list[i]]), "top": []}

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 
 class InvalidParameter(ValueError):
@@ -13,8 +15,27 @@ class InvalidParameter(ValueError):
         self.param = param
 
 
+ANY_OBJECT = '{"type": "object"}'
 GREEDY_TEMPERATURE = 1e-5  # vLLM's epsilon too
 MAX_TOP_K = 2**31 - 1  # larger means "all tokens" anyway; a tensor of it must not overflow
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What the output must be: any JSON object, or JSON valid against ``schema`` (its JSON text).
+
+    ``strict`` False lets the compiler skip schema keywords it does not implement instead of
+    refusing the schema; True (OpenAI's strict mode) refuses them with a 400.
+    """
+
+    kind: Literal["json_object", "json_schema"]
+    schema: str = ANY_OBJECT
+    strict: bool = True
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any], strict: bool | None) -> StructuredOutput:
+        # Key order is kept: the output lists properties in the schema's order.
+        return cls("json_schema", json.dumps(schema), bool(strict))
 
 
 @dataclass
@@ -31,6 +52,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the chosen token's; k: plus the k most likely
     n: int = 1
+    structured: StructuredOutput | None = None  # response_format json_object / json_schema
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

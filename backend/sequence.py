@@ -8,6 +8,7 @@ from enum import Enum, auto
 import torch
 
 from backend.sampling_params import SamplingParams
+from backend.structured import Grammar
 
 
 class SequenceStatus(Enum):
@@ -53,6 +54,7 @@ class Sequence:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.generator: torch.Generator | None = None
+        self.grammar: Grammar | None = None  # response_format's matcher, advanced by each output token
 
     @property
     def num_tokens(self) -> int:

@@ -37,6 +37,7 @@ from backend.protocol import (
     sampling_params,
     usage,
 )
+from backend.request_fields import EngineChatRequest, EngineCompletionRequest, check_fields
 from backend.sampling_params import InvalidParameter, SamplingParams
 from protocol import sse
 from protocol.errors import ApiError, error_body
@@ -190,8 +191,9 @@ class _Server:
     # --- endpoints -----------------------------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
-        req = parse_request(CompletionRequest, await self.read_body(request))
+        req = parse_request(EngineCompletionRequest, await self.read_body(request))
         self.check_model(req.model)
+        check_fields(req)
         prompt = req.prompt_input()
         ids = await self.in_tokenizer_thread(self.encode, prompt) if isinstance(prompt, str) else prompt
         params = self.sampling_params(req, req.resolved_max_tokens(), req.logprobs)
@@ -202,8 +204,9 @@ class _Server:
         return JSONResponse(shaper.response(await self.final_output(request, stream)))
 
     async def chat_completions(self, request: Request) -> Response:
-        req = parse_request(ChatCompletionRequest, await self.read_body(request))
+        req = parse_request(EngineChatRequest, await self.read_body(request))
         self.check_model(req.model)
+        check_fields(req)
         top = req.logprobs_k()
         ids = await self.in_tokenizer_thread(self.chat_ids, req)
         room = min(self.engine.max_model_len, self.engine.kv_cache_tokens) - len(ids)

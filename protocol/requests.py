@@ -11,7 +11,7 @@ import json
 import math
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from protocol.errors import ApiError
 
@@ -81,6 +81,29 @@ class ChatMessage(_Model):
         return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
+class JsonSchemaFormat(_Model):
+    """``response_format.json_schema``: the schema the output must validate against."""
+
+    name: str = Field(min_length=1)
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(_Model):
+    """``response_format``. ``structural_tag`` is vLLM's: the gateway passes it on; the built-in engine
+    refuses it."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a 'json_schema' object ({'name': ..., 'schema': ...})")
+        return self
+
+
 class GenerationRequest(_Model):
     """Fields both endpoints share. None means "not given" (clients may send explicit nulls)."""
 
@@ -97,6 +120,7 @@ class GenerationRequest(_Model):
     ignore_eos: bool | None = False  # extension
     cache_salt: str | None = None  # extension (vLLM's name): isolates this tenant's prefix cache
     user: str | None = None
+    response_format: ResponseFormat | None = None  # OpenAI's on chat; vLLM's extension on completions
 
     @property
     def include_usage(self) -> bool:
@@ -151,8 +175,14 @@ def _all_field_names(*models: type[BaseModel]) -> frozenset[str]:
 
 
 _FIELD_NAMES = _all_field_names(
-    CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions
-)
+    CompletionRequest,
+    ChatCompletionRequest,
+    ChatMessage,
+    TextPart,
+    StreamOptions,
+    ResponseFormat,
+    JsonSchemaFormat,
+) | {"schema"}
 
 
 def _finite(text: str) -> float:

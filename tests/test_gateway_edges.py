@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from fastapi import FastAPI, Request
 
 from embeddings.index import ScopedIndex
 from gateway.cache import ResponseCache
@@ -23,6 +24,7 @@ from gateway.cache_keys import request_keys
 from gateway.config import load_settings
 from gateway.store import CacheEntry, Store
 from gateway.streams import SseRecorder
+from tests.servers import serve_in_thread
 from tests.test_gateway import (  # noqa: F401
     MODEL,
     SYSTEM,
@@ -93,16 +95,39 @@ def test_the_name_on_the_last_message_is_part_of_the_scope(gw):
     assert chat(gw, bob)[1]["x-cache"] == "miss"  # was a semantic hit at similarity 1.0
 
 
-def test_echo_is_never_a_semantic_hit(gw):
+def echo_backend() -> FastAPI:
+    """A small OpenAI-compatible test server that honours ``echo`` (the built-in engine refuses it with a
+    400), so the gateway has an echoed answer it could wrongly serve."""
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "test"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> dict:
+        body = await request.json()
+        text = (body["prompt"] if body.get("echo") else "") + " Use the reset link."
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "stop"}
+        usage = {"prompt_tokens": 8, "completion_tokens": 4, "total_tokens": 12}
+        return {"id": "c1", "object": "text_completion", "created": 0, "model": MODEL, "choices": [choice],
+                "usage": usage}  # fmt: skip
+
+    return app
+
+
+def test_echo_is_never_a_semantic_hit(tmp_path):
     """With echo the answer starts with the prompt: a paraphrase would get the stored prompt back."""
-    oai = client(gw)
-    kw = {"model": MODEL, "max_tokens": 8, "temperature": 0, "echo": True}
-    first = oai.completions.with_raw_response.create(prompt="How do I reset my password?", **kw)
-    assert first.headers["x-cache"] == "miss"
-    second = oai.completions.with_raw_response.create(prompt="How can I reset my password?", **kw)
-    assert second.headers["x-cache"] == "miss"  # the built-in engine ignores echo; a stored one would not
-    again = oai.completions.with_raw_response.create(prompt="How can I reset my password?", **kw)
-    assert again.headers["x-cache"] == "exact-hit"
+    with serve_in_thread(echo_backend()) as url, gateway(settings_for(tmp_path, [f"{url}/v1"])) as gw:
+        oai = client(gw)
+        kw = {"model": MODEL, "max_tokens": 8, "temperature": 0, "echo": True}
+        first = oai.completions.with_raw_response.create(prompt="How do I reset my password?", **kw)
+        assert first.headers["x-cache"] == "miss"
+        second = oai.completions.with_raw_response.create(prompt="How can I reset my password?", **kw)
+        assert second.headers["x-cache"] == "miss"
+        assert second.parse().choices[0].text.startswith("How can I")
+        again = oai.completions.with_raw_response.create(prompt="How can I reset my password?", **kw)
+        assert again.headers["x-cache"] == "exact-hit"
 
 
 def schema_format(*fields: str) -> dict:

@@ -18,6 +18,8 @@ EXTRA_ONLY = [
     "openai",
     "accelerate",
     "gguf",
+    "llguidance",
+    "jsonschema",
     "triton",
     "playwright",
     "psycopg",
@@ -61,7 +63,7 @@ def test_report_and_engine_packages_are_extras_not_runtime() -> None:
     runtime = {_name(r) for r in PYPROJECT["project"]["dependencies"]}
     assert runtime.isdisjoint({"matplotlib", "rich", "tomlkit", "openai", "accelerate", "gguf", "triton"})
     assert {"rich", "matplotlib", "tomlkit"} <= {_name(r) for r in EXTRAS["reports"]}
-    assert {"gguf", "safetensors"} <= {_name(r) for r in EXTRAS["engine"]}
+    assert {"gguf", "safetensors", "llguidance"} <= {_name(r) for r in EXTRAS["engine"]}
     assert not any(_name(r) == "triton" for r in EXTRAS["dev"])
     assert any(r.startswith("cachegw[") and "engine" in r and "reports" in r for r in EXTRAS["dev"])
 
