@@ -43,8 +43,9 @@ from gateway.proxy import Backends, SseRecorder, relay
 from gateway.recorder import Recorder
 from gateway.store import Store, reply_key
 from gateway.tenants import Tenant, Tenants
+from gateway.volatile_learner import VolatileLearner
 from policies.cacheability import Cacheability, CachePolicy, decide
-from policies.canonicalize import Restore, canonicalize, normalize_for_match, normalize_reply
+from policies.canonicalize import Moved, Restore, normalize_for_match, normalize_reply
 
 log = logging.getLogger("cachegw.gateway")
 QUERY_CHARS = 500  # of the last user message kept in the request log (gateway.log_query_text)
@@ -67,6 +68,7 @@ class Flow:
         self.stream = bool(body.get("stream"))
         self.cacheable = cacheable
         self.rules: list[str] = []
+        self.moved: tuple[Moved, ...] = ()  # volatile values canonicalization moved out of the prompt
         self.keys: RequestKeys | None = None
         self.lookup: Lookup | None = None
         self.result = "bypass"
@@ -96,6 +98,7 @@ class Gateway:
         self.admin = AdminStore(store.session)
         self.auth = AdminAuth(admin_token)
         self.salts = PrefixSalts(admin_token)
+        self.volatile = VolatileLearner()
         self.tenants = Tenants(self.settings.tenants)
         self.policy: CachePolicy
         self.apply_settings()
@@ -155,12 +158,9 @@ class Gateway:
         ttl = self._ttl(request, settings)
         cacheable = decide(body, request.headers, self.policy)
         flow = Flow(endpoint, tenant, model, body, cacheable)
-        cfg, restore = settings.canonicalize, self._restorer(tenant)
-        if any(isinstance(m, dict) and m.get("role") == "assistant" for m in body.get("messages") or []):
-            # restoring earlier replies reads the database: off the event loop
-            body, flow.rules = await asyncio.to_thread(canonicalize, body, cfg, restore)
-        else:
-            body, flow.rules = canonicalize(body, cfg, restore)  # pure, about 0.1 ms
+        restore = self._restorer(tenant)
+        canon = await self.volatile.canonicalize(tenant.id, body, settings.canonicalize, restore)
+        body, flow.rules, flow.moved = canon.body, canon.rules, canon.moved
         flow.keys = request_keys(tenant.cache_key, model, endpoint, body)
         use_cache = settings.cache.enabled
         if not use_cache:
@@ -332,6 +332,7 @@ class Gateway:
                 "threshold": lk.threshold if lk else None,
                 "entry_id": lk.entry.id if lk and lk.entry else None,
                 "rules_fired": ",".join(flow.rules),
+                "volatile": "; ".join(dict.fromkeys(m.tag for m in flow.moved))[:512] or None,
                 "reason": flow.reason,
                 "embed_ms": lk.embed_ms if lk else None,
                 "lookup_ms": lk.lookup_ms if lk else None,
