@@ -108,9 +108,9 @@ class VolatileLearner:
                 template = learn(text, list(reversed(state.samples)), cfg)
                 state.samples[text] = None
                 if template is not None and template.id not in state.templates:
+                    # the prompts it was learned from stay: with a value in a span the template
+                    # holds constant, the next prompt learns a wider template from them at once
                     state.templates[template.id] = LearnedTemplate(template, self._clock())
-                    for s in [s for s in state.samples if template.match(s) is not None]:
-                        del state.samples[s]  # explained now: room for prompts still to learn from
                     new = True
                 while len(state.samples) > cfg.samples:
                     state.samples.popitem(last=False)

@@ -4,11 +4,12 @@ Listed patterns (config.toml ``volatile_patterns``: dates, ids, clock times) mat
 as one alternation. They cannot know every form an application puts a per-request value in
 ("Customer tier: GOLD", "session=9f2c", "Kontonummer 4711"), and one such value early in a system
 prompt costs the backend's prefix cache everything after it on every request. Requests of one tenant
-and template show what varies: align a new system prompt against recent ones (a token diff); a span
-that took at least ``min_requests`` different values while the text around it stayed the same is
-volatile. The template is the prompt with those spans abstracted; canonicalization moves the values
-a template matches out of the prompt like the listed ones (into the note on the last user message,
-so they stay part of the cache scope).
+and template show what varies: align a new system prompt against recent ones (a token diff); once
+``min_requests`` different prompts fit one template, a span whose value differs from its most common
+one in at least ``min_changes`` of them, while the text around it stays the same, is volatile. The
+template is the prompt with those spans abstracted; canonicalization moves the values a template
+matches out of the prompt like the listed ones (into the note on the last user message, so they stay
+part of the cache scope).
 
 Pure: ``learn`` gets the recent prompts and returns a template or None, ``extract`` applies the
 patterns and templates to one text; the gateway keeps the state (``gateway/volatile_learner.py``).
@@ -127,7 +128,8 @@ class LearnConfig:
     """config.toml [canonicalize.learn]; defaults equal the file's."""
 
     enabled: bool = True
-    min_requests: int = 3  # a span is volatile once it took this many different values
+    min_requests: int = 3  # different prompts that must fit a template before it is used
+    min_changes: int = 2  # of them with a value other than a span's most common one (1: one-offs count)
     samples: int = 24  # recent distinct system prompts kept per tenant
     templates: int = 16  # learned templates kept per tenant (least recently matched dropped)
     tenants: int = 256  # tenants tracked (least recently seen dropped)
@@ -282,9 +284,9 @@ def learn(text: str, samples: Sequence[str], cfg: LearnConfig) -> Template | Non
     """A template for ``text`` learned from recent prompts of the same tenant, or None.
 
     The most similar prompts join one at a time; one joins only if every prompt joined so far still
-    fits the template with it. Spans that took fewer than ``min_requests`` different values are made
-    constant again (the prompts with another value there are left out), so a one-off variant never
-    becomes a volatile span."""
+    fits the template with it. A span where fewer than ``min_changes`` prompts have a value other than
+    its most common one is made constant again (the prompts with another value there are left out),
+    so a one-off variant never becomes a volatile span."""
     if not 16 <= len(text) <= cfg.max_prompt_chars:
         return None
     near: list[tuple[int, str, list[tuple[int, int]]]] = []
@@ -300,7 +302,7 @@ def learn(text: str, samples: Sequence[str], cfg: LearnConfig) -> Template | Non
         if found is None:
             return None
         template, rows = found  # rows[0]: this prompt's values, then each member's
-        thin = [i for i in range(len(rows[0])) if len({r[i] for r in rows}) < cfg.min_requests]
+        thin = [i for i in range(len(rows[0])) if _changes([r[i] for r in rows]) < cfg.min_changes]
         if not thin:
             return template
         # leave out the prompts with another value in a thin span; that span becomes constant
@@ -308,6 +310,11 @@ def learn(text: str, samples: Sequence[str], cfg: LearnConfig) -> Template | Non
         members = [p for p in pool if template.match(p[0]) is not None]
         pool = [p for p, keep in zip(members, same, strict=True) if keep]
     return None
+
+
+def _changes(values: list[str]) -> int:
+    """How many values differ from the most common one."""
+    return len(values) - max(values.count(v) for v in set(values))
 
 
 def _grow(
