@@ -238,7 +238,8 @@ def plot(summary: dict, turns: int, modes: tuple[str, ...], name: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.6))
     for mode, color in zip(modes, ("tab:blue", "tab:red"), strict=True):
         per = summary[mode]["per_turn"]
-        ax.plot(ks, [per[k]["cached/ideal"] for k in ks], "o-", color=color, label=f"canonicalize {mode}")
+        ratios = [per[str(k)]["cached/ideal"] for k in ks]
+        ax.plot(ks, ratios, "o-", color=color, label=f"canonicalize {mode}")
     ax.axhline(0.8, ls="--", color="gray", lw=1, label="target 0.8")
     ax.set(xlabel="turn", ylabel="cached / ideal tokens", ylim=(0, 1.05), xticks=ks)
     ax.set_title("Backend prefix reuse through cachegw (ShareGPT replay)", fontsize=10)
@@ -296,6 +297,7 @@ def main() -> None:
     ap.add_argument("--scenario", choices=("listed", "unlisted"), default="listed")
     ap.add_argument("--templates", type=int, default=4, help="unlisted: apps (half design, half held out)")
     ap.add_argument("--warmup", type=int, default=3, help="unlisted: single-turn requests per template")
+    ap.add_argument("--mode", default="both", help="one mode only: joins an earlier run's other mode")
     args = ap.parse_args()
     import torch
 
@@ -306,12 +308,15 @@ def main() -> None:
     convs = load_conversations(args.conversations, args.turns, args.max_user_chars)
     at, sets, described = systems(args, convs)
     draws = described.pop("draws", [])
-    say(f"{len(convs)} conversations x {args.turns} turns, modes {modes}")
+    ran = modes if args.mode == "both" else (args.mode,)
+    if not set(ran) <= set(modes):
+        ap.error(f"--mode: one of {modes} or both")
+    say(f"{len(convs)} conversations x {args.turns} turns, modes {ran}")
     captured: dict = {}
     rows: dict[str, list[dict]] = {}
     with backend(args, captured) as (url, llm):
         args.block, tokenizer = llm.config.block_size, copy.deepcopy(llm.tokenizer)
-        for mode in modes:
+        for mode in ran:
             rows[mode] = []
             learn = mode != "listed"
             with gateway(url, mode != "off", learn) as gw, ThreadPoolExecutor(args.concurrency) as pool:
@@ -323,34 +328,47 @@ def main() -> None:
                     later = [r for r in rows[mode] if r["turn"] > 1]
                     c, i = sum(r["cached"] for r in later), sum(r["ideal"] for r in later)
                     say(f"[{mode}] {n}/{len(convs)} conversations, turns > 1: cached/ideal {c / i:.3f}")
-    for r in (r for m in modes for r in rows[m]):
+    for r in (r for m in ran for r in rows[m]):
         r["reply_tokens_stable"] = retokenizes_same(tokenizer, r.pop("_reply"), r.pop("_out"))
         if "lost_text" in r:  # (what the cache held, what was sent) from the first differing token
             r["lost_text"] = [tokenizer.decode(t) for t in r["lost_text"]]
-    summary = {m: summarize(rows[m], args.turns, args.block) for m in modes}
-    for m in modes if args.scenario == "unlisted" else ():
+    summary = {m: summarize(rows[m], args.turns, args.block) for m in ran}
+    for m in ran if args.scenario == "unlisted" else ():
         summary[m]["by_set"] = {
             which: summarize([r for r in rows[m] if r.get("set") == which], args.turns, args.block)
             for which in ("design", "held_out")
         }
     # No eviction: each mode computes at most this many new tokens, fewer than the cache holds, and
     # the LRU takes the other mode's (older) blocks first.
-    needed = {m: sum(r["prompt"] - r["cached"] + r["completion"] for r in rows[m]) for m in modes}
+    needed = {m: sum(r["prompt"] - r["cached"] + r["completion"] for r in rows[m]) for m in ran}
     assert max(needed.values()) <= args.kv_tokens, (needed, args.kv_tokens)
-    a, b = modes
+    config = {k: v for k, v in vars(args).items() if k not in ("block", "mode")}
+    config |= {"model": MODEL, "block_size": args.block, "reformat_styles": STYLES, **described}
+    runs = [{"modes": list(ran), "runtime_s": round(time.perf_counter() - start, 1)}]
+    path = RESULTS / f"{name}.json"
+    earlier = json.loads(path.read_text()) if args.mode != "both" and path.exists() else None
+    # the other mode, run on its own with the same settings
+    if earlier and earlier["config"] == json.loads(json.dumps(config)):
+        for m in (m for m in modes if m not in ran and m in earlier["summary"]):
+            summary[m], rows[m] = earlier["summary"][m], earlier["turns"][m]
+            needed[m] = earlier["new_tokens_computed"][m]
+        runs = [r for r in earlier.get("runs", []) if not set(r["modes"]) & set(ran)] + runs
+    if set(summary) != set(modes):
+        say(f"only {sorted(summary)}: run the other mode with the same settings to compare")
+        modes = tuple(summary)
+    summary = json.loads(json.dumps(summary))  # as saved: per_turn keys are strings
+    a, b = (*modes, modes[0])[:2]
     print(f"\n{'turn':>9} | {a + ' cached/prompt':>20} {a + ' cached/ideal':>19} | "
           f"{b + ' cached/prompt':>20} {b + ' cached/ideal':>19}")  # fmt: skip
     keys: list[Any] = [*range(2, args.turns + 1), "all"]
     keys += ["design", "held_out"] if args.scenario == "unlisted" else []
     for k in keys:
-        pick = lambda m, k=k: summary[m]["by_set"][k] if isinstance(k, str) else summary[m]["per_turn"][k]
-        one, two = (summary[m] if k == "all" else pick(m) for m in modes)
+        pick = lambda m, k=k: summary[m]["by_set" if isinstance(k, str) else "per_turn"][str(k)]
+        one, two = (summary[m] if k == "all" else pick(m) for m in (a, b))
         print(f"{k:>9} | {one['cached/prompt']:20.3f} {one['cached/ideal']:19.3f} | "
               f"{two['cached/prompt']:20.3f} {two['cached/ideal']:19.3f}")  # fmt: skip
     holds = summary[a]["cached/ideal"] >= 0.8
     say(f"target {a} >= 0.8 of ideal: {'holds' if holds else 'MISSED'} ({summary[a]['cached/ideal']:.3f})")
-    config = {k: v for k, v in vars(args).items() if k != "block"}
-    config |= {"model": MODEL, "block_size": args.block, "reformat_styles": STYLES, **described}
     save(
         name,
         {
@@ -361,11 +379,12 @@ def main() -> None:
             "target_holds": holds,
             "summary": summary,
             "new_tokens_computed": needed,
-            "runtime_s": round(time.perf_counter() - start, 1),
+            "runs": runs,
             "turns": rows,
         },
     )
-    plot(summary, args.turns, modes, name)
+    if len(modes) == 2:
+        plot(summary, args.turns, modes, name)
 
 
 if __name__ == "__main__":

@@ -136,6 +136,19 @@ def test_one_off_prompts_and_rare_variants_are_not_volatile() -> None:
     assert set(learner.templates("t")[0].labels) == {"Be brief and"}  # "polite", three times
 
 
+def test_a_one_off_word_next_to_a_volatile_value_stays_constant() -> None:
+    """One request with another word beside the session id: the word is not made a span (it changed in
+    one prompt only), the session id is."""
+    make = lambda session, word: f"session={session}\n" + POLICY.replace("polite", word) * 2
+    learner = VolatileLearner()
+    learned = feed(learner, "t", [make("a1", "polite"), make("b2", "polite"), make("c3", "rude")])
+    assert learned == [False, False, False]  # the third prompt alone differs in the word
+    assert feed(learner, "t", [make("d4", "polite")]) == [True]
+    (template,) = learner.templates("t")
+    assert template.labels == ("session=",)
+    assert template.match(make("e5", "polite")) and template.match(make("e5", "rude")) is None
+
+
 def test_no_learning_across_tenants() -> None:
     texts = varied(5)
     learner = VolatileLearner()
