@@ -14,7 +14,7 @@ only whitespace, Unicode form, key and tool order move, and volatile values move
 | json_key_order | keys sorted | tools' ``parameters`` and ``response_format`` only |
 | sort_tools | tools sorted by function name (stable) | ``tools`` |
 | merge_system | leading system messages joined with a blank line | plain system messages |
-| volatile_to_tail | volatile values -> ``[volatile:N]``, values to the tail | system/developer |
+| volatile_to_tail | volatile values (listed or learned) -> ``[volatile:N]``, to the tail | system/developer |
 | restore_assistant | assistant text replaced by the stored bytes of our reply | assistant messages |
 
 restore_assistant matches under ``normalize_reply``: prose whitespace is ignored, but code inside
@@ -56,15 +56,12 @@ from policies.volatile import (
     extract,
 )
 
-__all__ = ["DEFAULT_VOLATILE_PATTERNS", "PLACEHOLDER", "Canonical", "Moved", "Template"]
-
 RULES: tuple[str, ...] = (
     "unicode_nfc", "line_endings", "trailing_whitespace", "blank_lines", "json_key_order",
     "sort_tools", "merge_system", "volatile_to_tail", "restore_assistant",
 )  # fmt: skip
 CONTEXT_PREFIX = "Context values: "
 Restore = Callable[[str], str | None]
-_PLACEHOLDER_RE = PLACEHOLDER_RE
 _PROSE_ROLES = frozenset({"system", "developer", "user", "assistant"})
 _INSTRUCTION_ROLES = frozenset({"system", "developer"})
 _DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})  # instance values, not schema
@@ -375,7 +372,7 @@ def _volatile_to_tail(messages: list[Any], cfg: CanonicalizeConfig, fired: set[s
     if target is None:
         return  # nowhere to put the values: leave the prompt as it is
     instructions = [m for m in messages if isinstance(m, dict) and m.get("role") in _INSTRUCTION_ROLES]
-    found = [n for m in instructions for t in _texts(m.get("content")) for n in _PLACEHOLDER_RE.findall(t)]
+    found = [n for m in instructions for t in _texts(m.get("content")) for n in PLACEHOLDER_RE.findall(t)]
     base = max(map(int, found), default=0)
     values: dict[str, int] = {}
     templates = report.templates if cfg.learn.enabled else ()
@@ -407,7 +404,7 @@ def _volatile_to_tail(messages: list[Any], cfg: CanonicalizeConfig, fired: set[s
 def split_volatile_note(text: str) -> tuple[str, str]:
     """(the text without the note ``volatile_to_tail`` appended, the note or "")."""
     at = text.rfind(CONTEXT_PREFIX)
-    if at < 0 or not _PLACEHOLDER_RE.match(text, at + len(CONTEXT_PREFIX)):
+    if at < 0 or not PLACEHOLDER_RE.match(text, at + len(CONTEXT_PREFIX)):
         return text, ""
     return text[:at].removesuffix("\n\n").removesuffix("\n"), text[at:]  # "\n": a part joined on
 

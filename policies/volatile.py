@@ -44,6 +44,8 @@ _GROUP = _PREFIX + "{}"  # the named group of listed pattern N, to tell which on
 _NUMBERED_BACKREF = re.compile(r"(?<!\\)(?:\\\\)*\\[1-9]")
 _TOKEN = re.compile(r"\w+|\s+|[^\w\s]")  # "".join(tokens) == text
 _CHUNK = re.compile(r"\s+|\S+\s*")
+_SENTENCE = re.compile(r"[^.!?\n]+[.!?]*\s*|[.!?]+\s*|\n\s*")  # up to its end mark, spaces after
+_LEVELS = (_SENTENCE, _CHUNK, _TOKEN)
 _WORD = re.compile(r"\w")
 _PLACEHOLDER = "[volatile:"
 
@@ -215,30 +217,48 @@ def _pieces(pattern: re.Pattern[str], text: str) -> tuple[list[str], list[int]]:
 def differences(x: str, s: str, cfg: LearnConfig) -> list[tuple[int, int]] | None:
     """The spans of ``x`` whose text differs from ``s``, or None if the two are not one template.
 
-    A diff over chunks (a word with its punctuation and the spaces after it: few and rarely repeated,
-    so it is fast), then over word tokens inside each changed region ("session=9f2c," against
-    "session=a81b," keeps "session=" and "," constant). A difference where one side has nothing
-    (text added or dropped) or a long or multi-line one means another template."""
-    a, ao = _pieces(_CHUNK, x)
-    b, bo = _pieces(_CHUNK, s)
-    sm = SequenceMatcher(None, a, b, autojunk=False)
-    if sm.real_quick_ratio() < cfg.min_shared or sm.quick_ratio() < cfg.min_shared:
+    A diff over sentences (few and rarely repeated, so it is fast on long prompts), then over chunks (a
+    word with its punctuation and the spaces after it) inside the sentences that differ, then over
+    word tokens ("session=9f2c," against "session=a81b," keeps "session=" and "," constant). Text added
+    or dropped, a long or multi-line difference, or differing sentences making up half of either
+    prompt mean another template."""
+    if not cfg.min_shared * len(x) <= len(s) <= len(x) / cfg.min_shared:
         return None
     spans: list[tuple[int, int]] = []
-    for tag, i1, i2, j1, j2 in sm.get_opcodes():
-        if tag == "equal":
-            continue
-        xa, sa = ao[i1], bo[j1]
-        left, lo = _pieces(_TOKEN, x[xa : ao[i2]])
-        right, ro = _pieces(_TOKEN, s[sa : bo[j2]])
-        for op, k1, k2, m1, m2 in SequenceMatcher(None, left, right, autojunk=False).get_opcodes():
-            if op == "equal":
-                continue
-            mine, theirs = x[xa + lo[k1] : xa + lo[k2]], s[sa + ro[m1] : sa + ro[m2]]
-            if not (_is_value(mine, cfg.max_value_chars) and _is_value(theirs, cfg.max_value_chars)):
-                return None
-            spans.append((xa + lo[k1], xa + lo[k2]))
-    return spans
+    return spans if _diff(x, 0, len(x), s, 0, len(s), 0, cfg, spans) else None
+
+
+def _diff(
+    x: str,
+    xa: int,
+    xb: int,
+    s: str,
+    sa: int,
+    sb: int,
+    level: int,
+    cfg: LearnConfig,
+    out: list[tuple[int, int]],
+) -> bool:
+    """Adds to ``out`` the spans of ``x[xa:xb]`` differing from ``s[sa:sb]`` at ``_LEVELS[level]`` and
+    finer; False if they cannot be values."""
+    left, lo = _pieces(_LEVELS[level], x[xa:xb])
+    right, ro = _pieces(_LEVELS[level], s[sa:sb])
+    ops = [op for op in SequenceMatcher(None, left, right, autojunk=False).get_opcodes() if op[0] != "equal"]
+    if level == 0 and (
+        sum(lo[i2] - lo[i1] for _, i1, i2, _, _ in ops) * 2 > xb - xa
+        or sum(ro[j2] - ro[j1] for _, _, _, j1, j2 in ops) * 2 > sb - sa
+    ):
+        return False
+    for _, i1, i2, j1, j2 in ops:
+        a1, a2, b1, b2 = xa + lo[i1], xa + lo[i2], sa + ro[j1], sa + ro[j2]
+        if level + 1 < len(_LEVELS):
+            if a1 == a2 or b1 == b2 or not _diff(x, a1, a2, s, b1, b2, level + 1, cfg, out):
+                return False
+        elif _is_value(x[a1:a2], cfg.max_value_chars) and _is_value(s[b1:b2], cfg.max_value_chars):
+            out.append((a1, a2))
+        else:
+            return False
+    return True
 
 
 def _union(x: str, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
