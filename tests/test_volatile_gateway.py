@@ -94,3 +94,18 @@ def test_the_admin_api_lists_learned_templates_per_tenant(gw: tuple[str, str]) -
     mine = [t for ts in tenants.values() for t in ts if any(salt in s["after"] for s in t["spans"])]
     assert len(mine) == 1 and [s["label"] for s in mine[0]["spans"]] == ["Customer tier:", "Kontonummer"]
     assert mine[0]["matches"] >= 1
+
+
+def test_a_request_log_from_before_the_volatile_column_gets_it(tmp_path) -> None:
+    from gateway.store import Store
+    from tests.test_recorder import row as log_row
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    Store(url).close()
+    with sqlite3.connect(tmp_path / "old.db") as conn:  # as the schema was before this column
+        conn.execute('ALTER TABLE requests DROP COLUMN "volatile"')
+    store = Store(url)
+    store.log_requests([log_row(1) | {"volatile": "learned:abc[Customer tier:]"}])
+    store.close()
+    with sqlite3.connect(tmp_path / "old.db") as conn:
+        assert conn.execute("SELECT volatile FROM requests").fetchall() == [("learned:abc[Customer tier:]",)]
