@@ -159,7 +159,8 @@ class Gateway:
         cacheable = decide(body, request.headers, self.policy)
         flow = Flow(endpoint, tenant, model, body, cacheable)
         restore = self._restorer(tenant)
-        canon = await self.volatile.canonicalize(tenant.id, body, settings.canonicalize, restore)
+        learn = not cacheable.keeps_nothing  # no-store: not even its system prompt is kept
+        canon = await self.volatile.canonicalize(tenant.id, body, settings.canonicalize, restore, learn)
         body, flow.rules, flow.moved = canon.body, canon.rules, canon.moved
         flow.keys = request_keys(tenant.cache_key, model, endpoint, body)
         use_cache = settings.cache.enabled

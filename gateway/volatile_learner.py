@@ -60,10 +60,10 @@ class VolatileLearner:
         self._lock = threading.Lock()  # observe runs in worker threads
 
     async def canonicalize(
-        self, tenant: str, body: dict[str, Any], cfg: CanonicalizeConfig, restore: Restore
+        self, tenant: str, body: dict[str, Any], cfg: CanonicalizeConfig, restore: Restore, learn: bool = True
     ) -> Canonical:
-        """The canonical body with the tenant's templates; system prompts none matched are learned from,
-        and a template learned from this very request applies to it at once."""
+        """The canonical body with the tenant's templates; system prompts none matched are learned from
+        (unless ``learn`` is False), and a template learned from this very request applies to it at once."""
         # restoring earlier replies reads the database: off the event loop
         slow = any(isinstance(m, dict) and m.get("role") == "assistant" for m in body.get("messages") or [])
 
@@ -73,7 +73,7 @@ class VolatileLearner:
             return canonicalize_detail(body, cfg, restore, templates)  # pure, about 0.1 ms
 
         canon = await run(self.templates(tenant))
-        if canon.unmatched and not self.known(tenant, canon.unmatched, cfg.learn):
+        if learn and canon.unmatched and not self.known(tenant, canon.unmatched, cfg.learn):
             # aligning against recent prompts takes milliseconds: off the event loop
             if await asyncio.to_thread(self.observe, tenant, canon.unmatched, cfg.learn):
                 canon = await run(self.templates(tenant))

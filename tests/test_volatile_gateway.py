@@ -39,6 +39,14 @@ def logged(db: str, request_id: str) -> tuple[str, str] | None:
         time.sleep(0.1)
 
 
+def learned_with(url: str, salt: str) -> list[dict]:
+    """The learned templates (admin API) of the prompts carrying ``salt``."""
+    r = httpx.get(f"{url}/admin/api/volatile", headers={"authorization": f"Bearer {TOKEN}"}, timeout=30)
+    r.raise_for_status()
+    templates = [t for tenant in r.json()["data"] for t in tenant["templates"]]
+    return [t for t in templates if any(salt in s["after"] for s in t["spans"])]
+
+
 def cached(usage: dict) -> int:
     return (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
 
@@ -77,6 +85,8 @@ def test_requests_differing_only_in_a_learned_value_never_share_an_answer(gw: tu
     _, other, _ = chat(url, [system("SILVER", 100, salt), question])  # only the tier differs
     _, again, _ = chat(url, [system("GOLD", 100, salt), question])
     assert first["x-cache"] == "miss" and other["x-cache"] == "miss"
+    # not even a candidate: the GOLD answer is in another scope, never compared by meaning
+    assert other["x-cache-reason"] == "no-candidate"
     assert again["x-cache"] == "exact-hit"  # the cache still works for a true repeat
     row = logged(db, other["x-request-id"])
     assert row is not None and "volatile_to_tail" in row[1]
@@ -89,11 +99,20 @@ def test_the_admin_api_lists_learned_templates_per_tenant(gw: tuple[str, str]) -
     for i, tier in enumerate(["GOLD", "SILVER", "BRONZE"]):
         chat(url, [system(tier, 7 + i, salt), {"role": "user", "content": "Hi"}], key="tenant-admin")
     assert httpx.get(f"{url}/admin/api/volatile", timeout=30).status_code == 401
-    r = httpx.get(f"{url}/admin/api/volatile", headers={"authorization": f"Bearer {TOKEN}"}, timeout=30)
-    tenants = {t["tenant"]: t["templates"] for t in r.json()["data"]}
-    mine = [t for ts in tenants.values() for t in ts if any(salt in s["after"] for s in t["spans"])]
+    mine = learned_with(url, salt)
     assert len(mine) == 1 and [s["label"] for s in mine[0]["spans"]] == ["Customer tier:", "Kontonummer"]
     assert mine[0]["matches"] >= 1
+
+
+def test_no_store_requests_teach_nothing(gw: tuple[str, str]) -> None:
+    """A no-store request keeps nothing, not even its system prompt in the learner's memory."""
+    url, _ = gw
+    salt = uuid.uuid4().hex[:8]
+    for i, tier in enumerate(["GOLD", "SILVER", "BRONZE", "PLATINUM"]):
+        messages = [system(tier, 50 + i, salt), {"role": "user", "content": "Hi"}]
+        _, h, _ = chat(url, messages, key="tenant-private", extra_headers={"cache-control": "no-store"})
+        assert h["x-cache"] == "bypass"
+    assert learned_with(url, salt) == []
 
 
 def test_a_request_log_from_before_the_volatile_column_gets_it(tmp_path) -> None:
