@@ -10,6 +10,7 @@ least recently used dropped first. In memory, per replica: a restart learns agai
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -19,6 +20,8 @@ from typing import Any
 
 from policies.canonicalize import Canonical, CanonicalizeConfig, Restore, canonicalize_detail
 from policies.volatile import LearnConfig, Moved, Template, learn
+
+log = logging.getLogger("cachegw.volatile")
 
 
 @dataclass
@@ -75,7 +78,12 @@ class VolatileLearner:
         canon = await run(self.templates(tenant))
         if learn and canon.unmatched and not self.known(tenant, canon.unmatched, cfg.learn):
             # aligning against recent prompts takes milliseconds: off the event loop
-            if await asyncio.to_thread(self.observe, tenant, canon.unmatched, cfg.learn):
+            try:
+                learned = await asyncio.to_thread(self.observe, tenant, canon.unmatched, cfg.learn)
+            except Exception:  # learning is an optimisation: it must never fail a request
+                log.exception("volatile learning failed; the request goes on as canonicalized")
+                learned = False
+            if learned:
                 canon = await run(self.templates(tenant))
         self.matched(tenant, canon.moved)
         return canon

@@ -321,14 +321,15 @@ def learn(text: str, samples: Sequence[str], cfg: LearnConfig) -> Template | Non
         found = _grow(text, pool, cfg)
         if found is None:
             return None
-        template, rows = found  # rows[0]: this prompt's values, then each member's
+        template, joined, rows = found  # rows[0]: this prompt's values, then each joined one's
         thin = [i for i in range(len(rows[0])) if _changes([r[i] for r in rows]) < cfg.min_changes]
         if not thin:
             return template
         # leave out the prompts with another value in a thin span; that span becomes constant
-        same = [all(r[i] == rows[0][i] for i in thin) for r in rows[1:]]
-        members = [p for p in pool if template.match(p[0]) is not None]
-        pool = [p for p, keep in zip(members, same, strict=True) if keep]
+        kept = [p for p, r in zip(joined, rows[1:], strict=True) if all(r[i] == rows[0][i] for i in thin)]
+        if len(kept) == len(pool):
+            return None
+        pool = kept
     return None
 
 
@@ -339,16 +340,19 @@ def _changes(values: list[str]) -> int:
 
 def _grow(
     text: str, pool: list[tuple[str, list[tuple[int, int]]]], cfg: LearnConfig
-) -> tuple[Template, list[list[str]]] | None:
-    """The template of ``text`` over the pool prompts that fit it, and the values of each."""
+) -> tuple[Template, list[tuple[str, list[tuple[int, int]]]], list[list[str]]] | None:
+    """The template of ``text`` over the pool prompts that joined it, those prompts, and the values of
+    ``text`` then of each of them."""
     spans: list[tuple[int, int]] = []
-    members = [text]
+    joined: list[tuple[str, list[tuple[int, int]]]] = []
     template: Template | None = None
     for s, own in pool:
         candidate = _template(text, _union(text, spans + own), cfg)
-        if candidate is not None and all(candidate.match(m) is not None for m in (*members, s)):
+        if candidate is not None and all(
+            candidate.match(m) is not None for m in (text, *(j[0] for j in joined), s)
+        ):
             spans, template = spans + own, candidate
-            members.append(s)
-    if template is None or len(members) < cfg.min_requests:
+            joined.append((s, own))
+    if template is None or len(joined) + 1 < cfg.min_requests:
         return None
-    return template, [values_of(template, m) or [] for m in members]
+    return template, joined, [values_of(template, m) or [] for m in (text, *(j[0] for j in joined))]

@@ -1,5 +1,5 @@
 """Volatile values: listed patterns match case-insensitively, and spans in other forms are learned from a
-tenant's traffic (pure policy and the gateway's bounded per-tenant state). Pure Python, a second."""
+tenant's traffic (pure policy and the gateway's bounded per-tenant state). Pure Python, a few seconds."""
 
 from __future__ import annotations
 
@@ -187,3 +187,22 @@ def test_learn_config_is_checked() -> None:
         CanonicalizeConfig.from_dict({"learn": {"sample": 3}})
     off = replace(CFG, learn=replace(LEARN, enabled=False))
     assert canonicalize_detail(body(prompt(random.Random(0))), off).unmatched == ()
+
+
+def test_learning_never_fails_on_mixed_traffic() -> None:
+    """Prompts of three templates whose fields vary over a few values, some rarely, between one-offs:
+    learning never raises, every template it learns fits the prompt it was learned from, and the
+    tenant's templates stay within the cap."""
+    rng = random.Random(11)
+    heads = ["App one. ", "Second app here. ", "Third: "]
+    learner = VolatileLearner()
+    cfg = replace(LEARN, samples=12)
+    for n in range(200):
+        if n % 37 == 0:
+            text = f"One-off prompt {n}. " + POLICY
+        else:
+            fixed = {k: rng.choice(v) for k, v in (("tier", TIERS[:2]), ("name", NAMES), ("day", DAYS))}
+            text = rng.choice(heads) + prompt(rng, **fixed, hour=rng.choice([1, 1, 1, 2]))
+        if learner.observe("t", [text], cfg):
+            assert learner.templates("t")[0].match(text) is not None
+    assert 1 <= len(learner.templates("t")) <= cfg.templates
