@@ -298,6 +298,7 @@ def main() -> None:
     ap.add_argument("--templates", type=int, default=4, help="unlisted: apps (half design, half held out)")
     ap.add_argument("--warmup", type=int, default=3, help="unlisted: single-turn requests per template")
     ap.add_argument("--mode", default="both", help="one mode only: joins an earlier run's other mode")
+    ap.add_argument("--tag", default="", help="results go to bench/results/<name>_<tag>.json")
     args = ap.parse_args()
     import torch
 
@@ -305,6 +306,7 @@ def main() -> None:
     start = time.perf_counter()
     modes = MODES if args.scenario == "listed" else UNLISTED_MODES
     name = "prefix_reuse" if args.scenario == "listed" else "prefix_reuse_unlisted"
+    name += f"_{args.tag}" if args.tag else ""
     convs = load_conversations(args.conversations, args.turns, args.max_user_chars)
     at, sets, described = systems(args, convs)
     draws = described.pop("draws", [])
@@ -342,7 +344,7 @@ def main() -> None:
     # the LRU takes the other mode's (older) blocks first.
     needed = {m: sum(r["prompt"] - r["cached"] + r["completion"] for r in rows[m]) for m in ran}
     assert max(needed.values()) <= args.kv_tokens, (needed, args.kv_tokens)
-    config = {k: v for k, v in vars(args).items() if k not in ("block", "mode")}
+    config = {k: v for k, v in vars(args).items() if k not in ("block", "mode", "tag")}
     config |= {"model": MODEL, "block_size": args.block, "reformat_styles": STYLES, **described}
     runs = [{"modes": list(ran), "runtime_s": round(time.perf_counter() - start, 1)}]
     path = RESULTS / f"{name}.json"
