@@ -249,6 +249,11 @@ def _diff(
         or sum(ro[j2] - ro[j1] for _, _, _, j1, j2 in ops) * 2 > sb - sa
     ):
         return False
+    if level > 0 and any(i1 == i2 or j1 == j2 for _, i1, i2, j1, j2 in ops):
+        # a piece added or dropped inside a changed region is a spurious alignment of short values
+        # ("129.146.150.190" against "139.50.90.150" pairs the two 150s): one value, the region
+        # without the word tokens it shares at either end
+        return _trimmed(x, xa, xb, s, sa, sb, cfg, out)
     for _, i1, i2, j1, j2 in ops:
         a1, a2, b1, b2 = xa + lo[i1], xa + lo[i2], sa + ro[j1], sa + ro[j2]
         if level + 1 < len(_LEVELS):
@@ -258,6 +263,20 @@ def _diff(
             out.append((a1, a2))
         else:
             return False
+    return True
+
+
+def _trimmed(
+    x: str, xa: int, xb: int, s: str, sa: int, sb: int, cfg: LearnConfig, out: list[tuple[int, int]]
+) -> bool:
+    left, right = _TOKEN.findall(x[xa:xb]), _TOKEN.findall(s[sa:sb])
+    while left and right and left[0] == right[0]:
+        xa, sa = xa + len(left.pop(0)), sa + len(right.pop(0))
+    while left and right and left[-1] == right[-1]:
+        xb, sb = xb - len(left.pop()), sb - len(right.pop())
+    if not (_is_value(x[xa:xb], cfg.max_value_chars) and _is_value(s[sa:sb], cfg.max_value_chars)):
+        return False
+    out.append((xa, xb))
     return True
 
 

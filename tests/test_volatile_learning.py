@@ -11,7 +11,7 @@ import pytest
 from gateway.cache_keys import request_keys
 from gateway.volatile_learner import VolatileLearner
 from policies.canonicalize import CanonicalizeConfig, canonicalize, canonicalize_detail
-from policies.volatile import LearnConfig, learn
+from policies.volatile import LearnConfig, differences, learn
 
 CFG = CanonicalizeConfig()
 LEARN = LearnConfig()
@@ -206,3 +206,10 @@ def test_learning_never_fails_on_mixed_traffic() -> None:
         if learner.observe("t", [text], cfg):
             assert learner.templates("t")[0].match(text) is not None
     assert 1 <= len(learner.templates("t")) <= cfg.templates
+
+
+def test_a_value_whose_parts_recur_in_another_is_one_span() -> None:
+    """Two addresses sharing a number in other places ("150"): one span, not text added or dropped."""
+    a, b = (f"Connected from {ip} today.\n" + POLICY for ip in ("129.146.150.190", "139.50.90.150"))
+    spans = differences(a, b, LEARN)
+    assert spans is not None and [a[i:j] for i, j in spans] == ["129.146.150.190"]
