@@ -12,10 +12,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-# ../shared/data beside the checkout; a git worktree elsewhere falls back to the workplace's copy
-SHARED_DATA = next(
-    (p for p in (ROOT.parent / "shared" / "data", Path("/work/shared/data")) if p.is_dir()),
-    ROOT.parent / "shared" / "data",
+# ../shared/data next to the repo, or next to a folder above it (a git worktree under ../wt/NAME);
+# CACHEGW_SHARED_DATA names it outright
+SHARED_DATA = Path(
+    os.environ.get("CACHEGW_SHARED_DATA")
+    or next(
+        (p / "shared" / "data" for p in ROOT.parents if (p / "shared" / "data").is_dir()),
+        ROOT.parent / "shared" / "data",
+    )
 )
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

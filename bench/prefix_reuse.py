@@ -13,7 +13,13 @@ headers, turns). The ideal and the diagnosis use the token ids the engine itself
 listener), so no client-side re-tokenization guess enters the numbers. float32, not bf16: this
 CPU has avx512_bf16 but no AMX, and bf16 measured ~1.5x slower here.
 
-    .venv/bin/python -m bench.prefix_reuse  [--conversations 12] [--turns 4]
+With ``--scenario unlisted`` the system prompts carry per-request values in forms no listed pattern
+covers (``bench/volatile_forms.py``: a design set and a held-out set), conversations share a few
+templates as users of one app do, and the modes are canonicalization with volatile spans learned
+from traffic ("learn") against the listed patterns alone ("listed"). ``--warmup`` single-turn
+requests per template go first, as other users of the app would have sent (not measured).
+
+    .venv/bin/python -m bench.prefix_reuse  [--conversations 12] [--turns 4] [--scenario unlisted]
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -41,6 +47,7 @@ from bench.common import RESULTS, SHARED_DATA, save, say
 
 MODEL = "SmolLM2-135M-Instruct"
 MODES = ("on", "off")
+UNLISTED_MODES = ("learn", "listed")
 HEADER = "Current date and time: {ts}. Request id: {rid}.\n\n"
 
 
@@ -117,7 +124,7 @@ def backend(args: argparse.Namespace, captured: dict) -> Iterator[tuple[str, Any
 
 
 @contextlib.contextmanager
-def gateway(backend_url: str, canonical: bool) -> Iterator[str]:
+def gateway(backend_url: str, canonical: bool, learn: bool = True) -> Iterator[str]:
     """A gateway on its own data dir with the response cache off: every turn reaches the backend."""
     from gateway.app import build_app
     from gateway.config import load_settings
@@ -129,7 +136,11 @@ def gateway(backend_url: str, canonical: bool) -> Iterator[str]:
         s = s.model_copy(
             update={
                 "cache": s.cache.model_copy(update={"enabled": False}),
-                "canonicalize": dataclasses.replace(s.canonicalize, enabled=canonical),
+                "canonicalize": dataclasses.replace(
+                    s.canonicalize,
+                    enabled=canonical,
+                    learn=dataclasses.replace(s.canonicalize.learn, enabled=learn),
+                ),
             }
         )
         with serve_in_thread(build_app(lambda: started_gateway(s, progress=False)), lifespan="on") as url:
@@ -137,16 +148,23 @@ def gateway(backend_url: str, canonical: bool) -> Iterator[str]:
 
 
 def replay(
-    url: str, mode: str, i: int, system: str, users: list[str], args: argparse.Namespace, captured: dict
+    url: str,
+    mode: str,
+    i: int,
+    system_at: Callable[[int], str],
+    users: list[str],
+    args: argparse.Namespace,
+    captured: dict,
 ) -> list[dict]:
-    """One conversation, turn by turn, as a client with a volatile header and re-formatting UI."""
-    rng, style = random.Random(f"{i}"), STYLES[i % len(STYLES)]
+    """One conversation, turn by turn, as a client with volatile values (``system_at(turn)``) and a
+    re-formatting UI."""
+    style = STYLES[i % len(STYLES)]
     history: list[dict] = []
     rows: list[dict] = []
     prev: list[int] | None = None
     with httpx.Client(base_url=url, timeout=600, headers={"Authorization": f"Bearer bench-{mode}"}) as http:
         for k, user in enumerate(users, 1):
-            messages = [{"role": "system", "content": header(i, k, rng) + system}, *history]
+            messages = [{"role": "system", "content": system_at(k)}, *history]
             messages.append({"role": "user", "content": user})
             body = {"model": MODEL, "messages": messages, "max_tokens": args.max_tokens, "temperature": 0}
             r = http.post("/v1/chat/completions", json={**body, "cache_salt": f"prefix-reuse-{mode}"})
@@ -210,7 +228,7 @@ def summarize(rows: list[dict], turns: int, block: int) -> dict:
     }
 
 
-def plot(summary: dict, turns: int) -> None:
+def plot(summary: dict, turns: int, modes: tuple[str, ...], name: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -218,16 +236,52 @@ def plot(summary: dict, turns: int) -> None:
 
     ks = list(range(2, turns + 1))
     fig, ax = plt.subplots(figsize=(6, 3.6))
-    for mode, color in zip(MODES, ("tab:blue", "tab:red"), strict=True):
+    for mode, color in zip(modes, ("tab:blue", "tab:red"), strict=True):
         per = summary[mode]["per_turn"]
-        ax.plot(ks, [per[k]["cached/ideal"] for k in ks], "o-", color=color, label=f"canonicalize {mode}")
+        ratios = [per[str(k)]["cached/ideal"] for k in ks]
+        ax.plot(ks, ratios, "o-", color=color, label=f"canonicalize {mode}")
     ax.axhline(0.8, ls="--", color="gray", lw=1, label="target 0.8")
     ax.set(xlabel="turn", ylabel="cached / ideal tokens", ylim=(0, 1.05), xticks=ks)
     ax.set_title("Backend prefix reuse through cachegw (ShareGPT replay)", fontsize=10)
     ax.legend(loc="center right", fontsize=8)
     fig.tight_layout()
-    fig.savefig(RESULTS / "prefix_reuse.png", dpi=120)
-    say("wrote bench/results/prefix_reuse.png")
+    fig.savefig(RESULTS / f"{name}.png", dpi=120)
+    say(f"wrote bench/results/{name}.png")
+
+
+def systems(args: argparse.Namespace, convs: list) -> tuple[list[Callable[[int], str]], list[str], dict]:
+    """Per conversation: its system prompt at turn k, and the form set it uses ("" for listed)."""
+    if args.scenario == "listed":
+
+        def listed(i: int, system: str) -> Callable[[int], str]:
+            rng = random.Random(f"{i}")  # one draw per turn, in turn order
+            return lambda k: header(i, k, rng) + system
+
+        return [listed(i, s) for i, (s, _) in enumerate(convs)], [""] * len(convs), {"header": HEADER}
+    from bench.volatile_forms import forms_for, template
+
+    draws, described = [], {}
+    for t in range(args.templates):
+        which = "design" if t < (args.templates + 1) // 2 else "held_out"
+        names, forms = forms_for(which, t if which == "design" else t - (args.templates + 1) // 2)
+        draws.append((which, template(convs[t][0], forms)))
+        described[f"template {t}"] = {"set": which, "forms": names}
+    at = [lambda k, i=i: draws[i % len(draws)][1](random.Random(f"{i}:{k}")) for i in range(len(convs))]
+    return at, [draws[i % len(draws)][0] for i in range(len(convs))], {"templates": described, "draws": draws}
+
+
+def warm_up(url: str, mode: str, draws: list, args: argparse.Namespace, captured: dict) -> None:
+    """Other users of each app: single-turn requests that let the gateway see the template."""
+    with httpx.Client(base_url=url, timeout=600, headers={"Authorization": f"Bearer bench-{mode}"}) as http:
+        for t, (_, draw) in enumerate(draws):
+            for j in range(args.warmup):
+                system = draw(random.Random(f"warm{t}:{j}"))
+                body = {"model": MODEL, "max_tokens": 4, "temperature": 0}
+                body["cache_salt"] = f"prefix-reuse-{mode}"
+                messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hello."}]
+                r = http.post("/v1/chat/completions", json={**body, "messages": messages})
+                r.raise_for_status()
+                captured.pop(r.json()["id"], None)
 
 
 def main() -> None:
@@ -240,62 +294,99 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", help="float32: faster than bf16 on this CPU (no AMX)")
     ap.add_argument("--kv-tokens", type=int, default=98304)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--scenario", choices=("listed", "unlisted"), default="listed")
+    ap.add_argument("--templates", type=int, default=4, help="unlisted: apps (half design, half held out)")
+    ap.add_argument("--warmup", type=int, default=3, help="unlisted: single-turn requests per template")
+    ap.add_argument("--mode", default="both", help="one mode only: joins an earlier run's other mode")
+    ap.add_argument("--tag", default="", help="results go to bench/results/<name>_<tag>.json")
     args = ap.parse_args()
     import torch
 
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
+    modes = MODES if args.scenario == "listed" else UNLISTED_MODES
+    name = "prefix_reuse" if args.scenario == "listed" else "prefix_reuse_unlisted"
+    name += f"_{args.tag}" if args.tag else ""
     convs = load_conversations(args.conversations, args.turns, args.max_user_chars)
-    say(f"{len(convs)} conversations x {args.turns} turns, canonicalization on then off")
+    at, sets, described = systems(args, convs)
+    draws = described.pop("draws", [])
+    ran = modes if args.mode == "both" else (args.mode,)
+    if not set(ran) <= set(modes):
+        ap.error(f"--mode: one of {modes} or both")
+    say(f"{len(convs)} conversations x {args.turns} turns, modes {ran}")
     captured: dict = {}
     rows: dict[str, list[dict]] = {}
     with backend(args, captured) as (url, llm):
         args.block, tokenizer = llm.config.block_size, copy.deepcopy(llm.tokenizer)
-        for mode in MODES:
+        for mode in ran:
             rows[mode] = []
-            with gateway(url, mode == "on") as gw, ThreadPoolExecutor(args.concurrency) as pool:
-                jobs = [
-                    pool.submit(replay, gw, mode, i, s, u, args, captured) for i, (s, u) in enumerate(convs)
-                ]
+            learn = mode != "listed"
+            with gateway(url, mode != "off", learn) as gw, ThreadPoolExecutor(args.concurrency) as pool:
+                warm_up(gw, mode, draws, args, captured)
+                run = lambda i, users, gw=gw, mode=mode: replay(gw, mode, i, at[i], users, args, captured)
+                jobs = [pool.submit(run, i, users) for i, (_, users) in enumerate(convs)]
                 for n, job in enumerate(jobs, 1):
-                    rows[mode] += job.result()
+                    rows[mode] += [{**r, "set": sets[n - 1]} if sets[n - 1] else r for r in job.result()]
                     later = [r for r in rows[mode] if r["turn"] > 1]
                     c, i = sum(r["cached"] for r in later), sum(r["ideal"] for r in later)
                     say(f"[{mode}] {n}/{len(convs)} conversations, turns > 1: cached/ideal {c / i:.3f}")
-    for r in (r for m in MODES for r in rows[m]):
+    for r in (r for m in ran for r in rows[m]):
         r["reply_tokens_stable"] = retokenizes_same(tokenizer, r.pop("_reply"), r.pop("_out"))
         if "lost_text" in r:  # (what the cache held, what was sent) from the first differing token
             r["lost_text"] = [tokenizer.decode(t) for t in r["lost_text"]]
-    summary = {m: summarize(rows[m], args.turns, args.block) for m in MODES}
+    summary = {m: summarize(rows[m], args.turns, args.block) for m in ran}
+    for m in ran if args.scenario == "unlisted" else ():
+        summary[m]["by_set"] = {
+            which: summarize([r for r in rows[m] if r.get("set") == which], args.turns, args.block)
+            for which in ("design", "held_out")
+        }
     # No eviction: each mode computes at most this many new tokens, fewer than the cache holds, and
     # the LRU takes the other mode's (older) blocks first.
-    needed = {m: sum(r["prompt"] - r["cached"] + r["completion"] for r in rows[m]) for m in MODES}
+    needed = {m: sum(r["prompt"] - r["cached"] + r["completion"] for r in rows[m]) for m in ran}
     assert max(needed.values()) <= args.kv_tokens, (needed, args.kv_tokens)
-    print(f"\n{'turn':>5} | {'on cached/prompt':>16} {'on cached/ideal':>15} | {'off cached/prompt':>17} "
-          f"{'off cached/ideal':>16}")  # fmt: skip
-    for k in [*range(2, args.turns + 1), "all"]:
-        on, off = (summary[m] if k == "all" else summary[m]["per_turn"][k] for m in MODES)
-        print(f"{k:>5} | {on['cached/prompt']:16.3f} {on['cached/ideal']:15.3f} | "
-              f"{off['cached/prompt']:17.3f} {off['cached/ideal']:16.3f}")  # fmt: skip
-    holds = summary["on"]["cached/ideal"] >= 0.8
-    say(f"target on >= 0.8 of ideal: {'holds' if holds else 'MISSED'} ({summary['on']['cached/ideal']:.3f})")
-    config = {k: v for k, v in vars(args).items() if k != "block"}
-    config |= {"model": MODEL, "block_size": args.block, "header": HEADER, "reformat_styles": STYLES}
+    config = {k: v for k, v in vars(args).items() if k not in ("block", "mode", "tag")}
+    config |= {"model": MODEL, "block_size": args.block, "reformat_styles": STYLES, **described}
+    runs = [{"modes": list(ran), "runtime_s": round(time.perf_counter() - start, 1)}]
+    path = RESULTS / f"{name}.json"
+    earlier = json.loads(path.read_text()) if args.mode != "both" and path.exists() else None
+    # the other mode, run on its own with the same settings
+    if earlier and earlier["config"] == json.loads(json.dumps(config)):
+        for m in (m for m in modes if m not in ran and m in earlier["summary"]):
+            summary[m], rows[m] = earlier["summary"][m], earlier["turns"][m]
+            needed[m] = earlier["new_tokens_computed"][m]
+        runs = [r for r in earlier.get("runs", []) if not set(r["modes"]) & set(ran)] + runs
+    if set(summary) != set(modes):
+        say(f"only {sorted(summary)}: run the other mode with the same settings to compare")
+        modes = tuple(summary)
+    summary = json.loads(json.dumps(summary))  # as saved: per_turn keys are strings
+    a, b = (*modes, modes[0])[:2]
+    print(f"\n{'turn':>9} | {a + ' cached/prompt':>20} {a + ' cached/ideal':>19} | "
+          f"{b + ' cached/prompt':>20} {b + ' cached/ideal':>19}")  # fmt: skip
+    keys: list[Any] = [*range(2, args.turns + 1), "all"]
+    keys += ["design", "held_out"] if args.scenario == "unlisted" else []
+    for k in keys:
+        pick = lambda m, k=k: summary[m]["by_set" if isinstance(k, str) else "per_turn"][str(k)]
+        one, two = (summary[m] if k == "all" else pick(m) for m in (a, b))
+        print(f"{k:>9} | {one['cached/prompt']:20.3f} {one['cached/ideal']:19.3f} | "
+              f"{two['cached/prompt']:20.3f} {two['cached/ideal']:19.3f}")  # fmt: skip
+    holds = summary[a]["cached/ideal"] >= 0.8
+    say(f"target {a} >= 0.8 of ideal: {'holds' if holds else 'MISSED'} ({summary[a]['cached/ideal']:.3f})")
     save(
-        "prefix_reuse",
+        name,
         {
             "config": config,
             "ideal": "turn k>1: previous turn's prompt + reply tokens with K/V (reply minus its last token), "
             "capped at this prompt minus 1, rounded down to whole blocks; from the token ids the engine saw",
-            "target": "canonicalize on: cached/ideal >= 0.8 for turns after the first",
+            "target": f"canonicalize {a}: cached/ideal >= 0.8 for turns after the first",
             "target_holds": holds,
             "summary": summary,
             "new_tokens_computed": needed,
-            "runtime_s": round(time.perf_counter() - start, 1),
+            "runs": runs,
             "turns": rows,
         },
     )
-    plot(summary, args.turns)
+    if len(modes) == 2:
+        plot(summary, args.turns, modes, name)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ request, persist in the database and are written to the audit log with who made 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -238,6 +239,16 @@ def admin_router(get_gw: Callable[[], Gateway]) -> APIRouter:
         await asyncio.to_thread(gw.store.clear_replies)
         await asyncio.to_thread(gw.admin.audit, actor(request), "flush", "all", None, {"deleted": removed})
         return {"deleted": removed}
+
+    @router.get("/volatile", summary="Volatile spans learned from traffic: templates per tenant")
+    async def volatile(request: Request) -> dict[str, Any]:
+        gw = authed(request)
+        return {
+            "data": [
+                {"tenant": gw.tenants.name_of(tenant), "templates": [dataclasses.asdict(t) for t in views]}
+                for tenant, views in gw.volatile.view().items()
+            ]
+        }
 
     @router.get("/audit", summary="Who changed what, newest first")
     async def audit(

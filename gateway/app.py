@@ -38,8 +38,9 @@ from gateway.recorder import Recorder
 from gateway.store import Store, reply_key
 from gateway.streams import SseRecorder, relay
 from gateway.tenants import Tenant, Tenants
+from gateway.volatile_learner import VolatileLearner
 from policies.cacheability import Cacheability, CachePolicy, decide
-from policies.canonicalize import Restore, canonicalize, normalize_for_match, normalize_reply
+from policies.canonicalize import Moved, Restore, normalize_for_match, normalize_reply
 from protocol.errors import ApiError, error_code
 from protocol.http import install_error_handlers, read_limited_body
 from protocol.requests import ChatCompletionRequest, CompletionRequest, load_json, parse_request
@@ -65,6 +66,7 @@ class Flow:
         self.stream = bool(body.get("stream"))
         self.cacheable = cacheable
         self.rules: list[str] = []
+        self.moved: tuple[Moved, ...] = ()  # volatile values canonicalization moved out of the prompt
         self.keys: RequestKeys | None = None
         self.lookup: Lookup | None = None
         self.result = "bypass"
@@ -95,6 +97,7 @@ class Gateway:
         self.auth = AdminAuth(admin_token)
         self.salts = PrefixSalts(admin_token)
         self.entry_ids = EntryIds(admin_token)
+        self.volatile = VolatileLearner()
         self.tenants = Tenants(self.settings.tenants)
         self.policy: CachePolicy
         self.apply_settings()
@@ -157,12 +160,10 @@ class Gateway:
             policy = replace(policy, serve_unset_temperature=True)
         cacheable = decide(body, request.headers, policy)
         flow = Flow(endpoint, tenant, model, body, cacheable)
-        cfg, restore = settings.canonicalize, self._restorer(tenant)
-        if any(isinstance(m, dict) and m.get("role") == "assistant" for m in body.get("messages") or []):
-            # restoring earlier replies reads the database: off the event loop
-            body, flow.rules = await asyncio.to_thread(canonicalize, body, cfg, restore)
-        else:
-            body, flow.rules = canonicalize(body, cfg, restore)  # pure, about 0.1 ms
+        restore = self._restorer(tenant)
+        learn = not cacheable.keeps_nothing  # no-store: not even its system prompt is kept
+        canon = await self.volatile.canonicalize(tenant.id, body, settings.canonicalize, restore, learn)
+        body, flow.rules, flow.moved = canon.body, canon.rules, canon.moved
         flow.keys = request_keys(tenant.cache_key, model, endpoint, body)
         use_cache = settings.cache.enabled
         if not use_cache:
@@ -342,6 +343,7 @@ class Gateway:
                 "threshold": lk.threshold if lk else None,
                 "entry_id": lk.entry.id if lk and lk.entry else None,
                 "rules_fired": ",".join(flow.rules),
+                "volatile": "; ".join(dict.fromkeys(m.tag for m in flow.moved))[:512] or None,
                 "reason": flow.reason,
                 "embed_ms": lk.embed_ms if lk else None,
                 "lookup_ms": lk.lookup_ms if lk else None,

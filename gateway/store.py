@@ -123,6 +123,8 @@ class RequestRecord(Base):
     entry_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
     rules_fired: Mapped[str] = mapped_column(String(256), default="")
     reason: Mapped[str | None] = mapped_column(String(32), nullable=True)  # x-cache-reason
+    # volatile values moved out of the system prompt: "pattern:N" or "learned:<template>[label]"
+    volatile: Mapped[str | None] = mapped_column(String(512), nullable=True)
     embed_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
     lookup_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
     backend_ms: Mapped[float | None] = mapped_column(Float, nullable=True)

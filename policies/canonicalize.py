@@ -14,7 +14,7 @@ only whitespace, Unicode form, key and tool order move, and volatile values move
 | json_key_order | keys sorted | tools' ``parameters`` and ``response_format`` only |
 | sort_tools | tools sorted by function name (stable) | ``tools`` |
 | merge_system | leading system messages joined with a blank line | plain system messages |
-| volatile_to_tail | volatile values -> ``[volatile:N]``, values to the tail | system/developer |
+| volatile_to_tail | volatile values (listed or learned) -> ``[volatile:N]``, to the tail | system/developer |
 | restore_assistant | assistant text replaced by the stored bytes of our reply | assistant messages |
 
 restore_assistant matches under ``normalize_reply``: prose whitespace is ignored, but code inside
@@ -41,29 +41,27 @@ from __future__ import annotations
 import json
 import re
 import unicodedata
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any
+
+from policies.volatile import (
+    DEFAULT_VOLATILE_PATTERNS,
+    PLACEHOLDER,
+    PLACEHOLDER_RE,
+    LearnConfig,
+    Moved,
+    Template,
+    combine,
+    extract,
+)
 
 RULES: tuple[str, ...] = (
     "unicode_nfc", "line_endings", "trailing_whitespace", "blank_lines", "json_key_order",
     "sort_tools", "merge_system", "volatile_to_tail", "restore_assistant",
 )  # fmt: skip
-DEFAULT_VOLATILE_PATTERNS: tuple[str, ...] = (
-    r"\b\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(:\d{2}(\.\d+)?)?(Z|[+-]\d{2}:?\d{2})?\b",
-    r"\b\d{4}-\d{2}-\d{2}\b",
-    r"\b[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\b",
-    r"\b(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun)[a-z]*,? +(?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec)[a-z]*"
-    r" +\d{1,2}(?:,? +\d{4})?\b",
-    r"\b(?:request|req|trace|session)[-_ ]?id[:= ]+[\w-]+",
-    r"\b\d{1,2}:\d{2}(:\d{2})? ?(?:AM|PM|am|pm|UTC)?\b",
-    r"\b1[6-9]\d{8}(\d{3})?\b",
-)
-PLACEHOLDER = "[volatile:{}]"
 CONTEXT_PREFIX = "Context values: "
 Restore = Callable[[str], str | None]
-_PLACEHOLDER_RE = re.compile(r"\[volatile:(\d+)\]")
-_NUMBERED_BACKREF = re.compile(r"(?<!\\)(?:\\\\)*\\[1-9]")
 _PROSE_ROLES = frozenset({"system", "developer", "user", "assistant"})
 _INSTRUCTION_ROLES = frozenset({"system", "developer"})
 _DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})  # instance values, not schema
@@ -87,6 +85,7 @@ class CanonicalizeConfig:
     volatile_to_tail: bool = True
     restore_assistant: bool = True
     volatile_patterns: tuple[str, ...] = DEFAULT_VOLATILE_PATTERNS
+    learn: LearnConfig = LearnConfig()  # volatile spans learned from traffic ([canonicalize.learn])
 
     def __post_init__(self) -> None:
         """Validate and compile once at start-up, so a bad setting fails there and not on a request."""
@@ -97,11 +96,13 @@ class CanonicalizeConfig:
         if isinstance(patterns, str) or not all(isinstance(p, str) for p in patterns):
             raise ValueError("[canonicalize] volatile_patterns must be a list of strings")
         object.__setattr__(self, "volatile_patterns", tuple(patterns))
-        object.__setattr__(self, "_volatile", _combine(self.volatile_patterns))  # not a field
+        object.__setattr__(self, "_volatile", combine(self.volatile_patterns))  # not a field
+        if not isinstance(self.learn, LearnConfig):
+            raise ValueError("[canonicalize] learn must be a table")
 
     @property
     def volatile_regex(self) -> re.Pattern[str] | None:
-        """Every volatile pattern as one alternation (None without patterns)."""
+        """Every volatile pattern as one case-insensitive alternation (None without patterns)."""
         return self._volatile  # type: ignore[attr-defined, no-any-return]
 
     @classmethod
@@ -110,24 +111,10 @@ class CanonicalizeConfig:
         unknown = set(d) - {f.name for f in fields(cls)}
         if unknown:
             raise ValueError(f"config [canonicalize]: unknown keys {sorted(unknown)}")
-        return cls(**d)
-
-
-def _combine(patterns: tuple[str, ...]) -> re.Pattern[str] | None:
-    """One alternation, so a prompt is scanned once (7 scans cost 4x more); the leftmost match wins,
-    then the earlier pattern. So each pattern must work inside an alternation: no global inline
-    flags, no numbered backreferences, unique group names."""
-    for p in patterns:
-        try:
-            re.compile(f"(?:{p})")
-            if _NUMBERED_BACKREF.search(p):
-                raise re.error("numbered backreference; use (?P<name>...) and (?P=name)")
-        except re.error as e:
-            raise ValueError(f"[canonicalize] volatile_patterns: invalid regex {p!r}: {e}") from e
-    try:
-        return re.compile("|".join(f"(?:{p})" for p in patterns)) if patterns else None
-    except re.error as e:
-        raise ValueError(f"[canonicalize] volatile_patterns: group names must be unique: {e}") from e
+        learn = d.get("learn", {})
+        if not isinstance(learn, Mapping):
+            raise ValueError("[canonicalize] learn must be a table")
+        return cls(**{**d, "learn": LearnConfig.from_dict(learn)})
 
 
 def normalize_for_match(text: str) -> str:
@@ -162,18 +149,42 @@ def _integral_floats(o: Any) -> Any:
     return [_integral_floats(v) for v in o] if isinstance(o, list | tuple) else o
 
 
+@dataclass(frozen=True)
+class Canonical:
+    """A canonical body with what canonicalization did: the rules that fired (in ``RULES`` order),
+    the volatile values it moved, and the system/developer texts no learned template matched (after
+    the listed patterns: what the gateway learns templates from)."""
+
+    body: dict[str, Any]
+    rules: list[str]
+    moved: tuple[Moved, ...] = ()
+    unmatched: tuple[str, ...] = ()
+
+
 def canonicalize(
     body: dict[str, Any], cfg: CanonicalizeConfig, restore: Restore | None = None
 ) -> tuple[dict[str, Any], list[str]]:
     """A new, canonical body and the rules (in ``RULES`` order) that changed something. The result
     shares no dict or list with ``body``, which is never mutated. ``restore`` maps
     ``normalize_reply(reply)`` to the exact bytes of a reply the gateway produced, or None."""
+    done = canonicalize_detail(body, cfg, restore)
+    return done.body, done.rules
+
+
+def canonicalize_detail(
+    body: dict[str, Any],
+    cfg: CanonicalizeConfig,
+    restore: Restore | None = None,
+    templates: Sequence[Template] = (),
+) -> Canonical:
+    """``canonicalize``, with the learned ``templates`` of the tenant (tried in order) and a report."""
     out = _copy(body)
     if not cfg.enabled:
-        return out, []
+        return Canonical(out, [])
     fired: set[str] = set()
+    report = _Report(templates)
     if isinstance(out.get("messages"), list):
-        out["messages"] = _messages(out["messages"], cfg, restore, fired)
+        out["messages"] = _messages(out["messages"], cfg, restore, fired, report)
     prompt = out.get("prompt")
     if isinstance(prompt, str):
         out["prompt"] = _text(prompt, cfg, False, fired)
@@ -183,7 +194,14 @@ def canonicalize(
         out["tools"] = _tools(out["tools"], cfg, fired)
     if isinstance(out.get("response_format"), dict):
         out["response_format"] = _schema(out["response_format"], cfg, fired)  # its wrapper keys too
-    return out, [r for r in RULES if r in fired]
+    return Canonical(out, [r for r in RULES if r in fired], tuple(report.moved), tuple(report.unmatched))
+
+
+@dataclass
+class _Report:
+    templates: Sequence[Template]
+    moved: list[Moved] = field(default_factory=list)
+    unmatched: list[str] = field(default_factory=list)
 
 
 def _copy(o: Any) -> Any:
@@ -279,7 +297,7 @@ def _map_text(content: Any, fn: Callable[[str], str]) -> Any:
 
 
 def _messages(
-    messages: list[Any], cfg: CanonicalizeConfig, restore: Restore | None, fired: set[str]
+    messages: list[Any], cfg: CanonicalizeConfig, restore: Restore | None, fired: set[str], report: _Report
 ) -> list[Any]:
     """Restore first (keyed on the client's text), merge, normalise text, then move volatile values."""
     restored = _restore_assistants(messages, restore, fired) if cfg.restore_assistant and restore else set()
@@ -296,8 +314,8 @@ def _messages(
             fn = call.get("function") if isinstance(call, dict) else None
             if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
                 fn["arguments"] = _text(fn["arguments"], cfg, False, fired)
-    if cfg.volatile_to_tail and cfg.volatile_regex is not None:
-        _volatile_to_tail(messages, cfg.volatile_regex, cfg, fired)
+    if cfg.volatile_to_tail and (cfg.volatile_regex is not None or cfg.learn.enabled):
+        _volatile_to_tail(messages, cfg, fired, report)
     return messages
 
 
@@ -345,22 +363,29 @@ def _merge_system(messages: list[Any], fired: set[str]) -> list[Any]:
     return [{"role": "system", "content": "\n\n".join(t for t in texts if t)}, *messages[len(texts) :]]
 
 
-def _volatile_to_tail(
-    messages: list[Any], regex: re.Pattern[str], cfg: CanonicalizeConfig, fired: set[str]
-) -> None:
-    """Volatile values in system/developer text become placeholders, listed at the end of the last
-    user message. Equal values share a number; numbers continue after any placeholder already there."""
+def _volatile_to_tail(messages: list[Any], cfg: CanonicalizeConfig, fired: set[str], report: _Report) -> None:
+    """Volatile values in system/developer text (listed patterns, then learned templates) become
+    placeholders, listed at the end of the last user message. Equal values share a number; numbers
+    continue after any placeholder already there."""
     users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
     target = next((m for m in reversed(users) if isinstance(m.get("content"), str | list)), None)
     if target is None:
         return  # nowhere to put the values: leave the prompt as it is
     instructions = [m for m in messages if isinstance(m, dict) and m.get("role") in _INSTRUCTION_ROLES]
-    found = [n for m in instructions for t in _texts(m.get("content")) for n in _PLACEHOLDER_RE.findall(t)]
+    found = [n for m in instructions for t in _texts(m.get("content")) for n in PLACEHOLDER_RE.findall(t)]
     base = max(map(int, found), default=0)
     values: dict[str, int] = {}
+    templates = report.templates if cfg.learn.enabled else ()
+
+    def one(text: str) -> str:
+        text, matched = extract(text, cfg.volatile_regex, templates, values, base, report.moved)
+        if not matched and cfg.learn.enabled:
+            report.unmatched.append(text)
+        return text
+
     for m in instructions:
         if "content" in m:
-            m["content"] = _map_text(m["content"], lambda t: _extract(t, regex, values, base))
+            m["content"] = _map_text(m["content"], one)
     if not values:
         return
     fired.add("volatile_to_tail")
@@ -379,7 +404,7 @@ def _volatile_to_tail(
 def split_volatile_note(text: str) -> tuple[str, str]:
     """(the text without the note ``volatile_to_tail`` appended, the note or "")."""
     at = text.rfind(CONTEXT_PREFIX)
-    if at < 0 or not _PLACEHOLDER_RE.match(text, at + len(CONTEXT_PREFIX)):
+    if at < 0 or not PLACEHOLDER_RE.match(text, at + len(CONTEXT_PREFIX)):
         return text, ""
     return text[:at].removesuffix("\n\n").removesuffix("\n"), text[at:]  # "\n": a part joined on
 
@@ -395,24 +420,6 @@ def without_volatile_note(content: Any) -> Any:
             text = split_volatile_note(last["text"])[0]
             return content[:-1] + ([{**last, "text": text}] if text else [])
     return content
-
-
-def _extract(text: str, regex: re.Pattern[str], values: dict[str, int], base: int) -> str:
-    """Leftmost match wins (a full timestamp is taken whole before its date part could be); a match
-    touching an existing placeholder is left alone; a value is stripped of surrounding whitespace so
-    the text around it keeps its spacing."""
-    kept = [m.span() for m in _PLACEHOLDER_RE.finditer(text)] if "[volatile:" in text else []
-
-    def swap(m: re.Match[str]) -> str:
-        raw = m.group(0)
-        value = raw.strip()
-        if not value or any(m.start() < b and a < m.end() for a, b in kept):
-            return raw
-        n = values.setdefault(value, base + len(values) + 1)
-        lead = len(raw) - len(raw.lstrip())
-        return raw[:lead] + PLACEHOLDER.format(n) + raw[lead + len(value) :]
-
-    return regex.sub(swap, text)
 
 
 def _tools(tools: list[Any], cfg: CanonicalizeConfig, fired: set[str]) -> list[Any]:
