@@ -19,7 +19,7 @@ import openai
 import pytest
 from sqlalchemy import func, select
 
-from gateway.store import LIVE_KEY_INDEX, CacheEntry, EntryDeletion, Store
+from gateway.store import LIVE_KEY_INDEX, CacheEntry, EntryDeletion, RequestRecord, Store
 from tests.servers import serve_in_thread
 from tests.test_admin import flagged_by_tenant
 from tests.test_gateway import gateway, settings_for
@@ -46,6 +46,24 @@ def ask(url: str, question: str, **headers: str) -> tuple[str, dict[str, str]]:
         extra_headers={k.replace("_", "-"): v for k, v in headers.items()},
     )
     return raw.parse().choices[0].message.content or "", dict(raw.headers)
+
+
+def entry_of(url: str, headers: dict[str, str]) -> int:
+    """The entry id that answered a hit, read from its request-log row (``x-cache-entry`` is opaque)."""
+    store = Store(url)
+    try:
+        deadline = time.monotonic() + 10  # the request log is written in batches
+        while True:
+            with store.session() as s:
+                entry_id = s.scalar(
+                    select(RequestRecord.entry_id).where(RequestRecord.id == headers["x-request-id"])
+                )
+            if entry_id is not None or time.monotonic() > deadline:
+                assert entry_id is not None, "the hit was not logged"
+                return entry_id
+            time.sleep(0.05)
+    finally:
+        store.close()
 
 
 def live_rows(url: str) -> dict[str, list[tuple[int, str]]]:
@@ -84,9 +102,9 @@ def test_a_no_cache_refresh_replaces_the_answer_of_its_key(backend, tmp_path) ->
         assert new != old  # the backend answered again: a numbered, different answer
         served, h3 = ask(url, "What is a refresh?")
         assert h3["x-cache"] == "exact-hit" and served == new
-        key = key_of(db, int(h3["x-cache-entry"]))
+        key = key_of(db, entry_of(db, h3))
         [(entry_id, response)] = live_rows(db)[key]
-        assert entry_id == int(h3["x-cache-entry"]) and new in response
+        assert entry_id == entry_of(db, h3) and new in response
         newer, _ = ask(url, "What is a refresh?", cache_control="no-cache")  # and again: still one
         assert len(live_rows(db)[key]) == 1 and ask(url, "What is a refresh?")[0] == newer != new
 
@@ -134,7 +152,7 @@ def test_an_old_database_with_copies_of_a_key_keeps_only_the_newest_at_start(bac
     with gateway(settings_for(tmp_path, [backend[0]])) as url:
         text, _ = ask(url, "Which copy is live?")
         _, h = ask(url, "Which copy is live?")
-        entry_id = int(h["x-cache-entry"])
+        entry_id = entry_of(db, h)
     first_word = text.split()[0]
     key = key_of(db, entry_id)
     copies = duplicate(db, entry_id, first_word, [f"{first_word}-copy-one", f"{first_word}-copy-two"])
@@ -143,7 +161,7 @@ def test_an_old_database_with_copies_of_a_key_keeps_only_the_newest_at_start(bac
     with gateway(settings_for(tmp_path, [backend[0]])) as url:
         assert [i for i, _ in live_rows(db)[key]] == [copies[-1]]
         served, h = ask(url, "Which copy is live?")
-        assert h["x-cache"] == "exact-hit" and int(h["x-cache-entry"]) == copies[-1]
+        assert h["x-cache"] == "exact-hit" and entry_of(db, h) == copies[-1]
         assert f"{first_word}-copy-two" in served
     store = Store(db)
     with store.session() as s:
@@ -240,8 +258,8 @@ def test_a_replica_stops_serving_an_answer_another_replaced(backend, tmp_path, s
         eventually(lambda: ask(b, "Which replica answered?")[0] == new)
         served, h = ask(b, "Which replica answered?")
         assert h["x-cache"] == "exact-hit" and served == new
-        [(live_id, _)] = live_rows(shared_url)[key_of(shared_url, int(h["x-cache-entry"]))]
-        assert live_id == int(h["x-cache-entry"])
+        [(live_id, _)] = live_rows(shared_url)[key_of(shared_url, entry_of(shared_url, h))]
+        assert live_id == entry_of(shared_url, h)
 
 
 async def test_inserts_of_one_key_take_turns_and_their_locks_are_dropped() -> None:
