@@ -58,13 +58,18 @@ def gw(backend_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[t
         yield url, str(data_dir / "cachegw.db")
 
 
+# The answers' text does not matter here: max_tokens=2 keeps each miss to its prefill.
+
+
 def test_unlisted_volatile_values_are_learned_and_the_prefix_is_reused(gw: tuple[str, str]) -> None:
     url, _ = gw
     salt = uuid.uuid4().hex[:8]  # no other test warmed this prompt
     tiers = ["GOLD", "SILVER", "BRONZE", "PLATINUM", "DIAMOND"]
     usage = []
     for i, tier in enumerate(tiers):
-        _, h, u = chat(url, [system(tier, 4711 + i, salt), {"role": "user", "content": f"Order {i}?"}])
+        _, h, u = chat(
+            url, [system(tier, 4711 + i, salt), {"role": "user", "content": f"Order {i}?"}], max_tokens=2
+        )
         assert h["x-cache"] == "miss"
         usage.append(u)
     # before learning, the first value (the first line) breaks the prefix: almost nothing is reused
@@ -80,7 +85,7 @@ def test_requests_differing_only_in_a_learned_value_never_share_an_answer(gw: tu
     salt = uuid.uuid4().hex[:8]
     question = {"role": "user", "content": "What is my discount?"}
     for i, tier in enumerate(["GOLD", "SILVER", "BRONZE"]):  # learned from these
-        chat(url, [system(tier, 100 + i, salt), {"role": "user", "content": f"Hello {i}"}])
+        chat(url, [system(tier, 100 + i, salt), {"role": "user", "content": f"Hello {i}"}], max_tokens=2)
     _, first, _ = chat(url, [system("GOLD", 100, salt), question])
     _, other, _ = chat(url, [system("SILVER", 100, salt), question])  # only the tier differs
     _, again, _ = chat(url, [system("GOLD", 100, salt), question])
@@ -97,7 +102,12 @@ def test_the_admin_api_lists_learned_templates_per_tenant(gw: tuple[str, str]) -
     url, _ = gw
     salt = uuid.uuid4().hex[:8]
     for i, tier in enumerate(["GOLD", "SILVER", "BRONZE"]):
-        chat(url, [system(tier, 7 + i, salt), {"role": "user", "content": "Hi"}], key="tenant-admin")
+        chat(
+            url,
+            [system(tier, 7 + i, salt), {"role": "user", "content": "Hi"}],
+            key="tenant-admin",
+            max_tokens=2,
+        )
     assert httpx.get(f"{url}/admin/api/volatile", timeout=30).status_code == 401
     mine = learned_with(url, salt)
     assert len(mine) == 1 and [s["label"] for s in mine[0]["spans"]] == ["Customer tier:", "Kontonummer"]
@@ -110,7 +120,9 @@ def test_no_store_requests_teach_nothing(gw: tuple[str, str]) -> None:
     salt = uuid.uuid4().hex[:8]
     for i, tier in enumerate(["GOLD", "SILVER", "BRONZE", "PLATINUM"]):
         messages = [system(tier, 50 + i, salt), {"role": "user", "content": "Hi"}]
-        _, h, _ = chat(url, messages, key="tenant-private", extra_headers={"cache-control": "no-store"})
+        _, h, _ = chat(
+            url, messages, key="tenant-private", extra_headers={"cache-control": "no-store"}, max_tokens=2
+        )
         assert h["x-cache"] == "bypass"
     assert learned_with(url, salt) == []
 
