@@ -79,6 +79,16 @@ def test_a_bypass_names_its_cacheability_row(
         assert logged_reason(data_dir, r.headers["x-request-id"]) == reason
 
 
+def sql_reason_counts(data_dir: Path, sep: str) -> dict[str, int]:
+    """ "result<sep>reason" -> requests, counted by SQL straight from the request log."""
+    with sqlite3.connect(data_dir / "cachegw.db") as db:
+        rows = db.execute(
+            f"SELECT cache_result || '{sep}' || reason, count(*) FROM requests"
+            " WHERE cache_result IN ('miss', 'bypass') GROUP BY 1"
+        ).fetchall()
+    return dict(rows)
+
+
 def test_analyze_counts_the_same_reasons_as_the_log(gw: tuple[str, Path]) -> None:
     from gateway.analyze import build_summary, read_database
     from gateway.config import load_settings
@@ -86,13 +96,7 @@ def test_analyze_counts_the_same_reasons_as_the_log(gw: tuple[str, Path]) -> Non
     url, data_dir = gw
     _, h, _ = chat(url, ask("Which ocean is the largest?"), temperature=None)  # unset: a bypass
     logged_reason(data_dir, h["x-request-id"])
-    with sqlite3.connect(data_dir / "cachegw.db") as db:
-        want = dict(
-            db.execute(
-                "SELECT cache_result || '/' || reason, count(*) FROM requests"
-                " WHERE cache_result IN ('miss', 'bypass') GROUP BY 1"
-            ).fetchall()
-        )
+    want = sql_reason_counts(data_dir, "/")
     log = read_database(f"sqlite:///{data_dir / 'cachegw.db'}", None, None)
     got = {
         f"{r['result']}/{r['reason']}": r["requests"]
@@ -106,13 +110,7 @@ def test_admin_stats_count_the_same_reasons_as_the_log(gw: tuple[str, Path]) -> 
     url, data_dir = gw
     _, h, _ = chat(url, ask("Name a prime number above ten."), temperature=None)
     logged_reason(data_dir, h["x-request-id"])
-    with sqlite3.connect(data_dir / "cachegw.db") as db:
-        want = dict(
-            db.execute(
-                "SELECT cache_result || ':' || reason, count(*) FROM requests"
-                " WHERE cache_result IN ('miss', 'bypass') GROUP BY 1"
-            ).fetchall()
-        )
+    want = sql_reason_counts(data_dir, ":")
     auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
     stats = httpx.get(f"{url}/admin/api/stats", params={"window": "1h"}, headers=auth, timeout=30).json()
     got = {f"{r['result']}:{r['reason']}": r["requests"] for r in stats["reasons"]}

@@ -40,6 +40,10 @@ def faulty_backend(calls: list[str]) -> FastAPI:
         how = body["messages"][-1]["content"]
         calls.append(how)
 
+        def chunk(delta: dict, finish: str | None = None) -> str:
+            body = {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 0, "model": MODEL}
+            return json.dumps({**body, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+
         async def events():
             if how == "crlf":  # framed with CRLF, as the SSE spec allows; a whole, good answer
                 for i, word in enumerate(("Half ", "an answer")):
@@ -50,26 +54,11 @@ def faulty_backend(calls: list[str]) -> FastAPI:
                             await asyncio.sleep(0.01)
                         else:
                             return
-                    chunk = {
-                        "id": "chatcmpl-x",
-                        "object": "chat.completion.chunk",
-                        "created": 0,
-                        "model": MODEL,
-                        "choices": [{"index": 0, "delta": {"content": word}, "finish_reason": None}],
-                    }
-                    yield f"data: {json.dumps(chunk)}\r\n\r\n".encode()
-                last = {**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
-                yield f"data: {json.dumps(last)}\r\n\r\ndata: [DONE]\r\n\r\n".encode()
+                    yield f"data: {chunk({'content': word})}\r\n\r\n".encode()
+                yield f"data: {chunk({}, 'stop')}\r\n\r\ndata: [DONE]\r\n\r\n".encode()
                 return
             for word in ("Half ", "an answer"):
-                chunk = {
-                    "id": "chatcmpl-x",
-                    "object": "chat.completion.chunk",
-                    "created": 0,
-                    "model": MODEL,
-                    "choices": [{"index": 0, "delta": {"content": word}, "finish_reason": None}],
-                }
-                yield f"data: {json.dumps(chunk)}\n\n".encode()
+                yield f"data: {chunk({'content': word})}\n\n".encode()
             if how == "tear":
                 raise RuntimeError("the engine died")  # uvicorn drops the connection mid-body
             # "close": the body ends cleanly, but without a finish_reason or [DONE]
