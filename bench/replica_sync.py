@@ -34,7 +34,8 @@ from bench.common import pct, save, say
 from embeddings.index import ScopedIndex
 from gateway.cache import ResponseCache
 from gateway.config import load_settings
-from gateway.store import CacheEntry, Store
+from gateway.store import Store
+from gateway.tables import CacheEntry
 
 DIM = 384
 SCOPES = 100

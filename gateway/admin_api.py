@@ -21,7 +21,7 @@ from fastapi.responses import HTMLResponse
 from gateway import live_settings, stats
 from gateway.admin_store import entry_view
 from gateway.feedback import parse_feedback, report_bad, resolve_entry
-from gateway.store import MAX_ID
+from gateway.tables import MAX_ID
 from protocol.errors import ApiError
 from protocol.http import read_limited_body
 from protocol.requests import load_json

@@ -11,7 +11,7 @@ from typing import Any
 from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from gateway.store import AuditEvent, CacheEntry, Feedback, RequestRecord, Setting
+from gateway.tables import AuditEvent, CacheEntry, Feedback, RequestRecord, Setting
 
 ENTRY_ORDER = {
     "hits": (CacheEntry.hit_count.desc(), CacheEntry.id.desc()),

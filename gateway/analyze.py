@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
 from gateway import stats
-from gateway.store import RequestRecord
+from gateway.tables import RequestRecord
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine

@@ -24,7 +24,8 @@ from embeddings.index import ScopedIndex
 from gateway.cache_keys import RequestKeys
 from gateway.config import CacheConfig
 from gateway.keyed_locks import KeyedLocks
-from gateway.store import CacheEntry, Store
+from gateway.store import Store
+from gateway.tables import CacheEntry
 from policies.cacheability import ANY_AGE, Freshness, judge_answer
 from policies.pair_diff import align
 from policies.pair_diff import warm as warm_alignment

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import Field, field_validator
 
 from gateway.bodies import StrictBody, parse_body
-from gateway.store import MAX_ID
+from gateway.tables import MAX_ID
 from protocol.errors import ApiError
 
 if TYPE_CHECKING:

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from gateway.analyze import main_analyze, main_export
-from gateway.store import Feedback, RequestRecord, Store
+from gateway.store import Store
+from gateway.tables import Feedback, RequestRecord
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = datetime(2025, 3, 1, 10, 0, tzinfo=UTC).timestamp()

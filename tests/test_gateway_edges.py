@@ -22,8 +22,9 @@ from embeddings.index import ScopedIndex
 from gateway.cache import ResponseCache
 from gateway.cache_keys import request_keys
 from gateway.config import load_settings
-from gateway.store import CacheEntry, Store
+from gateway.store import Store
 from gateway.streams import SseRecorder
+from gateway.tables import CacheEntry
 from tests.servers import serve_in_thread
 from tests.test_gateway import (  # noqa: F401
     MODEL,

@@ -19,7 +19,8 @@ import openai
 import pytest
 from sqlalchemy import func, select
 
-from gateway.store import LIVE_KEY_INDEX, CacheEntry, EntryDeletion, RequestRecord, Store
+from gateway.store import Store
+from gateway.tables import LIVE_KEY_INDEX, CacheEntry, EntryDeletion, RequestRecord
 from tests.servers import serve_in_thread
 from tests.test_admin import flagged_by_tenant
 from tests.test_gateway import gateway, settings_for

@@ -14,7 +14,8 @@ import pytest
 from sqlalchemy import func, select
 
 from gateway.recorder import Recorder
-from gateway.store import RequestRecord, Store
+from gateway.store import Store
+from gateway.tables import RequestRecord
 
 
 def row(i: int) -> dict:

@@ -148,7 +148,7 @@ async def test_sync_moves_the_counts_and_the_index_with_other_replicas(tmp_path)
     from embeddings.index import ScopedIndex
     from gateway.cache import ResponseCache
     from gateway.config import load_settings
-    from gateway.store import CacheEntry
+    from gateway.tables import CacheEntry
 
     url = f"sqlite:///{tmp_path / 'shared.db'}"
     config = load_settings(None).cache

@@ -21,7 +21,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent))
 
 from gateway.analyze import main_analyze  # noqa: E402
-from gateway.store import Feedback, Store  # noqa: E402
+from gateway.store import Store  # noqa: E402
+from gateway.tables import Feedback  # noqa: E402
 from gateway.tenants import key_hash  # noqa: E402
 
 START = datetime(2025, 3, 3, tzinfo=UTC).timestamp()
