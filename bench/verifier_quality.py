@@ -39,14 +39,9 @@ from bench.common import SHARED_DATA as DATA_DIR  # noqa: E402
 from bench.common import machine  # noqa: E402
 from embeddings.encoder import Encoder  # noqa: E402
 from gateway.config import load_settings  # noqa: E402
-from policies.verifier import (  # noqa: E402
-    ARTIFACT_PATH,
-    DEFAULT_RULE,
-    Verifier,
-    load_verifier,
-    train_verifier,
-)
+from policies.verifier import ARTIFACT_PATH, DEFAULT_RULE, Verifier, load_verifier  # noqa: E402
 from policies.verifier_features import guard_reason  # noqa: E402
+from policies.verifier_training import train_verifier  # noqa: E402
 
 TEST_PERCENT = 30
 BASELINE_COSINES = (0.80, 0.90, 0.95)  # GPTCache / RedisVL / Portkey-style fixed thresholds

@@ -12,7 +12,8 @@ match is below 0.5/0.6/0.7, monotone order of the matches and mutual-nearest-nei
 
 Protocol, identical for every model variant in one run:
 * QQP split of ``bench.verifier_quality.split_qqp`` (30% test by sha1 of id, train decontaminated);
-* training as in ``policies.verifier.train_verifier``: guard-vetoed pairs dropped, identity pairs added,
+* training as in ``policies.verifier_training.train_verifier``: guard-vetoed pairs dropped, identity pairs
+  added,
   hashed 15% validation for early stopping, 3-seed ensemble of the 64-unit MLP (``_fit_ensemble``);
 * the operating point (``min_prob`` at the shipped cosine floor 0.88) is chosen on that validation part,
   counting every validation positive (guard-vetoed ones too, as the test recall does): the highest
@@ -48,8 +49,9 @@ from bench.common import RESULTS as RESULTS_DIR  # noqa: E402
 from bench.common import machine  # noqa: E402
 from bench.verifier_eval import PairSet, auc, operating_points, qqp_pair_sets, subset  # noqa: E402
 from embeddings.onnx_encoder import OnnxEncoder, _plan_batches  # noqa: E402
-from policies.verifier import DEFAULT_RULE, Verifier, _fit_ensemble, _val_mask  # noqa: E402
+from policies.verifier import DEFAULT_RULE, Verifier  # noqa: E402
 from policies.verifier_features import LEXICAL_NAMES, STOPWORDS, pair_features  # noqa: E402
+from policies.verifier_training import _fit_ensemble, _val_mask  # noqa: E402
 
 CACHE_DIR = Path(tempfile.gettempdir()) / "cachegw-token-align"
 LOW_MATCH = (0.5, 0.6, 0.7)

@@ -26,7 +26,8 @@ from embeddings.batcher import SupportsEncode
 from embeddings.encoder import make_encoder
 from gateway.cache_keys import request_keys
 from policies.canonicalize import CanonicalizeConfig, canonicalize
-from policies.verifier import DecisionRule, Verifier, VerifierDataError, load_verifier, read_pairs
+from policies.verifier import DecisionRule, Verifier, VerifierDataError, load_verifier
+from policies.verifier_training import read_pairs
 
 log = logging.getLogger(__name__)
 

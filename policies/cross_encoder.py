@@ -307,7 +307,8 @@ def train_cross_from_csv(
     pairs_csv: str | Path, out: Path | str, cfg: CrossConfig = CrossConfig(), val_fraction: float = 0.15
 ) -> dict[str, Any]:
     """``cachegw train-verifier --cross``: the same pairs, guard filter and validation slice as the MLP."""
-    from policies.verifier import VerifierDataError, _auc, _val_mask, read_guarded_pairs
+    from policies.verifier import VerifierDataError
+    from policies.verifier_training import _auc, _val_mask, read_guarded_pairs
 
     q1, q2, y, _ = read_guarded_pairs(pairs_csv)
     val = _val_mask(q1, q2, val_fraction) if len(y) >= 500 else np.zeros(len(y), dtype=bool)
