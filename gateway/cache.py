@@ -90,6 +90,7 @@ class ResponseCache:
         self.index = index
         self.batcher = batcher
         self.verifier = verifier
+        self.clock = store.clock  # one wall clock for expiry, freshness and sync, given with the store
         self.entries, self.bytes = store.totals()
         self._evict_lock = asyncio.Lock()
         # Recently used entries are kept here to spare the database a query on every semantic hit;
@@ -101,7 +102,7 @@ class ResponseCache:
         self._exact: dict[str, list[int]] = {}
         self._exact_of: dict[int, str] = {}
         self._storing = KeyedLocks()  # one insert per exact key at a time: its replace is seen whole
-        self.synced_at = time.time()  # of the last successful ``sync`` (a metric)
+        self.synced_at = self.clock()  # of the last successful ``sync`` (a metric)
         if config.semantic:
             warm_alignment()
 
@@ -136,7 +137,7 @@ class ResponseCache:
         fresh: Freshness = ANY_AGE,
     ) -> Lookup:
         start = time.perf_counter()
-        now = time.time()
+        now = self.clock()
         c = self.config
         if c.exact:
             known = self._exact.get(keys.exact)
@@ -236,7 +237,7 @@ class ResponseCache:
     def record_hit(self, entry: CacheEntry) -> None:
         """Counted in memory; ``flush_hits`` writes the counts in one transaction."""
         n, _ = self._pending_hits.get(entry.id, (0, 0.0))
-        self._pending_hits[entry.id] = (n + 1, time.time())
+        self._pending_hits[entry.id] = (n + 1, self.clock())
 
     async def flush_hits(self) -> None:
         hits, self._pending_hits = self._pending_hits, {}
@@ -266,7 +267,7 @@ class ResponseCache:
             embedding = await self.batcher.embed(keys.query)
         usage = response.get("usage") or {}
         body = json.dumps(response, ensure_ascii=False)
-        now = time.time()
+        now = self.clock()
         entry = CacheEntry(
             tenant=tenant,
             model=model,
@@ -338,7 +339,7 @@ class ResponseCache:
         The window reaches ``SYNC_OVERLAP_S`` back, so a commit that landed late or a replica whose
         clock is behind is still seen; what is already known is skipped.
         """
-        now = time.time()
+        now = self.clock()
         changed, deleted = await asyncio.to_thread(self.store.changes_since, self.synced_at - SYNC_OVERLAP_S)
         self.synced_at = now
         # counters move by what others did: their deletions of entries known here, their new entries
@@ -412,7 +413,7 @@ class ResponseCache:
     async def expire(self) -> int:
         """Delete expired entries; also prunes the deletion log and old replies, and recounts the
         totals, which other replicas' inserts racing this one's can leave a little off."""
-        now = time.time()
+        now = self.clock()
         await asyncio.to_thread(self.store.prune_deletions, now - DELETION_LOG_S)
         # a conversation that comes back later than any entry can live loses only a prefix-cache hit
         await asyncio.to_thread(self.store.prune_replies, now - self.config.max_ttl_seconds)

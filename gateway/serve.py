@@ -7,7 +7,8 @@ import contextlib
 import logging
 import math
 import os
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 
 import uvicorn
 from fastapi import FastAPI
@@ -35,11 +36,14 @@ DISCOVER_EVERY_S = 30.0  # how soon a backend that was down at start (or added a
 
 
 @contextlib.asynccontextmanager
-async def started_gateway(settings: Settings, progress: bool = True) -> AsyncIterator[Gateway]:
-    """Everything a request needs, started in order and stopped in reverse."""
+async def started_gateway(
+    settings: Settings, progress: bool = True, clock: Callable[[], float] = time.time
+) -> AsyncIterator[Gateway]:
+    """Everything a request needs, started in order and stopped in reverse; ``clock`` is the cache's
+    wall clock (expiry, freshness), which tests move instead of sleeping."""
     data_dir = settings.data_dir
     data_dir.mkdir(parents=True, exist_ok=True)
-    store = Store(settings.gateway.resolved_database_url(data_dir))
+    store = Store(settings.gateway.resolved_database_url(data_dir), clock)
     live = LiveSettings(settings, AdminStore(store.session))
     settings = await asyncio.to_thread(live.load)  # run-time changes saved earlier win over the file
     admin_token = resolve_admin_token(settings.admin.token, data_dir)

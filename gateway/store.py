@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -155,7 +155,9 @@ class StoreError(RuntimeError):
 
 
 class Store:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, clock: Callable[[], float] = time.time) -> None:
+        """``clock`` is the wall clock of expiry and reply ages (tests give one they can move)."""
+        self.clock = clock
         if url.startswith("sqlite:///"):
             Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -307,7 +309,7 @@ class Store:
     def iter_embeddings(self, batch: int = 5000) -> Iterator[tuple[str, int, np.ndarray]]:
         """(scope, id, vector) of every live entry that has an embedding, for rebuilding the index."""
         last = 0
-        now = time.time()
+        now = self.clock()
         while True:
             with self.session() as s:
                 rows = s.execute(
@@ -329,7 +331,7 @@ class Store:
         """(exact key, id) of every live entry, to mirror the exact tier in memory."""
         with self.session() as s:
             q = select(CacheEntry.exact_key, CacheEntry.id).where(
-                CacheEntry.expires_at > time.time(), CacheEntry.bad.is_(False)
+                CacheEntry.expires_at > self.clock(), CacheEntry.bad.is_(False)
             )
             return [(k, int(i)) for k, i in s.execute(q)]
 
@@ -353,11 +355,10 @@ class Store:
         with self.session.begin() as s:
             self._add_replies(s, replies)
 
-    @staticmethod
-    def _add_replies(s: Session, replies: dict[str, str]) -> None:
+    def _add_replies(self, s: Session, replies: dict[str, str]) -> None:
         """Insert-or-ignore: two answers with the same text committing at once must not fail each
         other's commit (it holds the entry too)."""
-        now = time.time()
+        now = self.clock()
         rows = [{"key": k, "text": t, "created_at": now} for k, t in replies.items()]
         dialect = s.get_bind().dialect.name
         if dialect in ("sqlite", "postgresql"):

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.test_gateway import MODEL, ask, backend_url, chat, gateway, settings_for  # noqa: F401
+from tests.test_gateway import MODEL, MovableClock, ask, backend_url, chat, gateway, settings_for  # noqa: F401
 from tests.test_recorder import row as log_row
 
 TOKEN = "test-admin-token-1234567890"
@@ -49,9 +49,12 @@ def wait_logged(url: str, n: int) -> dict:
         time.sleep(0.1)
 
 
+CLOCK = MovableClock()  # the module gateway's wall clock: TTL tests move it instead of sleeping
+
+
 @pytest.fixture(scope="module")
 def gw(backend_url, tmp_path_factory) -> Iterator[str]:  # noqa: F811
-    with gateway(admin_settings(tmp_path_factory.mktemp("admin"), backend_url)) as url:
+    with gateway(admin_settings(tmp_path_factory.mktemp("admin"), backend_url), CLOCK) as url:
         yield url
 
 
@@ -149,10 +152,11 @@ def test_canonicalization_rule_switched_off_applies_to_the_next_request(gw):
 
 
 def test_ttl_setting_applies_to_new_entries(gw):
-    api(gw, "PUT", "/settings", json={"ttl_seconds": 1})
+    api(gw, "PUT", "/settings", json={"ttl_seconds": 60})
     try:
         chat(gw, ask("Name a fruit that is yellow."))
-        time.sleep(1.2)
+        assert chat(gw, ask("Name a fruit that is yellow."))[1]["x-cache"] == "exact-hit"
+        CLOCK.advance(61)
         _, h, _ = chat(gw, ask("Name a fruit that is yellow."))
         assert h["x-cache"] == "miss"  # expired after the new TTL
     finally:

@@ -10,7 +10,8 @@ import contextlib
 import logging
 import os
 import sqlite3
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -42,9 +43,22 @@ def settings_for(data_dir, backends: list[str], **cache_over) -> Settings:
     return s.model_copy(update={"cache": s.cache.model_copy(update=cache_over)}) if cache_over else s
 
 
+class MovableClock:
+    """The cache's wall clock, moved forward by tests instead of sleeping through a TTL."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.time() + self.offset
+
+    def advance(self, seconds: float) -> None:
+        self.offset += seconds
+
+
 @contextlib.contextmanager
-def gateway(settings: Settings) -> Iterator[str]:
-    app = build_app(lambda: started_gateway(settings, progress=False))
+def gateway(settings: Settings, clock: Callable[[], float] = time.time) -> Iterator[str]:
+    app = build_app(lambda: started_gateway(settings, progress=False, clock=clock))
     with serve_in_thread(app, lifespan="on") as url:
         yield url
 
@@ -376,14 +390,15 @@ def test_keys_mode_refuses_unknown_keys(backend_url, tmp_path):
 
 
 def test_ttl_header_expires_an_entry(backend_url, tmp_path):
-    import time
-
-    with gateway(settings_for(tmp_path, [backend_url])) as url:
+    clock = MovableClock()
+    with gateway(settings_for(tmp_path, [backend_url]), clock) as url:
         messages = ask("Name a river in Africa.")
-        chat(url, messages, extra_headers={"x-cache-ttl": "1"})
+        chat(url, messages, extra_headers={"x-cache-ttl": "60"})
         _, h, _ = chat(url, messages)
         assert h["x-cache"] == "exact-hit"
-        time.sleep(1.2)
+        clock.advance(59)
+        assert chat(url, messages)[1]["x-cache"] == "exact-hit"
+        clock.advance(2)
         _, h, _ = chat(url, messages)
         assert h["x-cache"] == "miss"
 

@@ -29,6 +29,7 @@ from tests.servers import serve_in_thread
 from tests.test_gateway import (  # noqa: F401
     MODEL,
     SYSTEM,
+    MovableClock,
     ask,
     backend_url,
     chat,
@@ -46,9 +47,12 @@ def data_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("edges")
 
 
+CLOCK = MovableClock()  # the module gateway's wall clock: freshness tests move it instead of sleeping
+
+
 @pytest.fixture(scope="module")
 def gw(backend_url, data_dir) -> Iterator[str]:  # noqa: F811
-    with gateway(settings_for(data_dir, [backend_url])) as url:
+    with gateway(settings_for(data_dir, [backend_url]), CLOCK) as url:
         yield url
 
 
@@ -157,8 +161,9 @@ def test_request_max_age_limits_what_is_served(gw):
     q = ask("Name a colour of the rainbow.")
     chat(gw, q)
     assert chat(gw, q, extra_headers={"Cache-Control": "max-age=600"})[1]["x-cache"] == "exact-hit"
-    time.sleep(1.2)
-    assert chat(gw, q, extra_headers={"Cache-Control": "max-age=1"})[1]["x-cache"] == "miss"
+    CLOCK.advance(30)
+    assert chat(gw, q, extra_headers={"Cache-Control": "max-age=60"})[1]["x-cache"] == "exact-hit"
+    assert chat(gw, q, extra_headers={"Cache-Control": "max-age=20"})[1]["x-cache"] == "miss"
     # min-fresh beyond the entry's remaining life (7 days by default): not served either
     assert chat(gw, q, extra_headers={"Cache-Control": "min-fresh=99999999"})[1]["x-cache"] == "miss"
 
@@ -325,11 +330,12 @@ async def test_answers_without_usage_are_served_only_where_their_length_is_known
 async def test_remembered_replies_are_pruned_and_flushed(tmp_path):
     """They were kept forever and survived a flush; now they live as long as the longest entry can."""
     settings = load_settings(None)
-    store = Store(f"sqlite:///{tmp_path / 'replies.db'}")
-    config = settings.cache.model_copy(update={"max_ttl_seconds": 1})
+    clock = MovableClock()
+    store = Store(f"sqlite:///{tmp_path / 'replies.db'}", clock)
+    config = settings.cache.model_copy(update={"max_ttl_seconds": 60})
     cache = ResponseCache(config, store, ScopedIndex(dim=4), None, None)
     store.remember_replies({"k-old": "an old reply"})
-    time.sleep(1.2)
+    clock.advance(61)
     store.remember_replies({"k-new": "a new reply"})
     await cache.expire()
     assert store.lookup_reply("k-old") is None and store.lookup_reply("k-new") == "a new reply"
