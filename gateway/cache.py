@@ -44,12 +44,13 @@ DELETION_LOG_S = 3600.0  # deleted ids are kept this long for other replicas' sy
 class Lookup:
     """What the cache found. ``reason`` says why (the x-cache-reason header): ``exact`` and
     ``semantic`` for hits; for a miss, why the nearest candidate was refused: ``no-candidate`` (the
-    scope holds nothing), ``below-threshold``, ``not-servable`` (expired, flagged, too long for
-    max_tokens, cut short), ``entry-threshold`` (its own threshold, raised by feedback), what the
-    alignment of the two queries found (``context-differs``: a document, quote or code around the
-    question differs; ``guard:code``, ``guard:polarity``, ``guard:units``, ``guard:numbers`` and the
-    verifier's other guards), ``verifier`` (the learned verifier said no to the differing part), or
-    ``exact-only`` (no semantic lookup for this request)."""
+    scope holds nothing), ``below-threshold``, what kept the nearest stored answer from serving
+    (``expired``, ``flagged``, ``too-old`` for the request's max-age, ``too-long`` for its max_tokens,
+    ``truncated`` at another max_tokens, ``not-servable`` otherwise), ``entry-threshold`` (its own
+    threshold, raised by feedback), what the alignment of the two queries found (``context-differs``:
+    a document, quote or code around the question differs; ``guard:code``, ``guard:polarity``,
+    ``guard:units``, ``guard:numbers`` and the verifier's other guards), ``verifier`` (the learned
+    verifier said no to the differing part), or ``exact-only`` (no semantic lookup for this request)."""
 
     result: str  # "exact-hit" | "semantic-hit" | "miss"
     entry: CacheEntry | None = None
@@ -64,16 +65,27 @@ class Lookup:
 UNKNOWN_LENGTH = 2**31 - 1  # completion_tokens of an answer stored without usage: no limit is known to hold
 
 
-def servable(entry: CacheEntry, keys: RequestKeys, now: float, fresh: Freshness = ANY_AGE) -> bool:
-    if entry.bad or entry.expires_at - fresh.min_fresh <= now:
-        return False
-    if fresh.max_age is not None and now - entry.created_at > fresh.max_age:
-        return False
+def unservable(entry: CacheEntry, keys: RequestKeys, now: float, fresh: Freshness = ANY_AGE) -> str | None:
+    """Why a stored answer may not answer this request (a miss reason), or None when it may."""
+    if entry.bad:
+        return "flagged"
+    if entry.expires_at <= now:
+        return "expired"
+    if entry.expires_at - fresh.min_fresh <= now or (
+        fresh.max_age is not None and now - entry.created_at > fresh.max_age
+    ):
+        return "too-old"  # for the request's Cache-Control max-age / min-fresh
     if entry.finish_reason in ("stop", "tool_calls"):
-        return keys.max_tokens is None or entry.completion_tokens <= keys.max_tokens
+        fits = keys.max_tokens is None or entry.completion_tokens <= keys.max_tokens
+        return None if fits else "too-long"
     if entry.finish_reason == "length":  # truncated: only for exactly the same limit
-        return keys.max_tokens is not None and keys.max_tokens == entry.max_tokens
-    return False
+        same = keys.max_tokens is not None and keys.max_tokens == entry.max_tokens
+        return None if same else "truncated"
+    return "not-servable"
+
+
+def servable(entry: CacheEntry, keys: RequestKeys, now: float, fresh: Freshness = ANY_AGE) -> bool:
+    return unservable(entry, keys, now, fresh) is None
 
 
 class ResponseCache:
@@ -174,8 +186,10 @@ class ResponseCache:
             entries = await self._get_entries([i for i, _ in close])
             for entry_id, sim in close:
                 entry = entries.get(entry_id)
-                if entry is None or entry.scope != keys.scope or not servable(entry, keys, now, fresh):
-                    refused.append("not-servable")
+                why_not = "not-servable" if entry is None or entry.scope != keys.scope else None
+                why_not = why_not or unservable(entry, keys, now, fresh)  # type: ignore[arg-type]
+                if why_not is not None:
+                    refused.append(why_not)
                     continue
                 if entry.threshold is not None and sim < entry.threshold:  # learned from feedback
                     refused.append("entry-threshold")

@@ -48,7 +48,7 @@ def test_misses_and_hits_say_why(gw: tuple[str, Path]) -> None:
     _, other, _ = chat(url, ask("How do I bake sourdough bread at home?"))
     assert (other["x-cache"], other["x-cache-reason"]) == ("miss", "below-threshold")
     _, limited, _ = chat(url, ask("What is the capital of France?"), max_tokens=1)
-    assert limited["x-cache"] == "miss" and limited["x-cache-reason"] == "not-servable"  # too long for 1
+    assert limited["x-cache"] == "miss" and limited["x-cache-reason"] == "too-long"  # for max_tokens 1
     for h in (first, exact, para, other, limited):
         assert logged_reason(data_dir, h["x-request-id"]) == h["x-cache-reason"]
 
