@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from difflib import SequenceMatcher
-from typing import Any
 
 DEFAULT_VOLATILE_PATTERNS: tuple[str, ...] = (
     r"\b\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(:\d{2}(\.\d+)?)?(Z|[+-]\d{2}:?\d{2})?\b",
@@ -152,13 +151,6 @@ class LearnConfig:
                 ok = isinstance(v, int) and not isinstance(v, bool) and v >= least
             if not ok:
                 raise ValueError(f"[canonicalize.learn] {f.name}: invalid value {v!r}")
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> LearnConfig:
-        unknown = set(d) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ValueError(f"config [canonicalize.learn]: unknown keys {sorted(unknown)}")
-        return cls(**d)
 
 
 @dataclass(frozen=True)
