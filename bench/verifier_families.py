@@ -5,7 +5,7 @@ Usage (from the project root):
 
 *Before* is the semantic tier as it was: the verifier (guards with numbers as digit strings, MLP,
 cross-encoder) on the two whole texts and their whole-text embeddings (the encoder reads the first 256
-word pieces). *After* is what the gateway does now (``ResponseCache._refusal``): align the texts, refuse
+word pieces). *After* is what the gateway does now (``SemanticTier._refusal``): align the texts, refuse
 on differing material, code, opposites or units, and otherwise let the verifier judge the differing
 part, embedded alone when it is not the whole text. Both at the default rule (cosine >= 0.88, p >= 0.80),
 every pair taken as the candidate the index returned.

@@ -23,8 +23,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from gateway.admin_api import admin_router, dashboard_page, json_body
 from gateway.admin_auth import AdminAuth
 from gateway.admin_store import AdminStore
-from gateway.cache import Lookup, ResponseCache
+from gateway.cache import ResponseCache
 from gateway.cache_keys import RequestKeys, request_keys
+from gateway.cache_result import Lookup
 from gateway.config import Settings
 from gateway.entry_ids import EntryIds
 from gateway.feedback import parse_feedback, report_bad
@@ -116,9 +117,8 @@ class Gateway:
         return self.live.current
 
     def apply_settings(self) -> None:
-        """Pass changed settings on to the parts that keep their own copy; requests already under way
-        keep the view they read."""
-        self.cache.config = self.settings.cache
+        """Pass changed settings on to the parts that keep their own copy (the cache reads its own
+        through a provider); requests already under way keep the view they read."""
         self.policy = CachePolicy(
             serve_temperature_above_zero=self.settings.cache.serve_temperature_above_zero
         )

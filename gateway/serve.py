@@ -20,7 +20,8 @@ from gateway.admin_auth import resolve_admin_token
 from gateway.admin_store import AdminStore
 from gateway.app import Gateway, build_app
 from gateway.backend_health import HealthProbes
-from gateway.cache import HIT_FLUSH_S, ResponseCache
+from gateway.cache import ResponseCache
+from gateway.cache_maintenance import HIT_FLUSH_S
 from gateway.config import BackendSpec, Settings
 from gateway.live_settings import LiveSettings
 from gateway.metrics_http import metrics_app
@@ -66,7 +67,7 @@ async def started_gateway(
         tombstone_ratio=ix.tombstone_ratio,
         snapshot_dir=data_dir / "index" if ix.snapshots else None,
     )
-    cache = ResponseCache(c, store, index, batcher, verifier)
+    cache = ResponseCache(lambda: live.current.cache, store, index, batcher, verifier)
     n = await asyncio.to_thread(cache.rebuild_index, progress)
     log.info("cache: %d entries, %d in the vector index", cache.entries, n)
     builtin = None

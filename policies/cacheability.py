@@ -62,6 +62,11 @@ content and tool calls (empty fields such as ``refusal: null`` or vLLM's ``tool_
 absent): a refusal, reasoning or audio cannot be replayed as a stream. An answer with tool calls is
 served to exact repeats only (``AnswerVerdict.semantic`` false): its arguments carry the values of
 the user's own request (a city, an amount, an id), which a paraphrase may not share.
+
+What stored answer may be served (``unservable``): one not flagged bad, not expired, within the
+request's freshness limits, and that fits its max_tokens (``stop`` / ``tool_calls`` at most that long;
+``length`` only for exactly the same limit). ``answer_length`` says how long an answer is known to be
+when the backend sent no usage.
 """
 
 from __future__ import annotations
@@ -69,7 +74,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, Protocol
 
 _KNOWN_STREAM_OPTIONS = frozenset({"include_usage", "include_obfuscation"})
 _REPLAYABLE_FIELDS = frozenset({"role", "content", "tool_calls"})
@@ -286,3 +291,56 @@ def _whole_call(call: Any) -> bool:
     except ValueError:
         return False
     return True
+
+
+UNKNOWN_LENGTH = 2**31 - 1  # completion_tokens of an answer stored without usage: no limit is known to hold
+
+
+class StoredAnswer(Protocol):
+    """What ``unservable`` reads of a stored answer (the gateway's ``CacheEntry`` has these)."""
+
+    @property
+    def bad(self) -> bool: ...
+    @property
+    def expires_at(self) -> float: ...
+    @property
+    def created_at(self) -> float: ...
+    @property
+    def finish_reason(self) -> str: ...
+    @property
+    def completion_tokens(self) -> int: ...
+    @property
+    def max_tokens(self) -> int | None: ...
+
+
+def unservable(
+    answer: StoredAnswer, max_tokens: int | None, now: float, fresh: Freshness = ANY_AGE
+) -> str | None:
+    """Why a stored answer may not answer a request asking for ``max_tokens`` (a miss reason), or
+    None when it may."""
+    if answer.bad:
+        return "flagged"
+    if answer.expires_at <= now:
+        return "expired"
+    if answer.expires_at - fresh.min_fresh <= now or (
+        fresh.max_age is not None and now - answer.created_at > fresh.max_age
+    ):
+        return "too-old"  # for the request's Cache-Control max-age / min-fresh
+    if answer.finish_reason in ("stop", "tool_calls"):
+        fits = max_tokens is None or answer.completion_tokens <= max_tokens
+        return None if fits else "too-long"
+    if answer.finish_reason == "length":  # truncated: only for exactly the same limit
+        same = max_tokens is not None and max_tokens == answer.max_tokens
+        return None if same else "truncated"
+    return "not-servable"
+
+
+def answer_length(usage: Mapping[str, Any], max_tokens: int | None, finish: str) -> int:
+    """The answer's length, which decides which max_tokens it may be served to. A backend that sent no
+    usage leaves only what its own limit proves: a "stop" (or "tool_calls") answer fit the max_tokens
+    it was asked with."""
+    n = usage.get("completion_tokens")
+    if isinstance(n, int) and not isinstance(n, bool) and n >= 0:
+        return n
+    ended = finish in ("stop", "tool_calls")
+    return max_tokens if max_tokens is not None and ended else UNKNOWN_LENGTH

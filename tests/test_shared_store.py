@@ -172,7 +172,7 @@ async def test_sync_moves_the_counts_and_the_index_with_other_replicas(tmp_path)
     assert await cache.sync() == 2
     # the flagged entry is still a row (counted), the deleted one is gone
     assert (cache.entries, cache.bytes, len(cache.index)) == (2, 40, 1) == (*here.totals(), 1)
-    assert ids[2] in cache.index and ids[0] not in cache._exact_of
+    assert ids[2] in cache.index and ids[0] not in cache.exact
     await cache.delete([ids[2]])  # this replica's own deletion: counted once
     assert await cache.sync() == 0
     assert (cache.entries, cache.bytes, len(cache.index)) == (1, 10, 0) == (*here.totals(), 0)
