@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install serve backend test test-fast test-triton lint typecheck format bench clean
+.PHONY: install serve backend test test-fast test-triton lint typecheck format bench clean migration
 
 install: $(STAMP)
 
@@ -50,6 +50,12 @@ bench: install
 	$(BIN)/python -m bench.prefix_cache_ttft
 	$(BIN)/python -m bench.kv_memory
 	$(BIN)/python -m bench.plot_engine
+
+# A new schema revision after changing gateway/tables.py: make migration m="add the audit table"
+# (writes gateway/migrations/versions/NNNN_*.py; read it, then run tests/test_migrations.py).
+migration: install
+	test -n "$(m)" || (echo 'usage: make migration m="what changed"'; exit 1)
+	$(BIN)/python -m gateway.migrate "$(m)"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -25,8 +25,9 @@ import numpy as np
 from embeddings.batcher import SupportsEncode
 from embeddings.encoder import make_encoder
 from gateway.cache_keys import request_keys
+from gateway.verifier_loader import load_verifier
 from policies.canonicalize import CanonicalizeConfig, canonicalize
-from policies.verifier import DecisionRule, Verifier, VerifierDataError, load_verifier
+from policies.verifier import DecisionRule, Verifier, VerifierDataError
 from policies.verifier_training import read_pairs
 
 log = logging.getLogger(__name__)

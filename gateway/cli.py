@@ -57,7 +57,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _train_verifier(argv: list[str]) -> int:
-    from policies.verifier_training import main_train
+    from gateway.train_verifier import main_train
 
     return main_train(argv)
 

@@ -28,7 +28,7 @@ from gateway.metrics_http import metrics_app
 from gateway.proxy import Backends
 from gateway.store import Store
 from gateway.supervisor import BuiltinBackend
-from policies.verifier import load_verifier
+from gateway.verifier_loader import load_verifier
 
 log = logging.getLogger("cachegw.gateway")
 EXPIRY_EVERY_S = 60.0

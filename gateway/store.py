@@ -9,7 +9,9 @@ transaction (``put_entry``), and on SQLite and PostgreSQL a unique partial index
 (``ux_entries_live_key``) makes a second copy impossible even when two replicas store the same key at
 once (the later commit fails, and is retried, then replacing the first). A flagged (bad) entry is
 not live: it stays as the record of the feedback while the key takes a new answer. A database made
-before the index has its copies retired at start (``_retire_duplicate_keys``), the newest kept.
+before the index has its copies retired when it is upgraded (migration 0008), the newest kept.
+
+Opening a store upgrades its database to the models' schema first (``gateway/migrate.py``).
 """
 
 from __future__ import annotations
@@ -21,15 +23,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
+from alembic.util import CommandError
 from sqlalchemy import (
     create_engine,
     delete,
     event,
     exists,
     func,
-    inspect,
     select,
-    text,
     update,
 )
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -38,14 +39,12 @@ from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.exc import ArgumentError, IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import (
     Session,
-    aliased,
     make_transient,
     sessionmaker,
 )
 
+from gateway.migrate import upgrade
 from gateway.tables import (
-    LIVE_KEY_INDEX,
-    Base,
     CacheEntry,
     EntryDeletion,
     Reply,
@@ -63,45 +62,6 @@ def _sqlite_pragmas(dbapi_conn, _record) -> None:
     cur.execute("PRAGMA synchronous=NORMAL")
     cur.execute("PRAGMA busy_timeout=5000")
     cur.close()
-
-
-def _add_missing_columns(engine) -> None:
-    """Databases made by an older cachegw get the nullable columns (and indexes) added since; the only
-    data touched is extra live copies of one exact key, retired before the index that forbids them."""
-    inspector = inspect(engine)
-    present = {t: {c["name"] for c in inspector.get_columns(t)} for t in Base.metadata.tables}
-    unique_key = any(i["name"] == LIVE_KEY_INDEX for i in inspector.get_indexes(CacheEntry.__tablename__))
-    with engine.begin() as conn:
-        for table in Base.metadata.sorted_tables:
-            for col in table.columns:
-                if col.name not in present[table.name] and col.nullable:
-                    kind = col.type.compile(dialect=engine.dialect)
-                    conn.execute(text(f'ALTER TABLE {table.name} ADD COLUMN "{col.name}" {kind}'))
-        if not unique_key:
-            _retire_duplicate_keys(conn)
-        for table in Base.metadata.sorted_tables:
-            for index in table.indexes:  # and their indexes (create_all makes them only with a new table)
-                index.create(conn, checkfirst=True)
-
-
-def _retire_duplicate_keys(conn: Connection) -> int:
-    """Delete every live entry that a newer live entry of the same exact key supersedes (logged for
-    the replicas that hold it); the count deleted."""
-    newer = aliased(CacheEntry)
-    superseded = exists().where(
-        newer.tenant == CacheEntry.tenant,
-        newer.model == CacheEntry.model,
-        newer.exact_key == CacheEntry.exact_key,
-        newer.bad.is_(False),
-        newer.id > CacheEntry.id,
-    )
-    rows = conn.execute(
-        select(CacheEntry.id, CacheEntry.size_bytes).where(CacheEntry.bad.is_(False), superseded)
-    ).all()
-    _delete_logged(conn, [(int(i), int(size)) for i, size in rows])
-    if rows:
-        log.warning("retired %d older copies of cached answers (one live entry per exact key)", len(rows))
-    return len(rows)
 
 
 def _key_lock_id(entry: CacheEntry) -> int:
@@ -164,9 +124,8 @@ class Store:
             self.engine = create_engine(url, pool_pre_ping=True)
             if self.engine.dialect.name == "sqlite":
                 event.listen(self.engine, "connect", _sqlite_pragmas)
-            Base.metadata.create_all(self.engine)
-            _add_missing_columns(self.engine)
-        except (ImportError, ArgumentError, SQLAlchemyError) as exc:
+            upgrade(self.engine)
+        except (ImportError, ArgumentError, SQLAlchemyError, CommandError) as exc:
             shown = make_url(url).render_as_string(hide_password=True) if "://" in url else url
             hint = ""
             if isinstance(exc, ImportError):

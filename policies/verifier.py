@@ -6,8 +6,9 @@ Cosine similarity alone tops out near 0.93 precision on QQP because hard negativ
 1. the candidate's cosine clears ``DEFAULT_RULE.min_cosine`` (cheap pre-filter, the ANN threshold);
 2. no hard guard fires (numbers, negation, antonyms, script, swap, time: ``guard_reason``);
 3. a small MLP over pair features gives probability >= ``DEFAULT_RULE.min_prob``; with the optional
-   cross-encoder stage (``policies/cross_onnx.py``), the geometric mean of the MLP's and the
-   cross-encoder's probabilities must clear it instead.
+   cross-encoder stage (a ``PairScorer``: ``embeddings/cross_onnx.py``, given by
+   ``gateway/verifier_loader.py``), the geometric mean of the MLP's and the cross-encoder's
+   probabilities must clear it instead.
 
 The MLP is numpy only; training uses torch (``train_verifier`` / ``cachegw train-verifier``).
 """
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -77,7 +77,7 @@ def _as_matrix(emb: np.ndarray, n: int) -> np.ndarray:
 
 
 class PairScorer(Protocol):
-    """A second stage that reads both questions together (``policies.cross_onnx.CrossScorer``)."""
+    """A second stage that reads both questions together (``embeddings.cross_onnx.CrossScorer``)."""
 
     def score_batch(self, q_new: list[str], q_old: list[str]) -> np.ndarray: ...
 
@@ -238,37 +238,3 @@ class Verifier:
         min_cosine: float | None = None,
     ) -> bool:
         return self.accept_batch([q_new], [q_old], emb_new, emb_old, threshold, min_cosine)[0]
-
-
-def load_verifier(cache: Any, cache_dir: str | os.PathLike[str] | None = None) -> Verifier:
-    """The gateway's verifier from ``[cache]`` settings (``verifier_path``, ``cross_verifier``...).
-
-    The cross-encoder stage runs on int8 ONNX Runtime; when that cannot load (onnxruntime missing, export
-    failure) it falls back to the same model on torch, slower (~12 ms per candidate) but the same decisions
-    within int8 noise, rather than silently dropping the stage.
-    """
-    cross: PairScorer | None = None
-    if cache.cross_verifier:
-        from policies.cross_encoder import ARTIFACT_PATH as CROSS_PATH
-        from policies.cross_encoder import CrossEncoder
-        from policies.cross_onnx import CrossScorer
-
-        artifact = Path(cache.cross_verifier_path or CROSS_PATH)
-        if not artifact.is_file():
-            raise FileNotFoundError(f"cross_verifier_path {artifact} does not exist")
-        try:
-            cross = CrossScorer(artifact, cache_dir=cache_dir).load()
-        except Exception as exc:
-            log.warning("cross-encoder on ONNX unusable (%s: %s); using torch", type(exc).__name__, exc)
-            torch_cross = CrossEncoder(artifact)
-            try:  # loaded now: a broken artifact must stop the start, not fail every lookup later
-                torch_cross.load()
-            except Exception as exc2:
-                raise ValueError(
-                    f"cross_verifier_path {artifact} is not a usable cross-encoder: {exc2}"
-                ) from exc
-            cross = torch_cross
-    return Verifier.load(cache.verifier_path or None, cross)
-
-
-# ---------------------------------------------------------------------------------------------- training

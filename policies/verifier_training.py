@@ -1,17 +1,15 @@
-"""Training the verifier's classifier (``cachegw train-verifier``): labelled pairs read and checked,
-features from the encoder, a small MLP ensemble fitted with torch, and the artifact that
-``policies.verifier.Verifier`` serves. Kept apart from the serving module: serving loads none of it."""
+"""Training the verifier's classifier: labelled pairs read and checked, features from the embeddings of
+an encoder the caller gives, a small MLP ensemble fitted with torch, and the artifact that
+``policies.verifier.Verifier`` serves. Kept apart from the serving module: serving loads none of it.
+The command (``cachegw train-verifier``) is ``gateway/train_verifier.py``."""
 
 from __future__ import annotations
 
-import argparse
 import csv
 import hashlib
-import json
 import logging
-import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -19,6 +17,13 @@ from policies.verifier import DEFAULT_RULE, Verifier, VerifierDataError
 from policies.verifier_features import LEXICAL_NAMES, guard_reason, pair_features
 
 log = logging.getLogger(__name__)
+
+
+class Encodes(Protocol):
+    """What training needs of an encoder: unit vectors for texts."""
+
+    def encode(self, texts: list[str], show_progress: bool = ...) -> np.ndarray: ...
+
 
 REQUIRED_COLUMNS = ("question1", "question2", "is_duplicate")
 _LABELS = {"0": 0, "1": 1, "false": 0, "true": 1, "no": 0, "yes": 1}
@@ -163,7 +168,7 @@ def train_verifier(
     pairs_csv: str,
     out_path: str,
     *,
-    encoder: Any = None,
+    encoder: Encodes,
     hidden: int = 64,
     members: int = 3,
     epochs: int = 40,
@@ -174,13 +179,9 @@ def train_verifier(
     """Fit the verifier on labelled pairs and write an artifact loadable with ``Verifier.load``.
 
     Pairs a hard guard vetoes are dropped first: at serving time they never reach the MLP.
-    ``encoder`` is anything with ``encode(texts, show_progress=...)``; default is the MiniLM Encoder.
+    ``encoder`` embeds the questions (the gateway's MiniLM ``Encoder`` for the served artifact).
     """
     q1, q2, y_kept, n_file = read_guarded_pairs(pairs_csv)
-    if encoder is None:
-        from embeddings.encoder import Encoder
-
-        encoder = Encoder()
     texts = sorted(set(q1) | set(q2))
     log.info("embedding %d distinct questions from %d pairs", len(texts), len(q1))
     emb = encoder.encode(texts, show_progress=progress)
@@ -220,46 +221,3 @@ def train_verifier(
     metrics["artifact"] = str(out_path)
     metrics["artifact_bytes"] = Path(out_path).stat().st_size
     return metrics
-
-
-def main_train(argv: list[str] | None = None) -> int:
-    """CLI body of ``cachegw train-verifier --pairs FILE.csv [--out PATH]``."""
-    parser = argparse.ArgumentParser(
-        prog="cachegw train-verifier",
-        description="Train the semantic-cache verifier on labelled question pairs "
-        "(CSV columns: question1, question2, is_duplicate).",
-    )
-    parser.add_argument("--pairs", required=True, help="CSV of labelled pairs")
-    parser.add_argument("--out", default="verifier.npz", help="artifact to write (default: %(default)s)")
-    parser.add_argument("--hidden", type=int, default=64, help="MLP hidden units (default: %(default)s)")
-    parser.add_argument("--epochs", type=int, default=40, help="max epochs (default: %(default)s)")
-    parser.add_argument(
-        "--cross",
-        action="store_true",
-        help="also train the cross-encoder stage (LoRA on MiniLM; about 20 min per 17k pairs on 2 CPU cores)",
-    )
-    parser.add_argument("--cross-out", default=None, help="its artifact (default: <out>-cross.npz)")
-    parser.add_argument(
-        "--cross-epochs", type=float, default=None, help="its passes over the pairs (default: 3, as shipped)"
-    )
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.cross_epochs is not None and args.cross_epochs <= 0:
-        print("error: --cross-epochs must be > 0", file=sys.stderr)
-        return 2
-    try:
-        metrics = train_verifier(args.pairs, args.out, hidden=args.hidden, epochs=args.epochs)
-        print(json.dumps({k: v for k, v in metrics.items() if k != "val_curve_at_default_cosine"}, indent=2))
-        print(f"wrote {args.out}; use it with [cache] verifier_path = {str(args.out)!r}")
-        if args.cross:
-            from policies.cross_encoder import CrossConfig, train_cross_from_csv
-
-            out = args.cross_out or str(Path(args.out).with_suffix("")) + "-cross.npz"
-            cfg = CrossConfig() if args.cross_epochs is None else CrossConfig(epochs=args.cross_epochs)
-            meta = train_cross_from_csv(args.pairs, out, cfg)
-            print(json.dumps(meta, indent=2))
-            print(f"wrote {out}; use it with [cache] cross_verifier_path = {out!r}")
-    except VerifierDataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0

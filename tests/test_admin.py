@@ -407,7 +407,8 @@ def test_a_database_from_an_older_version_gets_the_new_columns(tmp_path):
 
     url = f"sqlite:///{tmp_path / 'old.db'}"
     Store(url).close()
-    with sqlite3.connect(tmp_path / "old.db") as conn:  # as session 1's schema had it
+    with sqlite3.connect(tmp_path / "old.db") as conn:  # as session 1's schema had it, before Alembic
+        conn.execute("DROP TABLE alembic_version")
         conn.execute("DROP INDEX ix_requests_response_id")
         for table, column in (
             ("requests", "response_id"),

@@ -15,7 +15,8 @@ import pytest
 from embeddings.encoder import Encoder
 from gateway.calibrate import THRESHOLDS, gateway_query, main_calibrate
 from gateway.config import load_settings
-from policies.verifier import DecisionRule, load_verifier
+from gateway.verifier_loader import load_verifier
+from policies.verifier import DecisionRule
 
 ROOT = Path(__file__).resolve().parents[1]
 

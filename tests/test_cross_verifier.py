@@ -15,11 +15,12 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from embeddings.cross_encoder import ARTIFACT_PATH, CrossEncoder  # noqa: E402
+from embeddings.cross_onnx import PROBE_TOLERANCE, CrossScorer  # noqa: E402
 from embeddings.onnx_encoder import OnnxEncoder  # noqa: E402
-from policies.cross_encoder import ARTIFACT_PATH, CrossEncoder  # noqa: E402
-from policies.cross_onnx import PROBE_TOLERANCE, CrossScorer  # noqa: E402
-from policies.verifier import DEFAULT_RULE, Verifier, load_verifier  # noqa: E402
-from policies.verifier_training import main_train  # noqa: E402
+from gateway.train_verifier import main_train  # noqa: E402
+from gateway.verifier_loader import load_verifier  # noqa: E402
+from policies.verifier import DEFAULT_RULE, Verifier  # noqa: E402
 
 SAME = ("How do I invest my money wisely?", "How can I invest my money wisely?")
 DIFFERENT = ("How do I learn Java?", "How do I learn Python?")

@@ -72,3 +72,36 @@ def test_license_file_matches_declared_license() -> None:
     assert PYPROJECT["project"]["license"] == {"text": "Apache-2.0"}
     text = (ROOT / "LICENSE").read_text()
     assert "Apache License" in text and "Version 2.0, January 2004" in text
+
+
+MIGRATE_FROM_WHEEL = """
+import sys, gateway
+from gateway.migrate import head
+from gateway.store import Store
+assert gateway.__file__.startswith(sys.argv[1]), gateway.__file__
+Store(f"sqlite:///{sys.argv[2]}").close()
+print(head())
+"""
+
+
+def test_an_installed_wheel_finds_its_migrations(tmp_path: Path) -> None:
+    """The migration scripts ship as package data: a wheel installed elsewhere builds a database with them."""
+    wheels, target = tmp_path / "wheels", tmp_path / "site"
+    build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
+    subprocess.run([*build, "-w", str(wheels), str(ROOT)], check=True, capture_output=True, timeout=300)
+    [wheel] = wheels.glob("cachegw-*.whl")
+    install = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)]
+    subprocess.run(install, check=True, capture_output=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", MIGRATE_FROM_WHEEL, str(target), str(tmp_path / "new.db")],
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    import sqlite3
+
+    with sqlite3.connect(tmp_path / "new.db") as conn:
+        assert conn.execute("SELECT version_num FROM alembic_version").fetchone() == (res.stdout.strip(),)

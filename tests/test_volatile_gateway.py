@@ -134,6 +134,7 @@ def test_a_request_log_from_before_the_volatile_column_gets_it(tmp_path) -> None
     url = f"sqlite:///{tmp_path / 'old.db'}"
     Store(url).close()
     with sqlite3.connect(tmp_path / "old.db") as conn:  # as the schema was before this column
+        conn.execute("DROP TABLE alembic_version")  # and before Alembic
         conn.execute('ALTER TABLE requests DROP COLUMN "volatile"')
     store = Store(url)
     store.log_requests([log_row(1) | {"volatile": "learned:abc[Customer tier:]"}])

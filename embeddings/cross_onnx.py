@@ -1,6 +1,6 @@
 """The cross-encoder stage on ONNX Runtime, int8: about 2-3 ms per pair on one core instead of 12 on torch.
 
-The shipped artifact holds only the LoRA updates, LayerNorms and head (``policies/cross_encoder.py``). On
+The shipped artifact holds only the LoRA updates, LayerNorms and head (``embeddings/cross_encoder.py``). On
 first use they are merged into the base MiniLM weights, exported to ONNX and dynamically quantized to int8
 (weights int8, activations quantized per call), into ``$CACHEGW_CACHE_DIR/verifier/<hash>/``; the hash
 covers the artifact, the base weights and the library versions. The probability of three probe pairs under
@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from embeddings.cross_encoder import ARTIFACT_PATH, MAX_LEN, CrossEncoder, merged_model
 from embeddings.onnx_encoder import (
     STALE_TEMP_S,
     _file_sha256,
@@ -34,7 +35,6 @@ from embeddings.onnx_encoder import (
     cpu_session,
     open_or_export,
 )
-from policies.cross_encoder import ARTIFACT_PATH, MAX_LEN, CrossEncoder, merged_model
 
 log = logging.getLogger(__name__)
 

@@ -5,6 +5,9 @@ head on top does. A cross-encoder reads both questions in one pass, and every to
 question. The base weights are the all-MiniLM-L6-v2 the gateway already ships for embeddings; only the
 low-rank updates, the LayerNorms, the pooler and a small head are trained and shipped (2 MB), so nothing
 new is downloaded and the stored FAISS vectors do not change.
+
+The model and its training loop; ``embeddings/cross_onnx.py`` serves it, ``gateway/train_verifier.py``
+trains it from a CSV (``cachegw train-verifier --cross``).
 """
 
 from __future__ import annotations
@@ -300,27 +303,4 @@ def train_cross_encoder(
     tmp = out.with_name(out.name + ".tmp.npz")
     np.savez(tmp, meta=np.array(json.dumps(meta)), **state)
     tmp.replace(out)
-    return meta
-
-
-def train_cross_from_csv(
-    pairs_csv: str | Path, out: Path | str, cfg: CrossConfig = CrossConfig(), val_fraction: float = 0.15
-) -> dict[str, Any]:
-    """``cachegw train-verifier --cross``: the same pairs, guard filter and validation slice as the MLP."""
-    from policies.verifier import VerifierDataError
-    from policies.verifier_training import _auc, _val_mask, read_guarded_pairs
-
-    q1, q2, y, _ = read_guarded_pairs(pairs_csv)
-    val = _val_mask(q1, q2, val_fraction) if len(y) >= 500 else np.zeros(len(y), dtype=bool)
-    fit = np.flatnonzero(~val)
-    if len({int(v) for v in y[fit]}) < 2:
-        raise VerifierDataError(f"{pairs_csv}: the cross-encoder needs both labels among the training pairs")
-    log.info("training the cross-encoder on %d pairs (%d held out)", len(fit), int(val.sum()))
-    meta = train_cross_encoder(
-        [q1[i] for i in fit], [q2[i] for i in fit], y[fit], out, cfg, progress=log.info
-    )
-    if val.any():
-        idx = np.flatnonzero(val)
-        probs = CrossEncoder(out).score_batch([q1[i] for i in idx], [q2[i] for i in idx])
-        meta["val_pairs"], meta["val_auc"] = len(idx), round(_auc(y[idx], probs), 4)
     return meta

@@ -1,0 +1,169 @@
+"""Alembic migrations: a database of every schema cachegw shipped, with rows in it, is upgraded when a
+``Store`` opens it; its rows survive and its schema then matches the models exactly.
+
+The shapes come from git history (tests/historic_schemas.py), on SQLite and on a real PostgreSQL
+(tests/services.py, shared with test_shared_store.py's fixture).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import Engine, MetaData, create_engine, insert, select, text
+
+from gateway import migrate
+from gateway.store import Store
+from gateway.tables import Base, CacheEntry, EntryDeletion
+from tests.historic_schemas import SHAPES, shape
+from tests.test_shared_store import fresh_database, postgres  # noqa: F401
+
+NOW = 1_800_000_000.0
+
+
+def entry_row(md: MetaData, entry_id: int, key: str, answer: str) -> dict[str, Any]:
+    row: dict[str, Any] = dict(
+        id=entry_id, tenant="t", model="m", endpoint="chat", scope="s", exact_key=key,
+        query_text=f"question {key}", embedding=b"\x00\x00\x80?", response=answer, finish_reason="stop",
+        max_tokens=16, prompt_tokens=3, completion_tokens=2, size_bytes=len(answer),
+        created_at=NOW + entry_id, last_hit_at=None, hit_count=1, expires_at=NOW + 3600, bad=False,
+    )  # fmt: skip
+    if "threshold" in md.tables["cache_entries"].c:
+        row["threshold"] = 0.9
+    return row
+
+
+def request_row(md: MetaData) -> dict[str, Any]:
+    row: dict[str, Any] = {"id": "req-1", "ts": NOW, "tenant": "t", "model": "m", "endpoint": "chat",
+                           "stream": False, "cache_result": "miss", "similarity": 0.5, "rules_fired": "",
+                           "total_ms": 12.5, "status": 200, "error": None}  # fmt: skip
+    extra = {"response_id": "chatcmpl-1", "backend": "http://b/v1", "reason": "no-candidate", "volatile": "x"}
+    return row | {k: v for k, v in extra.items() if k in md.tables["requests"].c}
+
+
+def fill(engine: Engine, md: MetaData) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The historic tables with rows: a request, a reply, and entries; where the shape has no unique
+    live-key index, the key ``a`` has an older copy (id 1) that the upgrade must retire; where it has the
+    deletion log, entry 7 was deleted."""
+    md.create_all(engine)
+    copies = "ux_entries_live_key" not in {i.name for i in md.tables["cache_entries"].indexes}
+    entries = [entry_row(md, 2, "a", "answer a"), entry_row(md, 3, "b", "answer b")]
+    with engine.begin() as conn:
+        if copies:
+            conn.execute(insert(md.tables["cache_entries"]), [entry_row(md, 1, "a", "old answer a")])
+        conn.execute(insert(md.tables["cache_entries"]), entries)
+        conn.execute(insert(md.tables["requests"]), [request_row(md)])
+        conn.execute(insert(md.tables["replies"]), [{"key": "k", "text": "reply", "created_at": NOW}])
+        top = 3
+        if "entry_deletions" in md.tables:  # a newer entry, deleted since (its id must not come back)
+            conn.execute(insert(md.tables["entry_deletions"]), [{"entry_id": 7, "size_bytes": 1, "ts": NOW}])
+            top = 7
+        # as if the ids had come from the sequence
+        if engine.dialect.name == "postgresql":
+            conn.execute(text(f"SELECT setval(pg_get_serial_sequence('cache_entries', 'id'), {top})"))
+        elif md.tables["cache_entries"].kwargs.get("sqlite_autoincrement"):
+            conn.execute(text(f"UPDATE sqlite_sequence SET seq = {top} WHERE name = 'cache_entries'"))
+    return request_row(md), entries
+
+
+def schema_diff(engine: Engine) -> list:
+    with engine.connect() as conn:
+        return compare_metadata(MigrationContext.configure(conn), Base.metadata)
+
+
+def check_upgrade(url: str, name: str) -> None:
+    md = shape(name)
+    engine = create_engine(url)
+    try:
+        request, entries = fill(engine, md)
+        had_copy = "ux_entries_live_key" not in {i.name for i in md.tables["cache_entries"].indexes}
+        deleted = "entry_deletions" in md.tables
+        store = Store(url, clock=lambda: NOW)
+        try:
+            got = store.get_entries([1, 2, 3])
+            assert sorted(got) == [2, 3]  # the older copy of key a retired, the rest kept
+            for row in entries:
+                assert {k: getattr(got[row["id"]], k) for k in row} == row
+            assert [e.id for e in store.find_exact("t", "m", "a", NOW)] == [2]
+            with engine.connect() as conn:
+                kept = conn.execute(select(*[text(k) for k in request]).select_from(text("requests"))).one()
+                assert dict(zip(request, kept, strict=True)) == request
+                assert store.lookup_reply("k") == "reply"
+                version = conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
+            assert version == migrate.head()
+            with store.session() as s:
+                logged = sorted(s.scalars(select(EntryDeletion.entry_id)))
+            assert logged == sorted(([1] if had_copy else []) + ([7] if deleted else []))
+            assert schema_diff(engine) == []
+            # and the store works on it: a new entry gets a new id, the key rule holds
+            new = CacheEntry(**(entry_row(Base.metadata, 0, "a", "newer a") | {"id": None}))
+            new_id, replaced = store.put_entry(new)
+            assert new_id > (7 if deleted else 3) and [i for i, _ in replaced] == [2]
+        finally:
+            store.close()
+        if engine.dialect.name == "sqlite":  # ids are never reused now, whatever the shape began with
+            with engine.connect() as conn:
+                sql = conn.execute(text("SELECT sql FROM sqlite_master WHERE name = 'cache_entries'"))
+                sql = sql.scalar()
+            assert "AUTOINCREMENT" in str(sql)
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_every_shipped_schema_is_upgraded_on_sqlite(name: str, tmp_path: Path) -> None:
+    check_upgrade(f"sqlite:///{tmp_path / 'old.db'}", name)
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_every_shipped_schema_is_upgraded_on_postgresql(name: str, postgres: str) -> None:  # noqa: F811
+    check_upgrade(fresh_database(postgres), name)
+
+
+@pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
+def test_the_revisions_alone_build_the_models_schema(dialect: str, tmp_path: Path, request) -> None:
+    """What ``make migration`` diffs against: a new table in gateway/tables.py without its revision
+    fails here."""
+    url = f"sqlite:///{tmp_path / 'new.db'}"
+    if dialect == "postgresql":
+        url = fresh_database(request.getfixturevalue("postgres"))
+    engine = create_engine(url)
+    try:
+        migrate.upgrade(engine, create_new=False)
+        assert schema_diff(engine) == []
+    finally:
+        engine.dispose()
+
+
+def test_replicas_starting_at_once_upgrade_an_old_database_once(postgres: str) -> None:  # noqa: F811
+    """Four stores open one pre-Alembic database together: the advisory lock lets one upgrade it and
+    the others find it done (without it, two would add the same column and one would fail)."""
+    url = fresh_database(postgres)
+    engine = create_engine(url)
+    fill(engine, shape("first"))
+    engine.dispose()
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(4)
+
+    def start() -> None:
+        barrier.wait()
+        try:
+            Store(url).close()
+        except BaseException as exc:  # noqa: BLE001 - the test reports any
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    engine = create_engine(url)
+    try:
+        assert schema_diff(engine) == []
+    finally:
+        engine.dispose()
