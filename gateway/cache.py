@@ -23,10 +23,12 @@ from embeddings.batcher import EmbeddingBatcher
 from embeddings.index import ScopedIndex
 from gateway.cache_keys import RequestKeys
 from gateway.config import CacheConfig
+from gateway.error_control import ScopeLine, ThresholdProvider
 from gateway.keyed_locks import KeyedLocks
 from gateway.store import Store
 from gateway.tables import CacheEntry
 from policies.cacheability import ANY_AGE, Freshness, judge_answer
+from policies.error_bound import GRID
 from policies.pair_diff import align
 from policies.pair_diff import warm as warm_alignment
 from policies.verifier import DecisionRule, Verifier
@@ -50,7 +52,12 @@ class Lookup:
     threshold, raised by feedback), what the alignment of the two queries found (``context-differs``:
     a document, quote or code around the question differs; ``guard:code``, ``guard:polarity``,
     ``guard:units``, ``guard:numbers`` and the verifier's other guards), ``verifier`` (the learned
-    verifier said no to the differing part), or ``exact-only`` (no semantic lookup for this request)."""
+    verifier said no to the differing part), ``error-bound`` (its score is under the line the scope's
+    false-hit target allows, ``gateway/error_control.py``), or ``exact-only`` (no semantic lookup).
+
+    ``score`` is what the serving decision thresholded on (the verifier's probability, or the cosine
+    with the verifier off) for the hit, or for ``near``: the nearest candidate only the error-bound line
+    refused (a near miss the audits may compare with the fresh answer)."""
 
     result: str  # "exact-hit" | "semantic-hit" | "miss"
     entry: CacheEntry | None = None
@@ -60,6 +67,9 @@ class Lookup:
     embed_ms: float | None = None
     lookup_ms: float = 0.0
     reason: str = "no-candidate"
+    score: float | None = None
+    near: CacheEntry | None = None
+    scope_line: ScopeLine | None = None
 
 
 UNKNOWN_LENGTH = 2**31 - 1  # completion_tokens of an answer stored without usage: no limit is known to hold
@@ -115,6 +125,7 @@ class ResponseCache:
         self._exact_of: dict[int, str] = {}
         self._storing = KeyedLocks()  # one insert per exact key at a time: its replace is seen whole
         self.synced_at = self.clock()  # of the last successful ``sync`` (a metric)
+        self.lines: ThresholdProvider | None = None  # the false-hit bound's lines, when serve.py gives it
         if config.semantic:
             warm_alignment()
 
@@ -170,6 +181,9 @@ class ResponseCache:
         vec = await self.batcher.embed(keys.query)
         embed_ms = _ms(t_embed)
         threshold = self.threshold(model, tenant_name)
+        line = self.lines.line(model, tenant_name, c) if self.lines else None  # None: static thresholds
+        # with the verifier off the bound's line is on the cosine itself: candidates from the grid's floor
+        floor = threshold if line is None or c.verifier else min(threshold, GRID[0])
         hits = self.index.search(keys.scope, vec, k=CANDIDATES)
         result = Lookup(
             "miss",
@@ -177,8 +191,9 @@ class ResponseCache:
             threshold=threshold,
             embedding=vec,
             embed_ms=embed_ms,
+            scope_line=line,
         )
-        close = [(i, s) for i, s in hits if s >= threshold]
+        close = [(i, s) for i, s in hits if s >= floor]
         if hits and not close:
             result.reason = "below-threshold"
         if close:
@@ -194,43 +209,59 @@ class ResponseCache:
                 if entry.threshold is not None and sim < entry.threshold:  # learned from feedback
                     refused.append("entry-threshold")
                     continue
-                why = await self._refusal(keys.query, vec, entry, threshold)
+                why, score = await self._refusal(keys.query, vec, entry, threshold, sim, line)
                 if why is None:
                     result.result, result.entry, result.similarity = "semantic-hit", entry, sim
-                    result.reason = "semantic"
+                    result.reason, result.score = "semantic", score
                     break
+                if why == "error-bound" and result.near is None:
+                    result.near, result.score = entry, score
                 refused.append(why)
             else:
                 result.reason = refused[0]
         result.lookup_ms = _ms(start)
         return result
 
-    async def _refusal(self, query: str, vec: np.ndarray, entry: CacheEntry, threshold: float) -> str | None:
-        """Why the candidate may not answer this query, or None. The two texts are aligned first
-        (microseconds): material around the question must be identical and code, opposites and units
-        in the differing spans refuse outright. The verifier then judges the differing part; when that
-        is not the whole text (a question under a document), it is embedded alone, both sides in one
-        encoder call."""
+    async def _refusal(
+        self,
+        query: str,
+        vec: np.ndarray,
+        entry: CacheEntry,
+        threshold: float,
+        sim: float,
+        line: ScopeLine | None,
+    ) -> tuple[str | None, float]:
+        """Why the candidate may not answer this query (None: it may), and its score. The two texts
+        are aligned first (microseconds): material around the question must be identical and code,
+        opposites and units in the differing spans refuse outright. The verifier then judges the
+        differing part; when that is not the whole text (a question under a document), it is embedded
+        alone, both sides in one encoder call. With a false-hit target the scope's line decides on the
+        score instead of the static ``verifier_threshold`` (or cosine threshold, verifier off)."""
+
+        def by_line(score: float) -> tuple[str | None, float]:
+            return (None if line is None or line.serves(score) else "error-bound"), score
+
         al = align(query, entry.query_text)
         if al.outcome != "judge":
-            return None if al.outcome == "same" else al.reason
+            return by_line(1.0) if al.outcome == "same" else (al.reason, 0.0)
         if not self.config.verifier or self.verifier is None or entry.embedding is None:
-            return None
+            return by_line(sim)
         if al.reembed and self.batcher is not None:
             emb = await self.batcher.embed_many([al.focus_new, al.focus_old])
             u, v = emb[0], emb[1]
         else:
             u, v = vec, np.frombuffer(entry.embedding, dtype=np.float32)
-        rule = DecisionRule(min_cosine=threshold, min_prob=self.config.verifier_threshold)
+        min_prob = self.config.verifier_threshold if line is None else 0.0  # the line judges the prob
+        rule = DecisionRule(min_cosine=threshold, min_prob=min_prob)
         args = (al, u[None], v[None], rule)
         if self.verifier.cross is None:  # the MLP alone takes ~0.1 ms: not worth a thread hop
             verdict = self.verifier.check_aligned(*args)
         else:  # the cross-encoder (~2 ms) runs off the event loop; ORT releases the GIL
             verdict = await asyncio.to_thread(self.verifier.check_aligned, *args)
         if verdict.accepted:
-            return None
+            return by_line(verdict.prob)
         # the verifier's own cosine floor counts as its no: the entry was close enough to be a candidate
-        return "verifier" if verdict.reason in ("low_cosine", "low_prob") else verdict.reason
+        return ("verifier" if verdict.reason in ("low_cosine", "low_prob") else verdict.reason), verdict.prob
 
     async def _get_entries(self, ids: list[int]) -> dict[int, CacheEntry]:
         found = {i: self._memo[i] for i in ids if i in self._memo}
