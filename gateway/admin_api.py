@@ -20,6 +20,7 @@ from fastapi.responses import HTMLResponse
 
 from gateway import live_settings, stats
 from gateway.admin_store import entry_view
+from gateway.error_control import history
 from gateway.feedback import parse_feedback, report_bad, resolve_entry
 from gateway.tables import MAX_ID
 from protocol.errors import ApiError
@@ -80,6 +81,23 @@ def _stats_report(
         "per_hour": stats.timeseries(rows, hour0, until, 3600),
         "similarity": stats.similarity_histogram(rows),
         "reasons": stats.reasons(rows),
+    }
+
+
+async def false_hit_report(gw: Gateway, since: float, until: float, bucket_s: float) -> dict[str, Any]:
+    """Per scope and overall: the audited false-hit rate at the line in force, its interval, the
+    audits by verdict and their backend cost, and the window's history (the dashboard's chart)."""
+    c = gw.settings.cache
+    lines, auditor = gw.cache.lines, gw.auditor
+    if lines is None or auditor is None:
+        return {}
+    rows = await asyncio.to_thread(lines.store.since, since)
+    points = await asyncio.to_thread(history, rows, since, until, bucket_s, c.false_hit_confidence)
+    return {
+        **lines.view(c),
+        "audits_by_verdict": {v: auditor.counts.get(v, 0) for v in ("right", "wrong", "failed", "dropped")},
+        "audit_backend_tokens": await asyncio.to_thread(lines.store.backend_tokens),
+        "history": points,
     }
 
 
@@ -150,6 +168,7 @@ def admin_router(get_gw: Callable[[], Gateway]) -> APIRouter:
             "since": since,
             "until": until,
             **report,
+            "false_hit_rate": await false_hit_report(gw, since, until, bucket_s),
             "similarity": {**report["similarity"], "threshold": threshold},
             "cache": {"entries": gw.cache.entries, "bytes": gw.cache.bytes},
             "flagged": len(flagged),

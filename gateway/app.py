@@ -15,7 +15,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import replace
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from gateway.admin_api import admin_router, dashboard_page, json_body
 from gateway.admin_auth import AdminAuth
 from gateway.admin_store import AdminStore
+from gateway.audits import AuditJob, Auditor
 from gateway.cache import ResponseCache
 from gateway.cache_keys import RequestKeys, request_keys
 from gateway.cache_result import Lookup
@@ -77,6 +78,7 @@ class Flow:
         self.response_id: str | None = None  # the body's id (the backend's on a miss)
         self.stored_entry: int | None = None  # a miss stored into the cache
         self.cache_salt: str | None = None  # sent upstream in place of the client's (prefix isolation)
+        self.canonical: dict[str, Any] = body  # the canonical body the backend is (or would be) sent
 
     def headers(self, entry_ids: EntryIds) -> dict[str, str]:
         h = {"x-cache": self.result, "x-cache-reason": self.reason, "x-request-id": self.id}
@@ -110,6 +112,7 @@ class Gateway:
         )
         self.recorder = Recorder(store, per_request=self.settings.gateway.request_log_commit == "per_request")
         self._tasks: set[asyncio.Task] = set()  # stream bookkeeping that outlives its response
+        self.auditor: Auditor | None = None  # false-hit audits (serve.py starts its worker)
 
     @property
     def settings(self) -> Settings:
@@ -164,6 +167,7 @@ class Gateway:
         learn = not cacheable.keeps_nothing  # no-store: not even its system prompt is kept
         canon = await self.volatile.canonicalize(tenant.id, body, settings.canonicalize, restore, learn)
         body, flow.rules, flow.moved = canon.body, canon.rules, canon.moved
+        flow.canonical = body
         flow.keys = request_keys(tenant.cache_key, model, endpoint, body)
         use_cache = settings.cache.enabled
         if not use_cache:
@@ -200,6 +204,8 @@ class Gateway:
         stored = json.loads(entry.response)
         usage = stored.get("usage") or {}
         await self._record(flow, 200, usage)
+        if flow.result == "semantic-hit":
+            self._offer_audit(flow, "hit", entry, None)
         if not flow.stream:
             return JSONResponse(hit_response(stored, flow.id), headers=flow.headers(self.entry_ids))
         include_usage = bool((flow.body.get("stream_options") or {}).get("include_usage"))
@@ -291,8 +297,35 @@ class Gateway:
         error = None if complete is not None else "stream incomplete or failed: not stored"
         await self._record(flow, 200, recorder.usage or {}, error)
 
+    def _offer_audit(
+        self, flow: Flow, kind: Literal["hit", "near-miss"], entry: Any, fresh: dict | None
+    ) -> None:
+        """Hand a semantic hit (or a near miss and its fresh answer) to the auditor: never waits."""
+        lk = flow.lookup
+        if self.auditor is None or lk is None or lk.score is None or lk.scope_line is None:
+            return  # audits feed the error bound: only scopes with a false-hit target are audited
+        salt = flow.cache_salt
+        if salt is None and self.settings.tenants.prefix_isolation:  # a hit computed none
+            salt = self.salts.salt(self.tenants.prefix_key(flow.tenant), flow.canonical.get("cache_salt"))
+        self.auditor.offer(
+            AuditJob(
+                kind,
+                flow.model,
+                flow.tenant.name,
+                lk.score,
+                entry,
+                flow.id,
+                flow.endpoint,
+                flow.canonical,
+                salt,
+                fresh,
+            )
+        )
+
     async def _after_answer(self, flow: Flow, data: dict, store: bool, ttl: int) -> None:
         """Remember the reply's exact bytes, and store the answer when policy and quality allow."""
+        if flow.lookup is not None and flow.lookup.near is not None:
+            self._offer_audit(flow, "near-miss", flow.lookup.near, data)
         choice = (data.get("choices") or [{}])[0]
         text = (choice.get("message") or {}).get("content") if flow.endpoint == "chat" else choice.get("text")
         replies: dict[str, str] = {}

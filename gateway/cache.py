@@ -31,6 +31,7 @@ from gateway.cache_semantic import SemanticTier
 from gateway.cache_sync import ReplicaSync
 from gateway.config import CacheConfig
 from gateway.entry_memo import EntryMemo
+from gateway.error_control import ThresholdProvider
 from gateway.keyed_locks import KeyedLocks
 from gateway.store import Store
 from gateway.tables import CacheEntry
@@ -47,9 +48,11 @@ class ResponseCache:
         index: ScopedIndex,
         batcher: EmbeddingBatcher | None,
         verifier: Verifier | None,
+        lines: ThresholdProvider | None = None,
     ) -> None:
         """``settings`` gives the [cache] settings in force (a fixed ``CacheConfig`` for tools and
-        tests); ``store.clock`` is the wall clock of expiry, freshness and sync."""
+        tests); ``store.clock`` is the wall clock of expiry, freshness and sync; ``lines`` each scope's
+        false-hit-bound line (``gateway/error_control.py``; None: static thresholds only)."""
         self.settings: Callable[[], CacheConfig] = (
             settings if callable(settings) else lambda: settings  # type: ignore[return-value]
         )
@@ -58,7 +61,8 @@ class ResponseCache:
         self.clock = store.clock
         self.memo = EntryMemo(store)
         self.exact = ExactTier(store, self.memo)
-        self.semantic = SemanticTier(self.settings, index, batcher, verifier, self.memo)
+        self.semantic = SemanticTier(self.settings, index, batcher, verifier, self.memo, lines)
+        self.lines = lines
         self.maintenance = Maintenance(self.settings, store, self._forget)
         self.replicas = ReplicaSync(store, self.exact, self.memo, index, self.maintenance, self._forget)
         self._storing = KeyedLocks()  # one insert per exact key at a time: its replace is seen whole

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gateway.error_control import ScopeLine
 from gateway.tables import CacheEntry
 
 
@@ -35,7 +36,12 @@ class Lookup:
     threshold, raised by feedback), what the alignment of the two queries found (``context-differs``:
     a document, quote or code around the question differs; ``guard:code``, ``guard:polarity``,
     ``guard:units``, ``guard:numbers`` and the verifier's other guards), ``verifier`` (the learned
-    verifier said no to the differing part), or ``exact-only`` (no semantic lookup for this request)."""
+    verifier said no to the differing part), ``error-bound`` (its score is under the line the scope's
+    false-hit target allows, ``gateway/error_control.py``), or ``exact-only`` (no semantic lookup).
+
+    ``score`` is what the serving decision thresholded on (the verifier's probability, or the cosine
+    with the verifier off) for the hit, or for ``near``: the nearest candidate only the error-bound line
+    refused (a near miss the audits may compare with the fresh answer)."""
 
     result: CacheResult  # EXACT_HIT, SEMANTIC_HIT or MISS
     entry: CacheEntry | None = None
@@ -45,3 +51,6 @@ class Lookup:
     embed_ms: float | None = None
     lookup_ms: float = 0.0
     reason: str = "no-candidate"
+    score: float | None = None
+    near: CacheEntry | None = None
+    scope_line: ScopeLine | None = None

@@ -21,8 +21,10 @@ from gateway.cache_keys import RequestKeys
 from gateway.cache_result import CacheResult, Lookup
 from gateway.config import CacheConfig
 from gateway.entry_memo import EntryMemo
+from gateway.error_control import ScopeLine, ThresholdProvider
 from gateway.tables import CacheEntry
 from policies.cacheability import Freshness, unservable
+from policies.error_bound import GRID
 from policies.pair_diff import align
 from policies.verifier import DecisionRule, Verifier
 
@@ -37,8 +39,11 @@ class SemanticTier:
         batcher: EmbeddingBatcher | None,
         verifier: Verifier | None,
         memo: EntryMemo,
+        lines: ThresholdProvider | None = None,
     ) -> None:
+        """``lines`` gives each scope's false-hit-bound line (None: static thresholds only)."""
         self.settings = settings
+        self.lines = lines
         self.index = index
         self.batcher = batcher
         self.verifier = verifier
@@ -62,6 +67,10 @@ class SemanticTier:
         vec = await self.batcher.embed(keys.query)
         embed_ms = (time.perf_counter() - t_embed) * 1e3
         threshold = self.threshold_for(model, tenant_name)
+        c = self.settings()
+        line = self.lines.line(model, tenant_name, c) if self.lines else None  # None: static thresholds
+        # with the verifier off the bound's line is on the cosine itself: candidates from the grid's floor
+        floor = threshold if line is None or c.verifier else min(threshold, GRID[0])
         hits = self.index.search(keys.scope, vec, k=CANDIDATES)
         result = Lookup(
             CacheResult.MISS,
@@ -69,8 +78,9 @@ class SemanticTier:
             threshold=threshold,
             embedding=vec,
             embed_ms=embed_ms,
+            scope_line=line,
         )
-        close = [(i, s) for i, s in hits if s >= threshold]
+        close = [(i, s) for i, s in hits if s >= floor]
         if hits and not close:
             result.reason = "below-threshold"
         if not close:
@@ -89,39 +99,55 @@ class SemanticTier:
             if entry.threshold is not None and sim < entry.threshold:  # learned from feedback
                 refused.append("entry-threshold")
                 continue
-            why = await self._refusal(keys.query, vec, entry, threshold)
+            why, score = await self._refusal(keys.query, vec, entry, threshold, sim, line)
             if why is None:
                 result.result, result.entry, result.similarity = CacheResult.SEMANTIC_HIT, entry, sim
-                result.reason = "semantic"
+                result.reason, result.score = "semantic", score
                 return result
+            if why == "error-bound" and result.near is None:
+                result.near, result.score = entry, score
             refused.append(why)
         result.reason = refused[0]
         return result
 
-    async def _refusal(self, query: str, vec: np.ndarray, entry: CacheEntry, threshold: float) -> str | None:
-        """Why the candidate may not answer this query, or None. The two texts are aligned first
-        (microseconds): material around the question must be identical and code, opposites and units
-        in the differing spans refuse outright. The verifier then judges the differing part; when that
-        is not the whole text (a question under a document), it is embedded alone, both sides in one
-        encoder call."""
+    async def _refusal(
+        self,
+        query: str,
+        vec: np.ndarray,
+        entry: CacheEntry,
+        threshold: float,
+        sim: float,
+        line: ScopeLine | None,
+    ) -> tuple[str | None, float]:
+        """Why the candidate may not answer this query (None: it may), and its score. The two texts
+        are aligned first (microseconds): material around the question must be identical and code,
+        opposites and units in the differing spans refuse outright. The verifier then judges the
+        differing part; when that is not the whole text (a question under a document), it is embedded
+        alone, both sides in one encoder call. With a false-hit target the scope's line decides on the
+        score instead of the static ``verifier_threshold`` (or cosine threshold, verifier off)."""
+
+        def by_line(score: float) -> tuple[str | None, float]:
+            return (None if line is None or line.serves(score) else "error-bound"), score
+
         al = align(query, entry.query_text)
         if al.outcome != "judge":
-            return None if al.outcome == "same" else al.reason
+            return by_line(1.0) if al.outcome == "same" else (al.reason, 0.0)
         c = self.settings()
         if not c.verifier or self.verifier is None or entry.embedding is None:
-            return None
+            return by_line(sim)
         if al.reembed and self.batcher is not None:
             emb = await self.batcher.embed_many([al.focus_new, al.focus_old])
             u, v = emb[0], emb[1]
         else:
             u, v = vec, np.frombuffer(entry.embedding, dtype=np.float32)
-        rule = DecisionRule(min_cosine=threshold, min_prob=c.verifier_threshold)
+        min_prob = c.verifier_threshold if line is None else 0.0  # the line judges the prob
+        rule = DecisionRule(min_cosine=threshold, min_prob=min_prob)
         args = (al, u[None], v[None], rule)
         if self.verifier.cross is None:  # the MLP alone takes ~0.1 ms: not worth a thread hop
             verdict = self.verifier.check_aligned(*args)
         else:  # the cross-encoder (~2 ms) runs off the event loop; ORT releases the GIL
             verdict = await asyncio.to_thread(self.verifier.check_aligned, *args)
         if verdict.accepted:
-            return None
+            return by_line(verdict.prob)
         # the verifier's own cosine floor counts as its no: the entry was close enough to be a candidate
-        return "verifier" if verdict.reason in ("low_cosine", "low_prob") else verdict.reason
+        return ("verifier" if verdict.reason in ("low_cosine", "low_prob") else verdict.reason), verdict.prob

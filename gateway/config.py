@@ -175,6 +175,27 @@ class CacheConfig(_Strict):
     embed_backend: Literal["auto", "onnx", "torch"]
     embed_threads: int = Field(gt=0)
     sync_interval_s: float = Field(ge=0)
+    max_false_hit_rate: float = Field(ge=0, lt=1)  # 0 = off: the static thresholds above decide
+    max_false_hit_rate_by_model: dict[str, float]
+    max_false_hit_rate_by_tenant: dict[str, float]
+    false_hit_confidence: float = Field(gt=0, lt=1)
+    audit_fraction: float = Field(ge=0, le=1)
+    audit_max_per_second: float = Field(ge=0)
+    audit_answer_cosine: float = Field(ge=0, le=1)
+
+    @field_validator("max_false_hit_rate_by_model", "max_false_hit_rate_by_tenant")
+    @classmethod
+    def _rates(cls, values: dict[str, float]) -> dict[str, float]:
+        bad = {k: v for k, v in values.items() if not 0 <= v < 1}
+        if bad:
+            raise ValueError(f"false-hit rates must be in [0, 1): {bad}")
+        return values
+
+    def false_hit_target(self, model: str, tenant_name: str) -> float:
+        """The false-hit rate the scope must stay under (0 = static thresholds): per-tenant over
+        per-model over the global one, as the thresholds."""
+        by_model = self.max_false_hit_rate_by_model.get(model, self.max_false_hit_rate)
+        return self.max_false_hit_rate_by_tenant.get(tenant_name, by_model)
 
     @field_validator("thresholds_by_model", "thresholds_by_tenant")
     @classmethod

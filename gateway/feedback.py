@@ -124,6 +124,8 @@ async def report_bad(
         "new": {"action": action},
     }
     feedback_id = await asyncio.to_thread(gw.admin.add_feedback, row, audit)
+    if result == "semantic-hit" and record is not None and gw.auditor is not None:
+        await gw.auditor.bad_report(record["id"])  # wrong-hit evidence for the false-hit bound
     gw.metrics.feedback.inc()
     if tenant is not None:  # global counters (entry and feedback ids) would tell of other tenants
         return {**row, "entry_id": shown}

@@ -54,6 +54,19 @@ class UnsetTemperaturePatch(StrictBody):
     tenants: dict[str, StrictBool | None] | None = None
 
 
+Rate = Annotated[float, Field(ge=0, lt=1)]
+
+
+class ErrorBoundPatch(StrictBody):
+    """The false-hit target (0 = static thresholds), per model and tenant; the audits' share and budget."""
+
+    max_false_hit_rate: Rate | None = None
+    models: dict[str, Rate | None] | None = None  # None as a value removes that override
+    tenants: dict[str, Rate | None] | None = None
+    audit_fraction: Unit | None = None
+    audit_max_per_second: float | None = Field(None, ge=0, le=1e6)
+
+
 class SettingsPatch(StrictBody):
     """What PUT /admin/api/settings accepts; every part is optional."""
 
@@ -65,6 +78,7 @@ class SettingsPatch(StrictBody):
     canonicalization: dict[Literal["enabled", *RULES], bool] | None = None  # type: ignore[valid-type]
     cache: CacheSwitches | None = None
     unset_temperature: UnsetTemperaturePatch | None = None
+    error_bound: ErrorBoundPatch | None = None
 
 
 # Where each patch field lands: (section, config field).
@@ -78,6 +92,9 @@ _FLAT = {
     ("eviction", "max_entries"): ("cache", "max_entries"),
     ("eviction", "max_bytes"): ("cache", "max_bytes"),
     ("unset_temperature", "default"): ("cache", "serve_unset_temperature"),
+    ("error_bound", "max_false_hit_rate"): ("cache", "max_false_hit_rate"),
+    ("error_bound", "audit_fraction"): ("cache", "audit_fraction"),
+    ("error_bound", "audit_max_per_second"): ("cache", "audit_max_per_second"),
     **{("cache", k): ("cache", k) for k in CacheSwitches.model_fields},
     **{("canonicalization", r): ("canonicalize", r) for r in ("enabled", *RULES)},
 }
@@ -86,6 +103,8 @@ _MAPS = {
     ("thresholds", "tenants"): "thresholds_by_tenant",
     ("unset_temperature", "models"): "serve_unset_temperature_by_model",
     ("unset_temperature", "tenants"): "serve_unset_temperature_by_tenant",
+    ("error_bound", "models"): "max_false_hit_rate_by_model",
+    ("error_bound", "tenants"): "max_false_hit_rate_by_tenant",
 }
 
 
@@ -111,6 +130,13 @@ def view(s: Settings) -> dict[str, Any]:
             "default": c.serve_unset_temperature,
             "models": dict(c.serve_unset_temperature_by_model),
             "tenants": dict(c.serve_unset_temperature_by_tenant),
+        },
+        "error_bound": {
+            "max_false_hit_rate": c.max_false_hit_rate,
+            "models": dict(c.max_false_hit_rate_by_model),
+            "tenants": dict(c.max_false_hit_rate_by_tenant),
+            "audit_fraction": c.audit_fraction,
+            "audit_max_per_second": c.audit_max_per_second,
         },
     }
 

@@ -45,6 +45,46 @@ class BackendCounts(Collector):
             yield family
 
 
+class AuditCounts(Collector):
+    """The false-hit audits' verdicts and cost, and each scope's estimated false-hit rate, read at
+    scrape time from the auditor's plain counters and the threshold provider's view."""
+
+    def __init__(self, verdicts: Tally[str], tokens: Callable[[], int], rates: Callable[[], dict]) -> None:
+        self.verdicts, self.tokens, self.rates = verdicts, tokens, rates
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        audits = CounterMetricFamily(
+            "cachegw_gateway_audits",
+            "False-hit audits by verdict (right, wrong, failed, dropped)",
+            labels=["verdict"],
+        )
+        for verdict in ("right", "wrong", "failed", "dropped"):
+            audits.add_metric([verdict], self.verdicts.get(verdict, 0))
+        yield audits
+        yield CounterMetricFamily(
+            "cachegw_gateway_audit_backend_tokens",
+            "Backend tokens spent re-asking audited hits",
+            value=self.tokens(),
+        )
+        view = self.rates()
+        estimate = GaugeMetricFamily(
+            "cachegw_gateway_false_hit_rate_estimate",
+            "Audited false-hit rate of hits at each scope's line (scope model|tenant, or overall)",
+            labels=["scope"],
+        )
+        target = GaugeMetricFamily(
+            "cachegw_gateway_false_hit_rate_target",
+            "The false-hit rate each scope must stay under",
+            labels=["scope"],
+        )
+        for scope, v in [("overall", view["overall"]), *view["by_scope"].items()]:
+            if v["estimate"] is not None:
+                estimate.add_metric([scope], v["estimate"])
+            target.add_metric([scope], v["target"])
+        yield estimate
+        yield target
+
+
 class GatewayMetrics:
     def __init__(
         self,
@@ -108,6 +148,11 @@ class GatewayMetrics:
         ):
             if fn is not None:
                 Gauge(name, doc, registry=r).set_function(fn)
+
+    def watch_audits(
+        self, verdicts: Tally[str], tokens: Callable[[], int], rates: Callable[[], dict]
+    ) -> None:
+        self.registry.register(AuditCounts(verdicts, tokens, rates))
 
     def _hit_ratio(self) -> float:
         counts = {

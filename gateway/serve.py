@@ -19,10 +19,13 @@ from embeddings.index import ScopedIndex
 from gateway.admin_auth import resolve_admin_token
 from gateway.admin_store import AdminStore
 from gateway.app import Gateway, build_app
+from gateway.audits import Auditor
 from gateway.backend_health import HealthProbes
 from gateway.cache import ResponseCache
 from gateway.cache_maintenance import HIT_FLUSH_S
 from gateway.config import BackendSpec, Settings
+from gateway.error_control import ThresholdProvider
+from gateway.evidence_store import EvidenceStore
 from gateway.live_settings import LiveSettings
 from gateway.metrics_http import metrics_app
 from gateway.proxy import Backends
@@ -67,7 +70,9 @@ async def started_gateway(
         tombstone_ratio=ix.tombstone_ratio,
         snapshot_dir=data_dir / "index" if ix.snapshots else None,
     )
-    cache = ResponseCache(lambda: live.current.cache, store, index, batcher, verifier)
+    lines = ThresholdProvider(EvidenceStore(store.session), clock)
+    await asyncio.to_thread(lines.load)  # the false-hit evidence every replica wrote
+    cache = ResponseCache(lambda: live.current.cache, store, index, batcher, verifier, lines)
     n = await asyncio.to_thread(cache.rebuild_index, progress)
     log.info("cache: %d entries, %d in the vector index", cache.entries, n)
     builtin = None
@@ -81,6 +86,10 @@ async def started_gateway(
     backends = Backends(specs, g.connect_timeout_s, g.backend_timeout_s, g.routing, retry_after)
     probes = HealthProbes(backends, g.probe_interval_s, g.probe_timeout_s, g.probe_misses)
     gw = Gateway(live, store, cache, backends, admin_token)
+    gw.auditor = auditor = Auditor(lines, backends, batcher, lambda: gw.settings.cache, clock)
+    gw.metrics.watch_audits(
+        auditor.counts, lambda: auditor.backend_tokens, lambda: lines.view(gw.settings.cache)
+    )
     gw.recorder.start()
     chores = [
         asyncio.create_task(_every(EXPIRY_EVERY_S, cache.expire), name="cachegw-expiry"),
@@ -88,9 +97,11 @@ async def started_gateway(
         asyncio.create_task(_every(SETTINGS_POLL_S, gw.refresh_settings), name="cachegw-settings"),
         asyncio.create_task(_every(DISCOVER_EVERY_S, backends.list_models), name="cachegw-discovery"),
         asyncio.create_task(probes.run(), name="cachegw-backend-health"),
+        asyncio.create_task(auditor.run(), name="cachegw-audits"),
     ]
-    if c.sync_interval_s > 0:  # other replicas' entries, flags and deletions
+    if c.sync_interval_s > 0:  # other replicas' entries, flags, deletions and false-hit evidence
         chores.append(asyncio.create_task(_every(c.sync_interval_s, cache.sync), name="cachegw-sync"))
+        chores.append(asyncio.create_task(_every(c.sync_interval_s, lines.sync), name="cachegw-evidence"))
     try:
         yield gw
     finally:

@@ -1,5 +1,6 @@
 """The SQL tables: cache entries, the deletions replicas read, the request log, replies, settings,
-the audit log and feedback (SQLAlchemy 2 declarative models; ``gateway/store.py`` reads and writes them).
+the audit log, feedback and the false-hit evidence (SQLAlchemy 2 declarative models; ``gateway/store.py``
+reads and writes most of them, ``gateway/evidence_store.py`` the evidence).
 """
 
 from __future__ import annotations
@@ -144,6 +145,24 @@ class Feedback(Base):
     query: Mapped[str | None] = mapped_column(Text, nullable=True)  # the query that got the bad answer
     entry_query: Mapped[str | None] = mapped_column(Text, nullable=True)
     action: Mapped[str] = mapped_column(String(256), default="")  # what the cache did about it
+
+
+class HitAudit(Base):
+    """One piece of false-hit evidence (``gateway/error_control.py``): a pair scored by the semantic
+    tier and whether the stored answer was right for the new query. Self-contained (no foreign keys):
+    every replica reads the rows newer than its last look on the sync cycle."""
+
+    __tablename__ = "hit_audits"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    ts: Mapped[float] = mapped_column(Float, index=True)
+    model: Mapped[str] = mapped_column(String(256))
+    tenant: Mapped[str] = mapped_column(String(64))  # the tenant's name (or key hash), as thresholds
+    score: Mapped[float] = mapped_column(Float)  # verifier probability, or cosine with the verifier off
+    right: Mapped[bool] = mapped_column(Boolean)
+    source: Mapped[str] = mapped_column(String(16))  # hit | near-miss | feedback | seed
+    entry_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    request_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    backend_tokens: Mapped[int] = mapped_column(Integer, default=0)  # what the audit's re-ask cost
 
 
 Index("ix_entries_lookup", CacheEntry.tenant, CacheEntry.model, CacheEntry.exact_key)
