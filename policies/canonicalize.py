@@ -45,6 +45,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from configtools import check_known_keys
 from policies.volatile import (
     DEFAULT_VOLATILE_PATTERNS,
     PLACEHOLDER,
@@ -108,19 +109,12 @@ class CanonicalizeConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> CanonicalizeConfig:
         """From the TOML section; an unknown key is a typo that would silently do nothing: an error."""
-        _known_keys(cls, d, "canonicalize")
+        check_known_keys(cls, d, "canonicalize")
         learn = d.get("learn", {})
         if not isinstance(learn, Mapping):
             raise ValueError("[canonicalize] learn must be a table")
-        _known_keys(LearnConfig, learn, "canonicalize.learn")
+        check_known_keys(LearnConfig, learn, "canonicalize.learn")
         return cls(**{**d, "learn": LearnConfig(**learn)})
-
-
-def _known_keys(cls: type, d: Mapping[str, Any], section: str) -> None:
-    """An unknown key is a typo that would silently do nothing: an error naming it."""
-    unknown = set(d) - {f.name for f in fields(cls)}
-    if unknown:
-        raise ValueError(f"config [{section}]: unknown keys {sorted(unknown)}")
 
 
 def normalize_for_match(text: str) -> str:
