@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, field
 
 from backend.config import BackendServerConfig, EngineConfig, load_toml
 from configtools import typed_section
-from policies.canonicalize import CanonicalizeConfig
+from policies.canonicalize_config import CanonicalizeConfig
 from policies.routing import RoutingMode
 
 

@@ -76,7 +76,8 @@ def test_turns_of_one_conversation_share_a_key_and_other_conversations_do_not() 
 def test_the_volatile_note_of_the_first_turn_does_not_change_the_key() -> None:
     """Canonicalization appends a system prompt's timestamp to the LAST user message: on turn 1 that is
     the first user message, which later turns send without it. The key must not see the difference."""
-    from policies.canonicalize import CanonicalizeConfig, canonicalize
+    from policies.canonicalize import canonicalize
+    from policies.canonicalize_config import CanonicalizeConfig
 
     system = {"role": "system", "content": "Now: 2026-11-22T10:03:17Z. You are a travel agent."}
     keys = []
