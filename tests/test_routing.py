@@ -227,7 +227,8 @@ def test_prefix_routing_keeps_conversations_on_the_backend_that_cached_them(
         assert blocks >= 4 and second[3] >= 16 * blocks, (first, second)
     seen = {r[0] for r in rows}
     # the report's per-backend table counts the same requests (`cachegw analyze`, admin stats)
-    from gateway.analyze import build_summary, read_database
+    from gateway.analyze_summary import build_summary
+    from gateway.request_log_read import read_database
 
     summary = build_summary(read_database(f"sqlite:///{tmp_path / 'cachegw.db'}", None, None), s)
     per = summary["by_backend"]
