@@ -91,7 +91,9 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _analyze(args: argparse.Namespace) -> int:
-    from gateway.report_plots import draw_charts, print_tables, report_tables, write_report
+    from gateway.report_page import write_report
+    from gateway.report_plots import draw_charts
+    from gateway.report_tables import print_tables, report_tables
 
     settings = _settings(args.config, args.data_dir)
     if args.jsonl:
