@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import os
 import tomllib
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from configtools import typed_section
 
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config.toml"
 
@@ -32,15 +34,6 @@ def load_toml(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
         with open(path, "rb") as f:
             data = _merge(data, tomllib.load(f))
     return data
-
-
-def typed_section(cls: type, raw: dict[str, Any], name: str) -> Any:
-    """A config section as its dataclass; unknown keys are an error, not silently ignored."""
-    known = {f.name for f in fields(cls)}
-    unknown = set(raw) - known
-    if unknown:
-        raise ValueError(f"config [{name}]: unknown keys {sorted(unknown)}")
-    return cls(**raw)
 
 
 @dataclass(frozen=True)

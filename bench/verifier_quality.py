@@ -40,8 +40,8 @@ from bench.common import machine  # noqa: E402
 from embeddings.encoder import Encoder  # noqa: E402
 from gateway.config import load_settings  # noqa: E402
 from gateway.verifier_loader import load_verifier  # noqa: E402
+from policies.pair_guards import guard_reason  # noqa: E402
 from policies.verifier import ARTIFACT_PATH, DEFAULT_RULE, Verifier  # noqa: E402
-from policies.verifier_features import guard_reason  # noqa: E402
 from policies.verifier_training import train_verifier  # noqa: E402
 
 TEST_PERCENT = 30

@@ -27,13 +27,13 @@ from typing import Any
 import numpy as np
 
 from embeddings.cross_encoder import ARTIFACT_PATH, MAX_LEN, CrossEncoder, merged_model
-from embeddings.onnx_encoder import (
+from embeddings.onnx_cache import (
     STALE_TEMP_S,
-    _file_sha256,
-    _version,
     cache_root,
     cpu_session,
+    file_sha256,
     open_or_export,
+    package_version,
 )
 
 log = logging.getLogger(__name__)
@@ -126,9 +126,9 @@ class CrossScorer:
     def _cache_path(self, model_dir: Path) -> Path:
         key = "|".join(
             [
-                _file_sha256(self.artifact),
-                _file_sha256(model_dir / "model.safetensors"),
-                *(_version(d) for d in ("torch", "transformers", "onnx", "onnxruntime")),
+                file_sha256(self.artifact),
+                file_sha256(model_dir / "model.safetensors"),
+                *(package_version(d) for d in ("torch", "transformers", "onnx", "onnxruntime")),
                 EXPORT_FORMAT,
             ]
         )

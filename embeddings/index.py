@@ -28,6 +28,8 @@ import numpy as np
 from tqdm import tqdm
 
 from embeddings import snapshot
+from embeddings.flat_index import FlatIndex
+from embeddings.index_inputs import check_ids, check_scope, check_vecs
 
 log = logging.getLogger(__name__)
 
@@ -39,53 +41,16 @@ HNSW_M = 32
 EF_CONSTRUCTION = 80  # at 100k: build 17 s (40: 10 s, 160: 32 s); recall gains of 160 were within noise
 EF_SEARCH = 64  # at 1M: paraphrase recall@1 0.998, hard negatives 0.974, p50 0.23 ms (docs/benchmarks.md)
 TOMBSTONE_RATIO = 0.2
-_NORM_TOL = 1e-3
 _BUILD_CHUNK = 20_000  # rows per HNSW add call: keeps progress visible and OpenMP busy
 
 Result = list[tuple[int, float]]
-
-
-def _check_vecs(vecs: Any, dim: int, what: str = "vecs") -> np.ndarray:
-    """Reject what would silently give wrong cosines: wrong dtype or width, NaN, rows that are not unit."""
-    if not isinstance(vecs, np.ndarray):
-        raise ValueError(f"{what} must be a numpy array, got {type(vecs).__name__}")
-    if vecs.dtype != np.float32:
-        raise ValueError(f"{what} must be float32, got {vecs.dtype} (use .astype(np.float32))")
-    if vecs.ndim != 2 or vecs.shape[1] != dim:
-        raise ValueError(f"{what} must have shape (n, {dim}), got {vecs.shape}")
-    norms = np.linalg.norm(vecs, axis=1)
-    if not np.all(np.isfinite(norms)):
-        raise ValueError(f"{what} contains NaN or inf")
-    if norms.size and np.max(np.abs(norms - 1.0)) > _NORM_TOL:
-        raise ValueError(f"{what} must be L2-normalised (row norms {norms.min():.4f}..{norms.max():.4f})")
-    return np.ascontiguousarray(vecs)
-
-
-def _check_ids(ids: Any, n: int) -> np.ndarray:
-    arr = np.asarray(ids)
-    if arr.ndim != 1 or arr.shape[0] != n:
-        raise ValueError(f"ids must be a 1-D array of {n} ids, got shape {arr.shape}")
-    if n and arr.dtype.kind not in "iu":
-        raise ValueError(f"ids must be integers, got {arr.dtype}")
-    arr = arr.astype(np.int64, copy=False)
-    if n and arr.min() < 0:
-        raise ValueError("ids must be non-negative (FAISS uses -1 for 'no result')")
-    if np.unique(arr).shape[0] != n:
-        raise ValueError("ids contain duplicates")
-    return arr
-
-
-def _check_scope(scope: Any) -> str:
-    if not isinstance(scope, str) or not scope:
-        raise ValueError(f"scope must be a non-empty string, got {scope!r}")
-    return scope
 
 
 @dataclass
 class _Scope:
     """One scope's index; ``journal`` is not None while a rebuild of this scope is in flight."""
 
-    index: Any  # _Flat, or faiss.IndexIDMap over ``inner``
+    index: Any  # FlatIndex, or faiss.IndexIDMap over ``inner``
     inner: Any = None  # the faiss.IndexHNSWFlat (for reconstruct and graph stats); None when flat
     tombstones: set[int] = field(default_factory=set)
     params: Any = None  # cached (faiss.SearchParametersHNSW, the selectors it points to)
@@ -131,16 +96,16 @@ class ScopedIndex:
 
     def add(self, scope: str, ids: np.ndarray, vecs: np.ndarray) -> None:
         """Insert vectors under globally unique ids; the scope is created on first use."""
-        _check_scope(scope)
-        vecs = _check_vecs(vecs, self.dim)
-        ids = _check_ids(ids, vecs.shape[0])
+        check_scope(scope)
+        vecs = check_vecs(vecs, self.dim)
+        ids = check_ids(ids, vecs.shape[0])
         if not len(ids):
             return
         with self._lock:
             taken = [i for i in ids.tolist() if i in self._id_scope]
             if taken:
                 raise ValueError(f"ids already present: {taken[:5]}{'...' if len(taken) > 5 else ''}")
-            entry = self._scopes.get(scope) or self._scopes.setdefault(scope, _Scope(_Flat(self.dim)))
+            entry = self._scopes.get(scope) or self._scopes.setdefault(scope, _Scope(FlatIndex(self.dim)))
             entry.index.add_with_ids(vecs, ids)
             entry.dirty = True
             self._id_scope.update(dict.fromkeys(ids.tolist(), scope))
@@ -194,14 +159,14 @@ class ScopedIndex:
 
     def search_batch(self, scopes: Sequence[str], vecs: np.ndarray, k: int = 1) -> list[Result]:
         """One result list per query row; rows are grouped so each scope is searched once."""
-        vecs = _check_vecs(vecs, self.dim, "query vectors")
+        vecs = check_vecs(vecs, self.dim, "query vectors")
         if len(scopes) != vecs.shape[0]:
             raise ValueError(f"got {len(scopes)} scopes for {vecs.shape[0]} query vectors")
         if not isinstance(k, int | np.integer) or k < 1:
             raise ValueError(f"k must be a positive integer, got {k!r}")
         rows: dict[str, list[int]] = {}
         for row, scope in enumerate(scopes):
-            rows.setdefault(_check_scope(scope), []).append(row)
+            rows.setdefault(check_scope(scope), []).append(row)
         out: list[Result] = [[] for _ in scopes]
         with self._lock:
             for scope, idx in rows.items():
@@ -233,7 +198,7 @@ class ScopedIndex:
             inner.hnsw.efConstruction, inner.hnsw.efSearch = self.ef_construction, self.ef_search
             scope = _Scope(faiss.IndexIDMap(inner), inner)
         else:
-            scope = _Scope(_Flat(self.dim))
+            scope = _Scope(FlatIndex(self.dim))
         for start in range(0, len(ids), _BUILD_CHUNK):
             scope.index.add_with_ids(vecs[start : start + _BUILD_CHUNK], ids[start : start + _BUILD_CHUNK])
             if bar is not None:
@@ -313,11 +278,11 @@ class ScopedIndex:
         Rows are staged per scope in contiguous arrays, then each scope is built once at its final size,
         which is much faster than growing through the flat -> HNSW switch; flat scopes keep the staging array.
         """
-        staged: dict[str, _Flat] = {}
+        staged: dict[str, FlatIndex] = {}
         for scope, i, vec in tqdm(
             items, total=total, disable=not progress, file=sys.stderr, desc="index load"
         ):
-            flat = staged.get(scope) or staged.setdefault(_check_scope(scope), _Flat(self.dim))
+            flat = staged.get(scope) or staged.setdefault(check_scope(scope), FlatIndex(self.dim))
             flat.append(i, vec)
         scopes: dict[str, _Scope] = {}
         id_scope: dict[int, str] = {}
@@ -325,8 +290,8 @@ class ScopedIndex:
         with tqdm(total=count, disable=not progress, file=sys.stderr, desc="index build") as bar:
             for name in list(staged):
                 flat = staged.pop(name)  # dropped as soon as it is indexed, to bound peak memory
-                ids = _check_ids(flat.ids[: flat.ntotal], flat.ntotal)
-                vecs = _check_vecs(flat.vecs[: flat.ntotal], self.dim, f"vectors of scope {name!r}")
+                ids = check_ids(flat.ids[: flat.ntotal], flat.ntotal)
+                vecs = check_vecs(flat.vecs[: flat.ntotal], self.dim, f"vectors of scope {name!r}")
                 for i in ids.tolist():
                     if id_scope.setdefault(i, name) is not name:
                         raise ValueError(f"id {i} appears in two scopes")
@@ -422,63 +387,3 @@ class ScopedIndex:
         size = int(entry.index.ntotal) * (4 * self.dim + 8)  # float32 vectors + int64 id map
         size += 4 * graph.neighbors.size() + 4 * graph.levels.size() + 8 * graph.offsets.size()
         return size + 72 * len(entry.tombstones)
-
-
-class _Flat:
-    """Exact inner-product search over a growable numpy matrix: the small-scope tier.
-
-    Mirrors the part of faiss' IndexIDMap interface that ScopedIndex uses. A delete moves the last row
-    into the hole (O(dim), where faiss' remove_ids shifts everything after it).
-    """
-
-    def __init__(self, dim: int) -> None:
-        self.d, self.ntotal = dim, 0
-        self.ids = np.empty(0, np.int64)  # grows by doubling: a one-entry tenant costs one row, not a block
-        self.vecs = np.empty((0, dim), np.float32)
-
-    @property
-    def nbytes(self) -> int:
-        return self.ids.nbytes + self.vecs.nbytes
-
-    def _reserve(self, need: int) -> None:
-        if need > len(self.ids):
-            cap, n = max(need, 2 * len(self.ids)), self.ntotal
-            self.ids = np.concatenate([self.ids[:n], np.empty(cap - n, np.int64)])
-            self.vecs = np.concatenate([self.vecs[:n], np.empty((cap - n, self.d), np.float32)])
-
-    def add_with_ids(self, vecs: np.ndarray, ids: np.ndarray) -> None:
-        n, need = self.ntotal, self.ntotal + len(ids)
-        self._reserve(need)
-        self.ids[n:need], self.vecs[n:need] = ids, vecs
-        self.ntotal = need
-
-    def append(self, i: int, vec: Any) -> None:
-        """One row at a time (rebuild's staging); norms are checked later for the whole array at once."""
-        if not isinstance(vec, np.ndarray) or vec.dtype != np.float32 or vec.size != self.d:
-            got = f"{getattr(vec, 'dtype', type(vec).__name__)} {getattr(vec, 'shape', '')}"
-            raise ValueError(f"vector of id {i} must be a float32 array of {self.d} values, got {got}")
-        self._reserve(self.ntotal + 1)
-        self.ids[self.ntotal], self.vecs[self.ntotal] = i, vec.reshape(-1)
-        self.ntotal += 1
-
-    def remove(self, ids: np.ndarray) -> None:
-        for pos in np.flatnonzero(np.isin(self.ids[: self.ntotal], ids))[::-1]:  # descending keeps it valid
-            last = self.ntotal - 1
-            self.ids[pos], self.vecs[pos] = self.ids[last], self.vecs[last]
-            self.ntotal = last
-
-    def entries(self) -> tuple[np.ndarray, np.ndarray]:
-        return self.ids[: self.ntotal].copy(), self.vecs[: self.ntotal].copy()
-
-    def search(self, q: np.ndarray, k: int, params: Any = None) -> tuple[np.ndarray, np.ndarray]:
-        """(cosines, ids) of the k best rows per query, best first, like faiss.Index.search."""
-        x = self.vecs[: self.ntotal]
-        sims = (x @ q[0])[None, :] if len(q) == 1 else q @ x.T  # a matvec for the usual single query
-        if k == 1:
-            top = sims.argmax(axis=1)[:, None]
-        else:
-            top = (
-                np.argpartition(-sims, k - 1, axis=1)[:, :k] if k < x.shape[0] else np.argsort(-sims, axis=1)
-            )
-            top = np.take_along_axis(top, np.argsort(-np.take_along_axis(sims, top, axis=1), axis=1), axis=1)
-        return np.take_along_axis(sims, top, axis=1), self.ids[top]

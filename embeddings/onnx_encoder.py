@@ -27,16 +27,14 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import threading
 import time
-import warnings
-from collections.abc import Callable
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from embeddings.onnx_cache import cache_root, cpu_session, file_sha256, open_or_export, package_version
 
 log = logging.getLogger(__name__)
 
@@ -44,30 +42,9 @@ log = logging.getLogger(__name__)
 EXPORT_FORMAT = "1"
 PROBE_TEXTS = ["cachegw onnx probe: how do I reset my password?", "short"]
 PROBE_MIN_COSINE = 0.99999  # what an export, and a later load of it, must reach against torch
+META_PROBE = "cachegw.probe"
 _WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-_META_PROBE = "cachegw.probe"
 CALL_COST_TOKENS = 24  # fixed cost of one ORT call in padded-token equivalents (see _plan_batches)
-STALE_TEMP_S = 600  # an export temp file this old belongs to a dead process, not a concurrent export
-
-
-def cache_root() -> Path:
-    """``$CACHEGW_CACHE_DIR`` (the engine's converted models live there too), else ``~/.cache/cachegw``."""
-    return Path(os.environ.get("CACHEGW_CACHE_DIR") or "~/.cache/cachegw").expanduser()
-
-
-def _version(dist: str) -> str:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return "none"
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _model_name(model_dir: Path) -> str:
@@ -76,48 +53,6 @@ def _model_name(model_dir: Path) -> str:
     if name == "model" and model_dir.parent.name:
         name = model_dir.parent.name
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "model"
-
-
-def _mean_pool_normalize(hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """sentence-transformers' mean pooling (padding excluded, count clamped at 1e-9) then L2 normalization."""
-    m = mask.astype(np.float32)
-    summed = np.einsum("bsd,bs->bd", hidden, m)
-    vecs = summed / np.maximum(m.sum(axis=1, keepdims=True), 1e-9)
-    norms = np.linalg.norm(vecs, axis=1, keepdims=True)
-    return (vecs / np.maximum(norms, 1e-12)).astype(np.float32, copy=False)
-
-
-def cpu_session(path: Path, threads: int) -> Any:
-    """An ORT CPU session with the graph fused, ``threads`` intra-op threads that never spin idle."""
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    so.inter_op_num_threads = 1
-    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    so.log_severity_level = 3
-    if threads > 1:  # idle workers must not busy-wait against the gateway's event loop
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-
-
-def open_or_export(
-    path: Path, open_fn: Callable[[Path], Any], export_fn: Callable[[], None]
-) -> tuple[Any, bool]:
-    """``(session, exported)``: the cached model at ``path`` if ``open_fn`` accepts it, else a fresh export.
-
-    ``open_fn`` raises on anything wrong (corrupt, truncated, stale, a probe that disagrees); such a file is
-    deleted and exported again, so a bad cache can never serve.
-    """
-    if path.exists():
-        try:
-            return open_fn(path), False
-        except Exception as exc:
-            log.warning("cached ONNX model %s is unusable (%s); exporting it again", path, exc)
-            path.unlink(missing_ok=True)
-    export_fn()
-    return open_fn(path), True
 
 
 class OnnxEncoder:
@@ -145,7 +80,7 @@ class OnnxEncoder:
         self._optimize = optimize
         self._lock = threading.Lock()
         self._session: Any = None
-        self._tokenizer: Any = None  # _Tokenizer once loaded
+        self._tokenizer: Any = None  # Tokenizer once loaded
         self._output: str = "last_hidden_state"
         self._dim = 384
         self.model_file: Path | None = None  # the cached model.onnx in use, once loaded
@@ -178,13 +113,15 @@ class OnnxEncoder:
         if st_cfg.get("do_lower_case"):
             raise ValueError(f"{model_dir}: do_lower_case models are not replicated by the ONNX encoder")
         self._dim = _check_pipeline(model_dir)
-        self._tokenizer = _Tokenizer(model_dir / "tokenizer.json", max_len)
+        self._tokenizer = Tokenizer(model_dir / "tokenizer.json", max_len)
 
         path = self._cache_path(model_dir)
         t0 = time.perf_counter()
         tokenizer = self._tokenizer
+        from embeddings.onnx_export import export_transformer  # torch and onnx: only when exporting
+
         session, self.exported = open_or_export(
-            path, self._open, lambda: _export(model_dir, path, tokenizer, optimize=self._optimize)
+            path, self._open, lambda: export_transformer(model_dir, path, tokenizer, optimize=self._optimize)
         )
         self._session = session
         self.model_file = path
@@ -202,11 +139,11 @@ class OnnxEncoder:
             raise FileNotFoundError(f"no weights ({' or '.join(_WEIGHT_FILES)}) in {model_dir}")
         key = "|".join(
             [
-                _file_sha256(weights),
-                _version("torch"),
-                _version("transformers"),
-                _version("onnx"),
-                _version("onnxruntime"),
+                file_sha256(weights),
+                package_version("torch"),
+                package_version("transformers"),
+                package_version("onnx"),
+                package_version("onnxruntime"),
                 EXPORT_FORMAT,
                 "fused" if self._optimize else "plain",
             ]
@@ -219,7 +156,7 @@ class OnnxEncoder:
         """An ORT session on ``path`` that reproduces the probe embeddings stored in the file at export."""
         session = cpu_session(path, self._threads)
         self._output = session.get_outputs()[0].name
-        probe = session.get_modelmeta().custom_metadata_map.get(_META_PROBE)
+        probe = session.get_modelmeta().custom_metadata_map.get(META_PROBE)
         if probe is None:
             raise ValueError("no probe embedding in the model metadata")
         want = np.asarray(json.loads(probe), dtype=np.float32)
@@ -236,7 +173,7 @@ class OnnxEncoder:
     def _run(self, session: Any, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
         """One ORT call on a padded batch, pooled and normalized in numpy."""
         hidden = session.run([self._output], {"input_ids": ids, "attention_mask": mask})[0]
-        return _mean_pool_normalize(hidden, mask)
+        return mean_pool_normalize(hidden, mask)
 
     def _embed(self, session: Any, texts: list[str]) -> np.ndarray:
         return self._run(session, *self._tokenizer.batch(texts))
@@ -290,7 +227,44 @@ def _check_pipeline(model_dir: Path) -> int:
     return int(pooling["word_embedding_dimension"])
 
 
-class _Tokenizer:
+def _plan_batches(
+    lengths: list[int], max_batch: int, call_cost: int = CALL_COST_TOKENS
+) -> list[tuple[int, int]]:
+    """Cut ascending token ``lengths`` into ``[start, end)`` runs of at most ``max_batch`` rows.
+
+    Minimizes the padded tokens computed (a run pads to its last, longest row) plus a fixed ``call_cost``
+    per run (an ORT call streams all weights once: about 24 tokens' worth at batch 1 on a 2-core EPYC), by
+    dynamic programming over the cut points: O(n * max_batch), well under a millisecond for 64 texts.
+    """
+    n = len(lengths)
+    best = [0] + [float("inf")] * n
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        width = lengths[j - 1]
+        for i in range(max(0, j - max_batch), j):
+            cost = best[i] + call_cost + (j - i) * width
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    runs = []
+    while n > 0:
+        runs.append((cut[n], n))
+        n = cut[n]
+    return runs[::-1]
+
+
+# ---- export ---------------------------------------------------------------------------------------------
+
+
+def mean_pool_normalize(hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """sentence-transformers' mean pooling (padding excluded, count clamped at 1e-9) then L2 normalization."""
+    m = mask.astype(np.float32)
+    summed = np.einsum("bsd,bs->bd", hidden, m)
+    vecs = summed / np.maximum(m.sum(axis=1, keepdims=True), 1e-9)
+    norms = np.linalg.norm(vecs, axis=1, keepdims=True)
+    return (vecs / np.maximum(norms, 1e-12)).astype(np.float32, copy=False)
+
+
+class Tokenizer:
     """The folder's fast tokenizer, truncating like sentence-transformers (checked in the tests).
 
     Padding is done here in numpy rather than by the tokenizer, so that ``encode`` can pad each run of
@@ -325,160 +299,3 @@ class _Tokenizer:
 
     def batch(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         return self.pad(self.ids(texts))
-
-
-def _plan_batches(
-    lengths: list[int], max_batch: int, call_cost: int = CALL_COST_TOKENS
-) -> list[tuple[int, int]]:
-    """Cut ascending token ``lengths`` into ``[start, end)`` runs of at most ``max_batch`` rows.
-
-    Minimizes the padded tokens computed (a run pads to its last, longest row) plus a fixed ``call_cost``
-    per run (an ORT call streams all weights once: about 24 tokens' worth at batch 1 on a 2-core EPYC), by
-    dynamic programming over the cut points: O(n * max_batch), well under a millisecond for 64 texts.
-    """
-    n = len(lengths)
-    best = [0] + [float("inf")] * n
-    cut = [0] * (n + 1)
-    for j in range(1, n + 1):
-        width = lengths[j - 1]
-        for i in range(max(0, j - max_batch), j):
-            cost = best[i] + call_cost + (j - i) * width
-            if cost < best[j]:
-                best[j], cut[j] = cost, i
-    runs = []
-    while n > 0:
-        runs.append((cut[n], n))
-        n = cut[n]
-    return runs[::-1]
-
-
-# ---- export ---------------------------------------------------------------------------------------------
-
-
-def _export(model_dir: Path, dest: Path, tokenizer: _Tokenizer, optimize: bool) -> None:
-    """Export the transformer to ``dest`` atomically, verified against torch on the probe texts.
-
-    With ``optimize``, the graph fused by ORT's BERT optimizer (Attention, EmbedLayerNormalization,
-    SkipLayerNormalization) is kept only if it matches torch as well; otherwise the plain one is written.
-    """
-    import onnx
-    import torch
-    from transformers import AutoModel
-
-    t0 = time.perf_counter()
-    log.info("exporting sentence encoder %s to ONNX (one time, a few seconds) -> %s", model_dir, dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    for stale in dest.parent.glob(".export-*"):  # left by a process killed mid-export (90 MB each)
-        if time.time() - stale.stat().st_mtime > STALE_TEMP_S:
-            stale.unlink(missing_ok=True)
-    # eager attention: plain matmul/softmax ops, and the mask graph ORT's attention fusion recognizes.
-    model = AutoModel.from_pretrained(str(model_dir), attn_implementation="eager", dtype=torch.float32).eval()
-
-    class _Hidden(torch.nn.Module):
-        """input_ids + attention_mask -> last_hidden_state; token types are all 0 for single sentences."""
-
-        def __init__(self, bert: torch.nn.Module) -> None:
-            super().__init__()
-            self.bert = bert
-
-        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-            token_type_ids = torch.zeros_like(input_ids)
-            out = self.bert(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
-            return out.last_hidden_state
-
-    np_ids, np_mask = tokenizer.batch(PROBE_TEXTS)  # padded: the trace sees a real mask
-    ids, mask = torch.from_numpy(np_ids), torch.from_numpy(np_mask)
-    with torch.no_grad():
-        hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state.numpy()
-    ref = _mean_pool_normalize(hidden, mask.numpy())
-
-    fd, tmp_name = tempfile.mkstemp(prefix=".export-", suffix=".onnx", dir=dest.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
-        with warnings.catch_warnings(), torch.no_grad():
-            warnings.simplefilter("ignore")  # legacy-exporter deprecation and tracer warnings: benign here
-            torch.onnx.export(
-                _Hidden(model),
-                (ids, mask),
-                str(tmp),
-                input_names=["input_ids", "attention_mask"],
-                output_names=["last_hidden_state"],
-                dynamic_axes={
-                    "input_ids": {0: "batch", 1: "sequence"},
-                    "attention_mask": {0: "batch", 1: "sequence"},
-                    "last_hidden_state": {0: "batch", 1: "sequence"},
-                },
-                opset_version=17,
-                dynamo=False,  # TorchScript exporter: needs neither onnxscript nor torch.export
-            )
-        proto = onnx.load(str(tmp))
-        plain_cos = _ort_cosine(proto, tokenizer, ref)
-        if not plain_cos >= PROBE_MIN_COSINE:  # NaN included
-            raise RuntimeError(f"ONNX export disagrees with torch (probe cosine {plain_cos:.6f})")
-        kind = "plain"
-        if optimize:
-            fused, stats = _fuse(proto, model.config)
-            fused_cos = _ort_cosine(fused, tokenizer, ref) if fused is not None else float("nan")
-            if fused is not None and fused_cos >= PROBE_MIN_COSINE:
-                proto, kind = fused, f"fused {stats}"
-            else:
-                log.warning("ORT's BERT fusion misses torch (cosine %s); keeping the plain graph", fused_cos)
-        meta = {"cachegw.probe": json.dumps(ref.round(7).tolist()), "cachegw.source": str(model_dir)}
-        for key, value in meta.items():
-            proto.metadata_props.add(key=key, value=value)
-        with tmp.open("wb") as f:
-            f.write(proto.SerializeToString())
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.chmod(0o644)  # mkstemp's 0600 would be odd for a cache file
-        os.replace(tmp, dest)  # atomic: readers see the old file, no file, or the whole new one
-    finally:
-        tmp.unlink(missing_ok=True)
-    mb = dest.stat().st_size / 1e6
-    log.info("exported ONNX sentence encoder (%s, %.0f MB) in %.1fs", kind, mb, time.perf_counter() - t0)
-
-
-def _fuse(proto: Any, config: Any) -> tuple[Any | None, str]:
-    """ORT's offline BERT fusions (pure graph rewrites, fp32); ``None`` when the optimizer is unavailable."""
-    try:
-        from onnxruntime.transformers.optimizer import optimize_model
-    except ImportError as exc:
-        log.warning("onnxruntime.transformers unavailable (%s); exporting without fusion", exc)
-        return None, ""
-    # Its modules log each fusion at INFO under top-level names (fusion_base, onnx_model...): keep them quiet.
-    noisy = [logging.getLogger(n) for n in ("fusion_base", "onnx_model", "onnx_model_bert", "fusion_utils")]
-    levels = [lg.level for lg in noisy]
-    for lg in noisy:
-        lg.setLevel(logging.WARNING)
-    try:
-        with tempfile.TemporaryDirectory() as d:
-            src = Path(d) / "plain.onnx"
-            src.write_bytes(proto.SerializeToString())
-            opt = optimize_model(
-                str(src),
-                model_type="bert",
-                num_heads=config.num_attention_heads,
-                hidden_size=config.hidden_size,
-                opt_level=0,  # Python fusions only: ORT's own level-ALL passes run at load, on the target CPU
-                use_gpu=False,
-            )
-    finally:
-        for lg, level in zip(noisy, levels, strict=True):
-            lg.setLevel(level)
-    counts = {k: v for k, v in opt.get_fused_operator_statistics().items() if v}
-    stats = ", ".join(f"{k} {v}" for k, v in counts.items())
-    return opt.model, stats
-
-
-def _ort_cosine(proto: Any, tokenizer: _Tokenizer, ref: np.ndarray) -> float:
-    """Lowest cosine between ``ref`` and what ORT computes for the probe texts with ``proto``."""
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 1
-    so.log_severity_level = 3
-    session = ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    ids, mask = tokenizer.batch(PROBE_TEXTS)
-    hidden = session.run(None, {"input_ids": ids, "attention_mask": mask})[0]
-    return float((_mean_pool_normalize(hidden, mask) * ref).sum(axis=1).min())

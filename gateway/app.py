@@ -42,7 +42,9 @@ from gateway.streams import SseRecorder, relay
 from gateway.tenants import Tenant, Tenants
 from gateway.volatile_learner import VolatileLearner
 from policies.cacheability import Cacheability, CachePolicy, decide
-from policies.canonicalize import Moved, Restore, normalize_for_match, normalize_reply
+from policies.canonical_text import normalize_for_match, normalize_reply
+from policies.canonicalize import Restore
+from policies.volatile import Moved
 from protocol.errors import ApiError, error_code
 from protocol.http import install_error_handlers, read_limited_body
 from protocol.requests import ChatCompletionRequest, CompletionRequest, load_json, parse_request

@@ -26,7 +26,8 @@ from embeddings.batcher import SupportsEncode
 from embeddings.encoder import make_encoder
 from gateway.cache_keys import request_keys
 from gateway.verifier_loader import load_verifier
-from policies.canonicalize import CanonicalizeConfig, canonicalize
+from policies.canonicalize import canonicalize
+from policies.canonicalize_config import CanonicalizeConfig
 from policies.verifier import DecisionRule, Verifier, VerifierDataError
 from policies.verifier_training import read_pairs
 

@@ -12,8 +12,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, field_validator, model_validator
 
-from backend.config import BackendServerConfig, EngineConfig, load_toml, typed_section
-from policies.canonicalize import CanonicalizeConfig
+from backend.config import BackendServerConfig, EngineConfig, load_toml
+from configtools import typed_section
+from policies.canonicalize_config import CanonicalizeConfig
 from policies.routing import RoutingMode
 
 

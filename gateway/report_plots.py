@@ -1,337 +1,32 @@
-"""The report of `cachegw analyze`: its tables, its page (HTML or Markdown) and its PNG charts.
+"""The PNG charts of a `cachegw analyze` report (its tables: ``gateway/report_tables.py``, its page:
+``gateway/report_page.py``).
 
-Everything here reads the summary dict (summary.json) alone, so every number on the page or in a chart is
-in the summary, and a kept summary can be redrawn. matplotlib is imported only to draw (Figure objects,
-no pyplot state, Agg canvas: no display needed).
+Everything in the report reads the summary dict (summary.json) alone, so every number on the page or in a
+chart is in the summary, and a kept summary can be redrawn. matplotlib is imported only to draw (Figure
+objects, no pyplot state, Agg canvas: no display needed).
 """
 
 from __future__ import annotations
 
-import html
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
+from gateway.report_tables import Summary, duration, pct, usd
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-Summary = dict[str, Any]
 ProgressFactory = Callable[[str, float], AbstractContextManager[Callable[[float], None]]]
 RESULTS = (("exact_hits", "exact hit", "#2a7"), ("semantic_hits", "semantic hit", "#9c5"))
 RESULTS += (("misses", "miss", "#d77"), ("bypasses", "bypass", "#bbb"))
-TOP_N = 15
 DPI = 90
 
 
-@dataclass
-class TableSpec:
-    title: str
-    headers: list[str]
-    rows: list[list[str]]
-
-
-def pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.1f}%"
-
-
-def usd(x: float) -> str:
-    return f"${x:,.4f}" if x < 100 else f"${x:,.2f}"
-
-
-def ms(x: float | None) -> str:
-    return "-" if x is None else f"{x:,.1f}"
-
-
-def _short(text: str | None, n: int = 70) -> str:
-    text = " ".join((text or "").split())
-    return text if len(text) <= n else text[: n - 1] + "…"
-
-
-def report_tables(s: dict[str, Any]) -> dict[str, TableSpec]:
-    """The tables of the terminal and of the report page, from summary.json alone."""
-    o = s["overall"]
-    overall = [
-        ["requests", f"{o['requests']:,}"],
-        ["exact hits", f"{o['exact_hits']:,}"],
-        ["semantic hits", f"{o['semantic_hits']:,}"],
-        ["misses", f"{o['misses']:,}"],
-        ["bypasses", f"{o['bypasses']:,}"],
-        ["errors (status >= 400)", f"{o['errors']:,}"],
-        ["hits flagged bad", f"{o['flagged']:,}"],
-        ["hit ratio", pct(o["hit_ratio"])],
-        ["backend prefix-cache ratio", pct(o["prefix_cache_ratio"])],
-        ["tokens saved by hits", f"{o['tokens_saved']:,}"],
-        ["cost saved (estimate)", usd(o["cost_saved_usd"])],
-    ]
-    heads = ["requests", "hit ratio", "exact", "semantic", "prefix cache", "saved"]
-
-    def grouped(groups: dict[str, dict[str, Any]]) -> list[list[str]]:
-        return [
-            [_short(k, 34) or "(none)", f"{g['requests']:,}", pct(g["hit_ratio"]), f"{g['exact_hits']:,}"]
-            + [f"{g['semantic_hits']:,}", pct(g["prefix_cache_ratio"]), usd(g["cost_saved_usd"])]
-            for k, g in list(groups.items())[:TOP_N]
-        ]
-
-    lat = [
-        [name, ms(v["p50"]), ms(v["p99"]), f"{v['n']:,}"] for name, v in s["overall"]["latency_ms"].items()
-    ]
-    return {
-        "overall": TableSpec("Overall", ["", "value"], overall),
-        "by_model": TableSpec("By model", ["model", *heads], grouped(s["by_model"])),
-        "by_tenant": TableSpec("By tenant", ["tenant", *heads], grouped(s["by_tenant"])),
-        "by_backend": TableSpec(
-            "By backend (the requests each answered)",
-            ["backend", "requests", "prefix cache", "p50 ms", "p99 ms"],
-            [
-                [_short(k, 34), f"{g['requests']:,}", pct(g["prefix_cache_ratio"])]
-                + [ms(g.get("answered_ms", {}).get(q)) for q in ("p50", "p99")]
-                for k, g in list(s.get("by_backend", {}).items())[:TOP_N]
-            ],
-        ),
-        "sweep": TableSpec(
-            "Threshold sweep (replayed near-misses)",
-            ["threshold", "candidates", "new", "known false", "est. false", "hit ratio ≤"],
-            [_sweep_row(p, s["similarity"]["threshold"]) for p in sweep_excerpt(s)],
-        ),
-        "top_queries": TableSpec(
-            "Top repeated queries",
-            ["query", "requests", "hits"],
-            [
-                [
-                    _short(q["query"]) or f"(not logged) {q['query_hash']}",
-                    f"{q['requests']:,}",
-                    f"{q['hits']:,}",
-                ]
-                for q in s["top_queries"]
-            ],
-        ),
-        "reasons": TableSpec(
-            "Why requests were not hits (x-cache-reason)",
-            ["result", "reason", "requests", "share"],
-            [
-                [r["result"], r["reason"], f"{r['requests']:,}", f"{r['share']:.1%}"]
-                for r in s.get("reasons", [])
-            ],
-        ),
-        "top_scopes": TableSpec(
-            "Top scopes",
-            ["scope", "requests", "hits"],
-            [[q["scope"][:16], f"{q['requests']:,}", f"{q['hits']:,}"] for q in s["top_scopes"]],
-        ),
-        "prefix": TableSpec(
-            "Prefix-cache ratio by system prompt (misses and bypasses)",
-            ["system hash", "requests", "prompt tokens", "cached tokens", "ratio"],
-            [
-                [
-                    p["system_hash"],
-                    f"{p['requests']:,}",
-                    f"{p['prompt_tokens']:,}",
-                    f"{p['cached_tokens']:,}",
-                    pct(p["prefix_cache_ratio"]),
-                ]
-                for p in s["prefix_cache_by_system"]
-            ],
-        ),
-        "rules": TableSpec(
-            "Canonicalization rules",
-            ["rule", "fired on", "prefix cache (fired)", "prefix cache (not)", "hit ratio (fired)", "(not)"],
-            [
-                [
-                    r["rule"],
-                    f"{r['fired']['requests']:,}",
-                    pct(r["fired"]["prefix_cache_ratio"]),
-                    pct(r["not_fired"]["prefix_cache_ratio"]),
-                    pct(r["fired"]["hit_ratio"]),
-                    pct(r["not_fired"]["hit_ratio"]),
-                ]
-                for r in s["rules"]
-            ],
-        ),
-        "latency": TableSpec("Latency (ms, whole request)", ["result", "p50", "p99", "requests"], lat),
-    }
-
-
-def sweep_excerpt(s: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every 0.02 within 0.1 of the current threshold, the current one included."""
-    cur = s["threshold_sweep"]["current"]
-    near = [p for p in s["threshold_sweep"]["curve"] if abs(p["threshold"] - cur["threshold"]) <= 0.1001]
-    near = [p for p in near if round(abs(p["threshold"] - cur["threshold"]) * 100) % 2 == 0]
-    return sorted({p["threshold"]: p for p in [*near, cur]}.values(), key=lambda p: p["threshold"])
-
-
-def _sweep_row(p: dict[str, Any], current: float) -> list[str]:
-    mark = " (current)" if abs(p["threshold"] - current) < 1e-9 else ""
-    return [f"{p['threshold']:.2f}{mark}", f"{p['candidates']:,}", f"{p['new_candidates']:,}"] + [
-        f"{p['known_false']:,}",
-        f"{p['estimated_false']:,.1f}",
-        pct(p["hit_ratio_upper"]),
-    ]
-
-
-def print_tables(s: Summary, console: Console) -> None:
-    """The terminal's share of the report: overall, by model and tenant, sweep excerpt, top queries."""
-    m = s["meta"]
-    title = f"[bold]cachegw analyze[/]: {escape(m['source'])}, {iso(m['since'])} to {iso(m['until'])}"
-    console.print(title, soft_wrap=True)
-    specs = report_tables(s)
-    for key in ("overall", "by_model", "by_tenant", "by_backend", "reasons", "sweep", "top_queries"):
-        if (
-            key in ("by_backend", "reasons") and not specs[key].rows
-        ):  # a log from before backends were recorded
-            continue
-        table = Table(title=specs[key].title, title_justify="left")
-        width = min(16, max((len(row[0]) for row in specs[key].rows), default=0))
-        table.add_column(specs[key].headers[0], min_width=width)
-        for h in specs[key].headers[1:]:
-            table.add_column(h, justify="right")
-        for row in specs[key].rows:
-            table.add_row(*row)
-        console.print(table)
-
-
 # Page
-
-
-def iso(ts: float) -> str:
-    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M UTC")
-
-
-def sections(s: Summary) -> list[tuple[str, str, list[str], str | None]]:
-    """(title, text, table keys, chart) in page order."""
-    m, o, cur = s["meta"], s["overall"], s["threshold_sweep"]["current"]
-    return [
-        (
-            "Overview",
-            f"Source: {m['source']}. Range: {iso(m['since'])} to {iso(m['until'])}, "
-            f"{o['requests']:,} requests, charted in buckets of {_duration(s['timeseries']['bucket_s'])}.",
-            ["overall"],
-            "hit_ratio_over_time.png",
-        ),
-        ("Hits by model and tenant", "", ["by_model", "by_tenant"], "hits_by_model_tenant.png"),
-        (
-            "Similarity",
-            "Nearest-neighbour cosine similarity recorded on each semantic lookup, for the semantic hits "
-            "and for the misses. Vertical lines: the thresholds in force (most requests: "
-            f"{cur['threshold']:.2f}).",
-            [],
-            "similarity.png",
-        ),
-        (
-            "Threshold sweep",
-            "The recorded similarities replayed at other thresholds. Candidates: lookups whose nearest "
-            "neighbour clears the threshold (an upper bound on semantic hits, since the verifier still "
-            "checks each); new: of those, recorded misses; known false: hits flagged bad; estimated false: "
-            "known false plus the new candidates times the flag rate of the served semantic hits.",
-            ["sweep"],
-            "threshold_sweep.png",
-        ),
-        (
-            "Top repeated queries and scopes",
-            "Asked twice or more in the range.",
-            ["top_queries", "top_scopes"],
-            None,
-        ),
-        (
-            "Miss and bypass reasons",
-            "Why requests went to the backend: the cacheability rule of a bypass, or why the nearest "
-            "stored answer was refused on a miss (README: x-cache-reason).",
-            ["reasons"],
-            None,
-        ),
-        (
-            "Backends",
-            "The requests each backend answered (misses and bypasses) and its prefix-cache ratio: with "
-            "several backends per model, how well routing keeps conversations where their KV blocks are.",
-            ["by_backend"],
-            None,
-        ),
-        (
-            "Prefix cache by system prompt",
-            "Backend prefix-cache ratio (cached prompt tokens / prompt tokens) of the requests the backend "
-            "answered (misses and bypasses), per hash of their system messages.",
-            ["prefix"],
-            "prefix_cache_by_system.png",
-        ),
-        (
-            "Canonicalization rules",
-            "For each rule: the requests where it changed the prompt against those where it did not. This is "
-            "a correlation, not a controlled experiment: the traffic a rule fires on differs in other ways.",
-            ["rules"],
-            "rules.png",
-        ),
-        (
-            "Latency and cost saved",
-            "Cost saved is an estimate from the config's [pricing]: a hit saves its whole backend call, a "
-            "miss the discount on its prefix-cached prompt tokens.",
-            ["latency"],
-            "latency_cost.png",
-        ),
-    ]
-
-
-def _duration(seconds: float) -> str:
-    for unit, n in (("d", 86400), ("h", 3600), ("min", 60)):
-        if seconds >= n and seconds % n == 0:
-            return f"{seconds // n:.0f} {unit}"
-    return f"{seconds:.0f} s"
-
-
-def write_report(s: Summary, tables: dict[str, TableSpec], charts: list[str], out: Path, fmt: str) -> Path:
-    """report.md or report.html in ``out``, the charts referenced by relative path."""
-    parts = [
-        (t, text, [tables[k] for k in keys], c if c in charts else None) for t, text, keys, c in sections(s)
-    ]
-    path = out / f"report.{fmt}"
-    path.write_text(_markdown(parts) if fmt == "md" else _html(parts), encoding="utf-8")
-    return path
-
-
-Part = tuple[str, str, list[TableSpec], str | None]
-
-
-def _markdown(parts: list[Part]) -> str:
-    lines = ["# cachegw request-log report", ""]
-    for title, text, specs, chart in parts:
-        lines += [f"## {title}", ""] + ([text, ""] if text else [])
-        if chart:
-            lines += [f"![{title}]({chart})", ""]
-        for spec in specs:
-            cell = lambda v: v.replace("|", "\\|")
-            lines += [f"**{spec.title}**", "", "| " + " | ".join(spec.headers) + " |"]
-            lines.append("|" + "|".join(["---"] + ["---:"] * (len(spec.headers) - 1)) + "|")
-            lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in spec.rows] + [""]
-    return "\n".join(lines)
-
-
-CSS = (
-    "body{font-family:system-ui,sans-serif;max-width:1000px;margin:2em auto;padding:0 1em;color:#222}"
-    "table{border-collapse:collapse;margin:.5em 0 1.5em}td,th{padding:.2em .7em;border-bottom:1px solid #ddd}"
-    "td:not(:first-child),th:not(:first-child){text-align:right}caption{text-align:left;font-weight:bold}"
-    "img{max-width:100%}"
-)
-
-
-def _html(parts: list[Part]) -> str:
-    e = html.escape
-    out = [f"<!doctype html><meta charset=utf-8><title>cachegw report</title><style>{CSS}</style>"]
-    out.append("<h1>cachegw request-log report</h1>")
-    for title, text, specs, chart in parts:
-        out.append(f"<h2>{e(title)}</h2>" + (f"<p>{e(text)}</p>" if text else ""))
-        if chart:
-            out.append(f'<img src="{e(chart)}" alt="{e(title)}">')
-        for spec in specs:
-            head = "".join(f"<th>{e(h)}</th>" for h in spec.headers)
-            body = "".join("<tr>" + "".join(f"<td>{e(v)}</td>" for v in row) + "</tr>" for row in spec.rows)
-            out.append(f"<table><caption>{e(spec.title)}</caption><tr>{head}</tr>{body}</table>")
-    return "\n".join(out) + "\n"
 
 
 # Charts
@@ -369,7 +64,7 @@ def _hit_ratio_over_time(fig: Figure, s: Summary) -> None:
         h = [p[key] for p in pts]
         ax.bar(x, h, width=bucket / 86400 * 0.9, bottom=bottom, color=color, label=label)
         bottom = [b + v for b, v in zip(bottom, h, strict=True)]
-    ax.set_ylabel(f"requests per {_duration(bucket)}")
+    ax.set_ylabel(f"requests per {duration(bucket)}")
     ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(ax.xaxis.get_major_locator()))
     ax.set_xlabel("time (UTC)")
     right = ax.twinx()

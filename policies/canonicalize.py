@@ -38,21 +38,18 @@ user message the values stay where they are.
 
 from __future__ import annotations
 
-import json
-import re
-import unicodedata
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+from policies.canonical_schema import canonical_schema, canonical_tools
+from policies.canonical_text import map_text, normalize_reply, normalize_text, text_parts, texts_of
+from policies.canonicalize_config import CanonicalizeConfig
 from policies.volatile import (
-    DEFAULT_VOLATILE_PATTERNS,
     PLACEHOLDER,
     PLACEHOLDER_RE,
-    LearnConfig,
     Moved,
     Template,
-    combine,
     extract,
 )
 
@@ -64,95 +61,6 @@ CONTEXT_PREFIX = "Context values: "
 Restore = Callable[[str], str | None]
 _PROSE_ROLES = frozenset({"system", "developer", "user", "assistant"})
 _INSTRUCTION_ROLES = frozenset({"system", "developer"})
-_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})  # instance values, not schema
-_FENCE = re.compile(r"^[ \t]*(`{3,}|~{3,})(.*)$", re.M)
-_TRAILING_WS = re.compile(r"[ \t]+(?=\n|\Z)")
-_BLANK_RUN = re.compile(r"\n(?:[ \t]*\n){2,}")
-
-
-@dataclass(frozen=True)
-class CanonicalizeConfig:
-    """config.toml [canonicalize]; defaults equal the file's (a test keeps them in step)."""
-
-    enabled: bool = True
-    unicode_nfc: bool = True
-    line_endings: bool = True
-    trailing_whitespace: bool = True
-    blank_lines: bool = True
-    json_key_order: bool = True
-    sort_tools: bool = True
-    merge_system: bool = True
-    volatile_to_tail: bool = True
-    restore_assistant: bool = True
-    volatile_patterns: tuple[str, ...] = DEFAULT_VOLATILE_PATTERNS
-    learn: LearnConfig = LearnConfig()  # volatile spans learned from traffic ([canonicalize.learn])
-
-    def __post_init__(self) -> None:
-        """Validate and compile once at start-up, so a bad setting fails there and not on a request."""
-        for f in fields(self):
-            if f.type in ("bool", bool) and not isinstance(getattr(self, f.name), bool):
-                raise ValueError(f"[canonicalize] {f.name} must be true or false")
-        patterns = self.volatile_patterns
-        if isinstance(patterns, str) or not all(isinstance(p, str) for p in patterns):
-            raise ValueError("[canonicalize] volatile_patterns must be a list of strings")
-        object.__setattr__(self, "volatile_patterns", tuple(patterns))
-        object.__setattr__(self, "_volatile", combine(self.volatile_patterns))  # not a field
-        if not isinstance(self.learn, LearnConfig):
-            raise ValueError("[canonicalize] learn must be a table")
-
-    @property
-    def volatile_regex(self) -> re.Pattern[str] | None:
-        """Every volatile pattern as one case-insensitive alternation (None without patterns)."""
-        return self._volatile  # type: ignore[attr-defined, no-any-return]
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> CanonicalizeConfig:
-        """From the TOML section; an unknown key is a typo that would silently do nothing: an error."""
-        _known_keys(cls, d, "canonicalize")
-        learn = d.get("learn", {})
-        if not isinstance(learn, Mapping):
-            raise ValueError("[canonicalize] learn must be a table")
-        _known_keys(LearnConfig, learn, "canonicalize.learn")
-        return cls(**{**d, "learn": LearnConfig(**learn)})
-
-
-def _known_keys(cls: type, d: Mapping[str, Any], section: str) -> None:
-    """An unknown key is a typo that would silently do nothing: an error naming it."""
-    unknown = set(d) - {f.name for f in fields(cls)}
-    if unknown:
-        raise ValueError(f"config [{section}]: unknown keys {sorted(unknown)}")
-
-
-def normalize_for_match(text: str) -> str:
-    """The form repeats of one query are grouped under: NFC, whitespace runs -> one space, stripped."""
-    return " ".join(unicodedata.normalize("NFC", text).split())
-
-
-def normalize_reply(text: str) -> str:
-    """The form under which the gateway's replies are stored and found again when a client sends one
-    back re-formatted: NFC and LF; whitespace runs in prose become one space; inside code fences only
-    trailing spaces and blank lines go, since indentation is meaning there (Python, YAML)."""
-    text = unicodedata.normalize("NFC", text).replace("\r\n", "\n").replace("\r", "\n")
-    pieces = (
-        "\n".join(line.rstrip() for line in piece.split("\n") if line.strip())
-        if code
-        else " ".join(piece.split())
-        for code, piece in _segments(text)
-    )
-    return "\n".join(p for p in pieces if p)
-
-
-def canonical_json(obj: Any) -> str:
-    """Stable JSON for hashing: sorted keys, no spaces, UTF-8 text, and 1.0 written as 1 (same number)."""
-    return json.dumps(_integral_floats(obj), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-
-
-def _integral_floats(o: Any) -> Any:
-    if isinstance(o, float):
-        return int(o) if o.is_integer() and abs(o) < 2**53 else o
-    if isinstance(o, dict):
-        return {k: _integral_floats(v) for k, v in o.items()}
-    return [_integral_floats(v) for v in o] if isinstance(o, list | tuple) else o
 
 
 @dataclass(frozen=True)
@@ -193,13 +101,13 @@ def canonicalize_detail(
         out["messages"] = _messages(out["messages"], cfg, restore, fired, report)
     prompt = out.get("prompt")
     if isinstance(prompt, str):
-        out["prompt"] = _text(prompt, cfg, False, fired)
+        out["prompt"] = normalize_text(prompt, cfg, False, fired)
     elif isinstance(prompt, list):
-        out["prompt"] = [_text(p, cfg, False, fired) if isinstance(p, str) else p for p in prompt]
+        out["prompt"] = [normalize_text(p, cfg, False, fired) if isinstance(p, str) else p for p in prompt]
     if isinstance(out.get("tools"), list):
-        out["tools"] = _tools(out["tools"], cfg, fired)
+        out["tools"] = canonical_tools(out["tools"], cfg, fired)
     if isinstance(out.get("response_format"), dict):
-        out["response_format"] = _schema(out["response_format"], cfg, fired)  # its wrapper keys too
+        out["response_format"] = canonical_schema(out["response_format"], cfg, fired)  # its wrapper keys too
     return Canonical(out, [r for r in RULES if r in fired], tuple(report.moved), tuple(report.unmatched))
 
 
@@ -217,91 +125,6 @@ def _copy(o: Any) -> Any:
     return [_copy(v) for v in o] if isinstance(o, list) else o
 
 
-def _text(text: str, cfg: CanonicalizeConfig, prose: bool, fired: set[str]) -> str:
-    """NFC and LF everywhere; the whitespace rules only on prose, and never inside code fences."""
-    if cfg.unicode_nfc and not unicodedata.is_normalized("NFC", text):
-        text = unicodedata.normalize("NFC", text)
-        fired.add("unicode_nfc")
-    if cfg.line_endings and "\r" in text:
-        text = text.replace("\r\n", "\n").replace("\r", "\n")
-        fired.add("line_endings")
-    if not prose or not (cfg.trailing_whitespace or cfg.blank_lines):
-        return text
-    pieces = _segments(text)
-    last = len(pieces) - 1
-    return "".join(
-        s if code else _prose(s, cfg, i == 0, i == last, fired) for i, (code, s) in enumerate(pieces)
-    )
-
-
-def _prose(s: str, cfg: CanonicalizeConfig, first: bool, last: bool, fired: set[str]) -> str:
-    """Trailing spaces, then blank lines; the start and the end of the whole text lose theirs too."""
-    if cfg.trailing_whitespace:
-        new = _TRAILING_WS.sub("", s)
-        if new != s:
-            fired.add("trailing_whitespace")
-            s = new
-    if not cfg.blank_lines:
-        return s
-    new = _BLANK_RUN.sub("\n\n", s)
-    if first:  # whole blank lines go; the first real line keeps its indentation
-        new = new[new.rfind("\n", 0, len(new) - len(new.lstrip(" \t\n"))) + 1 :]
-    if last:  # blank lines and the final newline go; the last line's own spaces are not blank lines
-        cut = new.find("\n", len(new.rstrip(" \t\n")))
-        new = new[:cut] if cut >= 0 else new
-    if new != s:
-        fired.add("blank_lines")
-    return new
-
-
-def _segments(text: str) -> list[tuple[bool, str]]:
-    """(is_code, piece) pieces. A fence may be indented (list items); a backtick fence with a backtick
-    in its info string is inline code (CommonMark); an unclosed fence runs to the end."""
-    if "```" not in text and "~~~" not in text:
-        return [(False, text)]
-    spans: list[tuple[int, int]] = []
-    opened: tuple[int, str] | None = None
-    for m in _FENCE.finditer(text):
-        fence, rest = m.group(1), m.group(2)
-        if opened is None:
-            if not (fence[0] == "`" and "`" in rest):
-                opened = (m.start(), fence)
-        elif fence[0] == opened[1][0] and len(fence) >= len(opened[1]) and not rest.strip(" \t"):
-            spans.append((opened[0], m.end()))
-            opened = None
-    if opened is not None:
-        spans.append((opened[0], len(text)))
-    pieces, pos = [], 0
-    for start, end in spans:
-        pieces += [(False, text[pos:start]), (True, text[start:end])]
-        pos = end
-    return [*pieces, (False, text[pos:])]
-
-
-def _text_parts(content: Any) -> list[dict[str, Any]]:
-    """The text parts of a list content (images and others are never touched)."""
-    if not isinstance(content, list):
-        return []
-    return [
-        p
-        for p in content
-        if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-    ]
-
-
-def _texts(content: Any) -> list[str]:
-    return [content] if isinstance(content, str) else [p["text"] for p in _text_parts(content)]
-
-
-def _map_text(content: Any, fn: Callable[[str], str]) -> Any:
-    """``fn`` applied to a string content, or to each text part of a list content (in place)."""
-    if isinstance(content, str):
-        return fn(content)
-    for p in _text_parts(content):
-        p["text"] = fn(p["text"])
-    return content
-
-
 def _messages(
     messages: list[Any], cfg: CanonicalizeConfig, restore: Restore | None, fired: set[str], report: _Report
 ) -> list[Any]:
@@ -314,12 +137,12 @@ def _messages(
             continue
         prose = m.get("role") in _PROSE_ROLES  # tool (and unknown) roles: data, NFC and LF only
         if "content" in m and id(m) not in restored:
-            m["content"] = _map_text(m["content"], lambda t, p=prose: _text(t, cfg, p, fired))
+            m["content"] = map_text(m["content"], lambda t, p=prose: normalize_text(t, cfg, p, fired))
         calls = m.get("tool_calls")
         for call in calls if isinstance(calls, list) else []:  # a wrong type is the backend's to refuse
             fn = call.get("function") if isinstance(call, dict) else None
             if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
-                fn["arguments"] = _text(fn["arguments"], cfg, False, fired)
+                fn["arguments"] = normalize_text(fn["arguments"], cfg, False, fired)
     if cfg.volatile_to_tail and (cfg.volatile_regex is not None or cfg.learn.enabled):
         _volatile_to_tail(messages, cfg, fired, report)
     return messages
@@ -335,7 +158,7 @@ def _restore_assistants(messages: list[Any], restore: Restore, fired: set[str]) 
         content = m.get("content")
         if isinstance(content, str):
             holder, slot = m, "content"
-        elif isinstance(content, list) and len(content) == 1 and _text_parts(content):
+        elif isinstance(content, list) and len(content) == 1 and text_parts(content):
             holder, slot = content[0], "text"
         else:
             continue
@@ -356,7 +179,7 @@ def _merge_system(messages: list[Any], fired: set[str]) -> list[Any]:
     for m in messages:
         plain = isinstance(m, dict) and m.get("role") == "system" and set(m) <= {"role", "content"}
         content = m.get("content") if plain else None
-        parts = _text_parts(content)
+        parts = text_parts(content)
         if isinstance(content, str):
             texts.append(content)
         elif parts and len(parts) == len(content):
@@ -378,7 +201,7 @@ def _volatile_to_tail(messages: list[Any], cfg: CanonicalizeConfig, fired: set[s
     if target is None:
         return  # nowhere to put the values: leave the prompt as it is
     instructions = [m for m in messages if isinstance(m, dict) and m.get("role") in _INSTRUCTION_ROLES]
-    found = [n for m in instructions for t in _texts(m.get("content")) for n in PLACEHOLDER_RE.findall(t)]
+    found = [n for m in instructions for t in texts_of(m.get("content")) for n in PLACEHOLDER_RE.findall(t)]
     base = max(map(int, found), default=0)
     values: dict[str, int] = {}
     templates = report.templates if cfg.learn.enabled else ()
@@ -391,17 +214,17 @@ def _volatile_to_tail(messages: list[Any], cfg: CanonicalizeConfig, fired: set[s
 
     for m in instructions:
         if "content" in m:
-            m["content"] = _map_text(m["content"], one)
+            m["content"] = map_text(m["content"], one)
     if not values:
         return
     fired.add("volatile_to_tail")
     note = CONTEXT_PREFIX + "; ".join(f"{PLACEHOLDER.format(n)} = {v}" for v, n in values.items())
     # The user text is canonical already; normalising it with the note keeps the result a fixed point.
-    append = lambda t: _text(t + ("\n\n" if t.strip() else "") + note, cfg, True, set())
+    append = lambda t: normalize_text(t + ("\n\n" if t.strip() else "") + note, cfg, True, set())
     content = target["content"]
     if isinstance(content, str):
         target["content"] = append(content)
-    elif content and any(p is content[-1] for p in _text_parts(content)):
+    elif content and any(p is content[-1] for p in text_parts(content)):
         content[-1]["text"] = append(content[-1]["text"])
     else:
         content.append({"type": "text", "text": note})
@@ -426,48 +249,3 @@ def without_volatile_note(content: Any) -> Any:
             text = split_volatile_note(last["text"])[0]
             return content[:-1] + ([{**last, "text": text}] if text else [])
     return content
-
-
-def _tools(tools: list[Any], cfg: CanonicalizeConfig, fired: set[str]) -> list[Any]:
-    """Descriptions NFC/LF, parameter schemas canonical, then a stable sort by function name."""
-    names = []
-    for tool in tools:
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        fn = fn if isinstance(fn, dict) else {}
-        if isinstance(fn.get("description"), str):
-            fn["description"] = _text(fn["description"], cfg, False, fired)
-        if isinstance(fn.get("parameters"), dict):
-            fn["parameters"] = _schema(fn["parameters"], cfg, fired)
-        names.append(fn["name"] if isinstance(fn.get("name"), str) else "")
-    if not cfg.sort_tools or names == sorted(names):
-        return tools
-    fired.add("sort_tools")
-    return [tool for _, _, tool in sorted(zip(names, range(len(tools)), tools, strict=True))]
-
-
-def _schema(node: Any, cfg: CanonicalizeConfig, fired: set[str]) -> Any:
-    """Keys sorted at every level, except the order of ``properties`` (the generation order of
-    structured output) and instance values under enum/const/default/examples (data, kept as sent).
-    Descriptions and titles are text the model reads: NFC and LF."""
-    if isinstance(node, list):
-        return [_schema(v, cfg, fired) for v in node]
-    if not isinstance(node, dict):
-        return node
-    out: dict[str, Any] = {}
-    for k, v in node.items():
-        if k in _DATA_KEYWORDS:
-            out[k] = v
-        elif k == "properties" and isinstance(v, dict):
-            out[k] = {name: _schema(sub, cfg, fired) for name, sub in v.items()}
-        elif k in ("description", "title") and isinstance(v, str):
-            out[k] = _text(v, cfg, False, fired)
-        else:
-            out[k] = _schema(v, cfg, fired)
-    return _sorted(out, cfg, fired)
-
-
-def _sorted(d: dict[str, Any], cfg: CanonicalizeConfig, fired: set[str]) -> dict[str, Any]:
-    if not cfg.json_key_order or list(d) == sorted(d):
-        return d
-    fired.add("json_key_order")
-    return {k: d[k] for k in sorted(d)}

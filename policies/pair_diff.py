@@ -30,7 +30,7 @@ from functools import lru_cache
 from policies.message_parts import Block, split_message
 from policies.opposites import opposite
 from policies.quantities import warm as warm_units
-from policies.verifier_features import STOPWORDS
+from policies.query_parse import STOPWORDS
 
 _SPAN_MAX = 2  # a substitution of at most this many tokens a side is checked for opposites
 _TOKEN_RE = re.compile(

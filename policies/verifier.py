@@ -24,8 +24,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from policies.pair_diff import Alignment
+from policies.pair_guards import guard_reason
 from policies.quantities import warm
-from policies.verifier_features import guard_reason, pair_features
+from policies.verifier_features import pair_features
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from policies.pair_guards import guard_reason
 from policies.verifier import DEFAULT_RULE, Verifier, VerifierDataError
-from policies.verifier_features import LEXICAL_NAMES, guard_reason, pair_features
+from policies.verifier_features import LEXICAL_NAMES, pair_features
 
 log = logging.getLogger(__name__)
 

@@ -16,14 +16,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from policies.canonicalize import (
-    RULES,
-    CanonicalizeConfig,
-    canonical_json,
-    canonicalize,
-    normalize_for_match,
-    normalize_reply,
-)
+from policies.canonical_text import canonical_json, normalize_for_match, normalize_reply
+from policies.canonicalize import RULES, canonicalize
+from policies.canonicalize_config import CanonicalizeConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL_ON = CanonicalizeConfig()

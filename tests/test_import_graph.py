@@ -12,15 +12,16 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("gateway", "policies", "embeddings", "backend", "protocol")
+PACKAGES = ("gateway", "policies", "embeddings", "backend", "protocol", "configtools")
 # What each package may import of ours. The gateway reads the engine's config section (plain
 # dataclasses) to validate config.toml and start its child; `cachegw backend` hands over to the engine.
 ALLOWED = {
+    "configtools": set(),
     "protocol": set(),
-    "backend": {"protocol"},
+    "backend": {"protocol", "configtools"},
     "embeddings": set(),
-    "policies": {"protocol"},  # pure: models reach a policy as arguments
-    "gateway": {"policies", "embeddings", "protocol"},
+    "policies": {"protocol", "configtools"},  # pure: models reach a policy as arguments
+    "gateway": {"policies", "embeddings", "protocol", "configtools"},
 }
 GATEWAY_TO_BACKEND = {("gateway/config.py", "backend.config"), ("gateway/cli.py", "backend.server")}
 

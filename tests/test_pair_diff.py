@@ -10,7 +10,7 @@ import pytest
 from policies.message_parts import split_message
 from policies.opposites import opposite
 from policies.pair_diff import align
-from policies.verifier_features import guard_reason
+from policies.pair_guards import guard_reason
 
 REPORT = (
     "Quarterly sales in the northern region were flat compared with last year, while the southern region "

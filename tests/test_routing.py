@@ -76,7 +76,8 @@ def test_turns_of_one_conversation_share_a_key_and_other_conversations_do_not() 
 def test_the_volatile_note_of_the_first_turn_does_not_change_the_key() -> None:
     """Canonicalization appends a system prompt's timestamp to the LAST user message: on turn 1 that is
     the first user message, which later turns send without it. The key must not see the difference."""
-    from policies.canonicalize import CanonicalizeConfig, canonicalize
+    from policies.canonicalize import canonicalize
+    from policies.canonicalize_config import CanonicalizeConfig
 
     system = {"role": "system", "content": "Now: 2026-11-22T10:03:17Z. You are a travel agent."}
     keys = []
@@ -226,7 +227,8 @@ def test_prefix_routing_keeps_conversations_on_the_backend_that_cached_them(
         assert blocks >= 4 and second[3] >= 16 * blocks, (first, second)
     seen = {r[0] for r in rows}
     # the report's per-backend table counts the same requests (`cachegw analyze`, admin stats)
-    from gateway.analyze import build_summary, read_database
+    from gateway.analyze_summary import build_summary
+    from gateway.request_log_read import read_database
 
     summary = build_summary(read_database(f"sqlite:///{tmp_path / 'cachegw.db'}", None, None), s)
     per = summary["by_backend"]

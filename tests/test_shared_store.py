@@ -15,8 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.analyze import build_summary, read_database
+from gateway.analyze_summary import build_summary
 from gateway.config import Settings
+from gateway.request_log_read import read_database
 from gateway.store import Store
 from tests.services import postgres_server
 from tests.test_admin import TOKEN, admin_settings, api

@@ -10,7 +10,8 @@ import pytest
 
 from gateway.cache_keys import request_keys
 from gateway.volatile_learner import VolatileLearner
-from policies.canonicalize import CanonicalizeConfig, canonicalize, canonicalize_detail
+from policies.canonicalize import canonicalize, canonicalize_detail
+from policies.canonicalize_config import CanonicalizeConfig
 from policies.volatile import LearnConfig, differences, learn
 
 CFG = CanonicalizeConfig()
