@@ -9,6 +9,7 @@ report and the dashboard agree; a JSONL export analyzes exactly like the databas
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -26,19 +27,22 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
 from gateway import stats
-from gateway.tables import RequestRecord
+from gateway.cache_result import HITS, NOT_HITS, CacheResult
+from gateway.request_record import RequestRecord
+from gateway.tables import RequestRow
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
 
     from gateway.config import Settings
 
-Row = dict[str, Any]
-COLUMNS = tuple(c.name for c in RequestRecord.__table__.columns)
+Row = RequestRecord
+COLUMNS = tuple(c.name for c in RequestRow.__table__.columns)
 REQUIRED = ("id", "ts", "tenant", "model", "cache_result")
 NUMERIC = ("ts", "similarity", "threshold", "embed_ms", "lookup_ms", "backend_ms", "total_ms")
 NUMERIC += ("prompt_tokens", "completion_tokens", "cached_tokens", "status")
 TOP_N = 15
+RESULTS = tuple(r.value for r in CacheResult)
 NO_UPPER_BOUND = 1e12  # an `until` past any timestamp the log will hold
 ROW_LIMIT = 2_000_000  # AdminStore.requests' default cap
 err = Console(stderr=True, highlight=False)
@@ -121,7 +125,8 @@ def _export(args: argparse.Namespace) -> int:
     log = read_database(args.db or settings.gateway.resolved_database_url(settings.data_dir), since, until)
     with _output(args.out) as f:
         for row in log.rows:
-            f.write(json.dumps({**row, "flagged": row["id"] in log.flagged}, ensure_ascii=False) + "\n")
+            line = {**dataclasses.asdict(row), "flagged": row.id in log.flagged}
+            f.write(json.dumps(line, ensure_ascii=False) + "\n")
     where = "stdout" if args.out == "-" else args.out
     say(f"wrote {len(log.rows):,} requests ({len(log.flagged)} flagged) to {where}")
     return 0
@@ -273,7 +278,7 @@ def read_database(url: str, since: float | None, until: float | None) -> Request
                 )
             admin = AdminStore(sessionmaker(engine))
             rows = admin.requests(since or 0.0, until or NO_UPPER_BOUND, limit=ROW_LIMIT)
-            ids = {r["id"] for r in rows}
+            ids = {r.id for r in rows}
             flagged = set(admin.flagged_request_ids(since or 0.0)) & ids if "feedback" in tables else set()
     except SQLAlchemyError as exc:
         raise AnalyzeError(f"cannot read the request log from {shown}: {_first_line(exc)}") from None
@@ -302,13 +307,13 @@ def read_jsonl(path: Path, since: float | None, until: float | None) -> RequestL
                 continue
             row, bad = parse_line(raw, n)
             seen += 1
-            if _in_range(row["ts"], since, until):
+            if _in_range(row.ts, since, until):
                 rows.append(row)
                 if bad:
-                    flagged.add(row["id"])
+                    flagged.add(row.id)
     if not seen:
         raise AnalyzeError(f"{path} is empty: no request rows in it")
-    rows.sort(key=lambda r: r["ts"])  # as the database returns them
+    rows.sort(key=lambda r: r.ts)  # as the database returns them
     say(f"read {len(rows):,} of {seen:,} requests ({len(flagged)} flagged) from {path}")
     return RequestLog(rows, flagged, str(path), since, until)
 
@@ -331,9 +336,9 @@ def parse_line(raw: bytes, n: int) -> tuple[Row, bool]:
         v = obj.get(c)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)):
             raise AnalyzeError(f"line {n}: column {c} must be a number, got {v!r}")
-    if not isinstance(obj["cache_result"], str):
-        raise AnalyzeError(f"line {n}: column cache_result must be a string")
-    return {c: obj.get(c) for c in COLUMNS}, bool(obj.get("flagged"))
+    if obj["cache_result"] not in RESULTS:
+        raise AnalyzeError(f"line {n}: column cache_result must be one of {', '.join(RESULTS)}")
+    return RequestRecord.from_dict({c: obj.get(c) for c in COLUMNS}), bool(obj.get("flagged"))
 
 
 def _first_line(exc: BaseException) -> str:
@@ -362,8 +367,8 @@ def build_summary(log: RequestLog, settings: Settings) -> dict[str, Any]:
 
     rows, pricing = log.rows, settings.pricing
     flagged = sorted(log.flagged)
-    t0 = log.since if log.since is not None else rows[0]["ts"]
-    t1 = log.until if log.until is not None else rows[-1]["ts"] + 1e-3
+    t0 = log.since if log.since is not None else rows[0].ts
+    t1 = log.until if log.until is not None else rows[-1].ts + 1e-3
     bucket = stats.auto_bucket(t1 - t0)
     current, seen = current_threshold(rows, settings.cache.threshold)
     by_tenant, name_of = stats.group(rows, "tenant"), Tenants(settings.tenants).name_of
@@ -392,26 +397,26 @@ def _sorted(groups: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 def current_threshold(rows: Sequence[Row], configured: float) -> tuple[float, list[float]]:
     """The threshold most semantic lookups ran at (the log records it), else the configured one."""
-    seen = Counter(float(r["threshold"]) for r in stats.semantic_rows(rows) if r.get("threshold") is not None)
+    seen = Counter(float(r.threshold) for r in stats.semantic_rows(rows) if r.threshold is not None)
     return (seen.most_common(1)[0][0] if seen else configured), sorted(seen)
 
 
 def top_repeated(rows: Sequence[Row], key: str, n: int = TOP_N) -> list[dict[str, Any]]:
     """The most repeated values of ``key`` (asked twice or more), with how many of them were hits."""
-    groups = stats.group((r for r in rows if r.get(key)), key)
+    groups = stats.group((r for r in rows if getattr(r, key)), key)
     out = []
     for value, count in stats.top(rows, key, n):
         if count < 2:
             break
         g = groups[value]
-        text = next((r["query"] for r in g if r.get("query")), None)
-        hits = sum(1 for r in g if r.get("cache_result") in stats.HITS)
+        text = next((r.query for r in g if r.query), None)
+        hits = sum(1 for r in g if r.cache_result in HITS)
         out.append({key: value, "query": text, "requests": count, "hits": hits})
     return out
 
 
 def _backend_rows(rows: Sequence[Row]) -> list[Row]:
-    return [r for r in rows if r.get("cache_result") in ("miss", "bypass")]
+    return [r for r in rows if r.cache_result in NOT_HITS]
 
 
 def prefix_cache_by_system(rows: Sequence[Row], settings: Settings, n: int = TOP_N) -> list[dict[str, Any]]:
@@ -435,7 +440,7 @@ def rule_gains(rows: Sequence[Row], overall: dict[str, Any], settings: Settings)
     """Per canonicalization rule: the requests where it fired against the rest (a correlation only).
 
     One ``summarize`` per rule, over the rows it fired on; the rest is the overall totals minus those."""
-    fired = [set(filter(None, (r.get("rules_fired") or "").split(","))) for r in rows]
+    fired = [set(filter(None, (r.rules_fired or "").split(","))) for r in rows]
     counts = Counter(rule for rules in fired for rule in rules)
     total = _totals(overall)
     out = []

@@ -18,13 +18,14 @@ from embeddings.encoder import make_encoder
 from embeddings.index import ScopedIndex
 from gateway.admin_auth import resolve_admin_token
 from gateway.admin_store import AdminStore
-from gateway.app import Gateway, build_app
+from gateway.app import build_app
 from gateway.backend_health import HealthProbes
 from gateway.cache import ResponseCache
 from gateway.cache_maintenance import HIT_FLUSH_S
 from gateway.config import BackendSpec, Settings
 from gateway.live_settings import LiveSettings
 from gateway.metrics_http import metrics_app
+from gateway.pipeline import Gateway
 from gateway.proxy import Backends
 from gateway.store import Store
 from gateway.supervisor import BuiltinBackend
