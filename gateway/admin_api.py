@@ -12,24 +12,38 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi import Path as PathParam
 from fastapi.responses import HTMLResponse
 
-from gateway import live_settings, stats
-from gateway.admin_store import entry_view
+from gateway import deps, live_settings, stats
+from gateway.admin_store import AdminStore, entry_view
+from gateway.audits import Auditor
+from gateway.cache import ResponseCache
+from gateway.config import CacheConfig, PricingConfig
+from gateway.deps import (
+    AdminStoreDep,
+    AuditorDep,
+    CacheDep,
+    EntryIdsDep,
+    LiveDep,
+    ReportsDep,
+    SettingsDep,
+    StoreDep,
+    TenantsDep,
+    VolatileDep,
+)
+from gateway.entry_ids import EntryIds
 from gateway.error_control import history
-from gateway.feedback import parse_feedback, report_bad, resolve_entry
+from gateway.feedback import parse_feedback, resolve_entry
+from gateway.request_record import RequestRecord
 from gateway.tables import MAX_ID
+from gateway.tenants import Tenants
 from protocol.errors import ApiError
 from protocol.http import read_limited_body
 from protocol.requests import load_json
-
-if TYPE_CHECKING:
-    from gateway.app import Gateway
-    from gateway.config import PricingConfig
 
 DASHBOARD = Path(__file__).resolve().parent / "static" / "admin.html"
 ADMIN_BODY_BYTES = 1 << 20
@@ -63,7 +77,7 @@ def _window(text: str, param: str = "window") -> float:
 def _stats_report(
     pricing: PricingConfig,
     tenant_name: Callable[[str], str],
-    rows: list[dict],
+    rows: list[RequestRecord],
     since: float,
     until: float,
     bucket_s: float,
@@ -84,11 +98,12 @@ def _stats_report(
     }
 
 
-async def false_hit_report(gw: Gateway, since: float, until: float, bucket_s: float) -> dict[str, Any]:
+async def false_hit_report(
+    cache: ResponseCache, auditor: Auditor | None, c: CacheConfig, since: float, until: float, bucket_s: float
+) -> dict[str, Any]:
     """Per scope and overall: the audited false-hit rate at the line in force, its interval, the
     audits by verdict and their backend cost, and the window's history (the dashboard's chart)."""
-    c = gw.settings.cache
-    lines, auditor = gw.cache.lines, gw.auditor
+    lines = cache.lines
     if lines is None or auditor is None:
         return {}
     rows = await asyncio.to_thread(lines.store.since, since)
@@ -101,91 +116,96 @@ async def false_hit_report(gw: Gateway, since: float, until: float, bucket_s: fl
     }
 
 
-def scope_threshold(gw: Gateway, model: str, tenant: str) -> float:
+def scope_threshold(cache: ResponseCache, tenants: Tenants, model: str, tenant: str) -> float:
     """The threshold in force for a model and a tenant given by name or key hash ("" = any)."""
-    return gw.cache.threshold(model, gw.tenants.name_of(gw.tenants.id_of(tenant)) if tenant else "")
+    return cache.threshold(model, tenants.name_of(tenants.id_of(tenant)) if tenant else "")
 
 
-def entry_path_id(gw: Gateway, text: str) -> int:
+def entry_path_id(entry_ids: EntryIds, text: str) -> int:
     """An entry named in a path: the database's integer id, or the x-cache-entry id a tenant was shown."""
     if text.isascii() and text.isdigit():
         if not 1 <= int(text) <= MAX_ID:
             raise ApiError(400, f"entry_id must be between 1 and {MAX_ID}.", param="entry_id")
         return int(text)
-    return resolve_entry(gw, text, None)
+    return resolve_entry(entry_ids, text, None)
 
 
-def admin_router(get_gw: Callable[[], Gateway]) -> APIRouter:
-    def check_token(request: Request) -> None:
-        get_gw().auth.check(request.headers.get("authorization"))
+async def rows_for(
+    admin: AdminStore, tenants: Tenants, window: str, tenant: str, model: str
+) -> tuple[float, float, list[RequestRecord]]:
+    until = time.time()
+    since = until - _window(window)
+    tenant_id = tenants.id_of(tenant) if tenant else ""
+    return since, until, await asyncio.to_thread(admin.requests, since, until, tenant_id, model)
 
+
+def check_token(request: Request, auth: deps.AuthDep) -> None:
+    auth.check(request.headers.get("authorization"))
+
+
+def admin_router() -> APIRouter:
     # as a dependency the token is checked before the parameters: a caller without it learns nothing
     router = APIRouter(prefix="/admin/api", tags=["admin"], dependencies=[Depends(check_token)])
 
-    def authed(request: Request) -> Gateway:
-        """The gateway; every route of this router has passed ``check_token`` already."""
-        return get_gw()
-
-    async def rows_for(gw: Gateway, window: str, tenant: str, model: str) -> tuple[float, float, list[dict]]:
-        until = time.time()
-        since = until - _window(window)
-        tenant_id = gw.tenants.id_of(tenant) if tenant else ""
-        return since, until, await asyncio.to_thread(gw.admin.requests, since, until, tenant_id, model)
-
     @router.get("/settings", summary="Settings in force (config.toml with run-time changes over it)")
-    async def get_settings(request: Request) -> dict[str, Any]:
-        gw = authed(request)
-        return {**live_settings.view(gw.settings), "version": gw.live.version}
+    async def get_settings(live: LiveDep) -> dict[str, Any]:
+        return {**live_settings.view(live.current), "version": live.version}
 
     @router.put("/settings", summary="Change settings; any part may be sent, the rest is kept")
-    async def put_settings(request: Request) -> dict[str, Any]:
-        gw = authed(request)
+    async def put_settings(request: Request, live: LiveDep, cache: CacheDep) -> dict[str, Any]:
         body = await json_body(request)
-        new = await asyncio.to_thread(gw.live.patch, body, actor(request))
-        gw.apply_settings()
-        if gw.cache.entries > new.cache.max_entries or gw.cache.bytes > new.cache.max_bytes:
-            await gw.cache.evict()
-        return {**live_settings.view(new), "version": gw.live.version}
+        new = await asyncio.to_thread(live.patch, body, actor(request))
+        if cache.entries > new.cache.max_entries or cache.bytes > new.cache.max_bytes:
+            await cache.evict()
+        return {**live_settings.view(new), "version": live.version}
 
     @router.get("/stats", summary="Hit rates, latency, tokens and cost saved over a time window")
     async def get_stats(
-        request: Request, window: str = "1h", bucket: str | None = None, tenant: str = "", model: str = ""
+        admin: AdminStoreDep,
+        tenants: TenantsDep,
+        cache: CacheDep,
+        settings: SettingsDep,
+        auditor: AuditorDep,
+        window: str = "1h",
+        bucket: str | None = None,
+        tenant: str = "",
+        model: str = "",
     ) -> dict[str, Any]:
-        gw = authed(request)
-        since, until, rows = await rows_for(gw, window, tenant, model)
+        since, until, rows = await rows_for(admin, tenants, window, tenant, model)
         window_s = until - since
         bucket_s = _window(bucket, "bucket") if bucket else stats.auto_bucket(window_s)
         if window_s / bucket_s > MAX_POINTS:
             raise ApiError(400, "bucket is too small for this window (over 10,000 points).", param="bucket")
-        flagged = await asyncio.to_thread(gw.admin.flagged_request_ids, since)
-        threshold = scope_threshold(gw, model, tenant)
+        flagged = await asyncio.to_thread(admin.flagged_request_ids, since)
+        threshold = scope_threshold(cache, tenants, model, tenant)
         # thousands of buckets over many rows: off the event loop, so other callers never wait on it
         report = await asyncio.to_thread(
-            _stats_report, gw.settings.pricing, gw.tenants.name_of, rows, since, until, bucket_s
+            _stats_report, settings.pricing, tenants.name_of, rows, since, until, bucket_s
         )
         return {
             "window": window,
             "since": since,
             "until": until,
             **report,
-            "false_hit_rate": await false_hit_report(gw, since, until, bucket_s),
+            "false_hit_rate": await false_hit_report(cache, auditor, settings.cache, since, until, bucket_s),
             "similarity": {**report["similarity"], "threshold": threshold},
-            "cache": {"entries": gw.cache.entries, "bytes": gw.cache.bytes},
+            "cache": {"entries": cache.entries, "bytes": cache.bytes},
             "flagged": len(flagged),
         }
 
     @router.get("/whatif", summary="Hits and estimated false hits at a proposed threshold, from the log")
     async def whatif(
-        request: Request,
+        admin: AdminStoreDep,
+        tenants: TenantsDep,
+        cache: CacheDep,
         threshold: float = Query(ge=0, le=1),
         window: str = "24h",
         tenant: str = "",
         model: str = "",
     ) -> dict[str, Any]:
-        gw = authed(request)
-        since, _, rows = await rows_for(gw, window, tenant, model)
-        flagged = await asyncio.to_thread(gw.admin.flagged_request_ids, since)
-        current = scope_threshold(gw, model, tenant)
+        since, _, rows = await rows_for(admin, tenants, window, tenant, model)
+        flagged = await asyncio.to_thread(admin.flagged_request_ids, since)
+        current = scope_threshold(cache, tenants, model, tenant)
         at = await asyncio.to_thread(stats.threshold_sweep, rows, flagged, [current, threshold])
         curve = await asyncio.to_thread(stats.threshold_sweep, rows, flagged, stats.SWEEP)
         return {
@@ -197,7 +217,8 @@ def admin_router(get_gw: Callable[[], Gateway]) -> APIRouter:
 
     @router.get("/entries", summary="Browse and search cache entries")
     async def list_entries(
-        request: Request,
+        admin: AdminStoreDep,
+        tenants: TenantsDep,
         query: str = "",
         tenant: str = "",
         model: str = "",
@@ -207,85 +228,94 @@ def admin_router(get_gw: Callable[[], Gateway]) -> APIRouter:
         limit: int = Query(50, ge=1, le=1000),
         offset: int = Query(0, ge=0, le=MAX_ID),
     ) -> dict[str, Any]:
-        gw = authed(request)
-        tenant_key = gw.tenants.cache_key_of(tenant) if tenant else ""
+        tenant_key = tenants.cache_key_of(tenant) if tenant else ""
         total, data = await asyncio.to_thread(
-            gw.admin.search_entries, query, tenant_key, model, scope, bad, order, limit, offset
+            admin.search_entries, query, tenant_key, model, scope, bad, order, limit, offset
         )
         return {"total": total, "data": data}
 
     @router.get("/entries/{entry_id}", summary="One entry (integer id or x-cache-entry id), full response")
-    async def get_entry(request: Request, entry_id: str = PathParam(max_length=64)) -> dict[str, Any]:
-        gw = authed(request)
-        entry = await asyncio.to_thread(gw.admin.get_entry, entry_path_id(gw, entry_id))
+    async def get_entry(
+        admin: AdminStoreDep, entry_ids: EntryIdsDep, entry_id: str = PathParam(max_length=64)
+    ) -> dict[str, Any]:
+        entry = await asyncio.to_thread(admin.get_entry, entry_path_id(entry_ids, entry_id))
         if entry is None:
             raise ApiError(404, f"No cache entry {entry_id}.", param="entry_id", code="not_found")
         return {**entry_view(entry, preview=1 << 20), "response": json.loads(entry.response)}
 
     @router.delete("/entries/{entry_id}", summary="Delete one entry (integer id or x-cache-entry id)")
-    async def delete_entry(request: Request, entry_id: str = PathParam(max_length=64)) -> dict[str, Any]:
-        gw = authed(request)
-        eid = entry_path_id(gw, entry_id)
-        removed = await gw.cache.delete([eid])
+    async def delete_entry(
+        request: Request,
+        admin: AdminStoreDep,
+        cache: CacheDep,
+        entry_ids: EntryIdsDep,
+        entry_id: str = PathParam(max_length=64),
+    ) -> dict[str, Any]:
+        eid = entry_path_id(entry_ids, entry_id)
+        removed = await cache.delete([eid])
         if not removed:
             raise ApiError(404, f"No cache entry {entry_id}.", param="entry_id", code="not_found")
-        await asyncio.to_thread(gw.admin.audit, actor(request), "entries.delete", f"entry {eid}")
+        await asyncio.to_thread(admin.audit, actor(request), "entries.delete", f"entry {eid}")
         return {"deleted": removed}
 
     @router.delete("/entries", summary="Delete every entry of a tenant, model and/or scope")
     async def delete_entries(
-        request: Request, tenant: str = "", model: str = "", scope: str = ""
+        request: Request,
+        admin: AdminStoreDep,
+        tenants: TenantsDep,
+        cache: CacheDep,
+        tenant: str = "",
+        model: str = "",
+        scope: str = "",
     ) -> dict[str, Any]:
-        gw = authed(request)
         if not (tenant or model or scope):
             raise ApiError(400, "Give tenant, model or scope (POST /admin/api/flush deletes everything).")
-        tenant_key = gw.tenants.cache_key_of(tenant) if tenant else ""
-        ids = await asyncio.to_thread(gw.admin.entry_ids, tenant_key, model, scope)
-        removed = await gw.cache.delete(ids)
+        tenant_key = tenants.cache_key_of(tenant) if tenant else ""
+        ids = await asyncio.to_thread(admin.entry_ids, tenant_key, model, scope)
+        removed = await cache.delete(ids)
         target = ",".join(
             f"{k}={v}" for k, v in (("tenant", tenant), ("model", model), ("scope", scope)) if v
         )
         await asyncio.to_thread(
-            gw.admin.audit, actor(request), "entries.delete", target, None, {"deleted": removed}
+            admin.audit, actor(request), "entries.delete", target, None, {"deleted": removed}
         )
         return {"deleted": removed}
 
     @router.post("/flush", summary="Delete every cache entry and every remembered reply")
-    async def flush(request: Request) -> dict[str, Any]:
-        gw = authed(request)
-        ids = await asyncio.to_thread(gw.admin.entry_ids)
-        removed = await gw.cache.delete(ids)
-        await asyncio.to_thread(gw.store.clear_replies)
-        await asyncio.to_thread(gw.admin.audit, actor(request), "flush", "all", None, {"deleted": removed})
+    async def flush(
+        request: Request, admin: AdminStoreDep, cache: CacheDep, store: StoreDep
+    ) -> dict[str, Any]:
+        ids = await asyncio.to_thread(admin.entry_ids)
+        removed = await cache.delete(ids)
+        await asyncio.to_thread(store.clear_replies)
+        await asyncio.to_thread(admin.audit, actor(request), "flush", "all", None, {"deleted": removed})
         return {"deleted": removed}
 
     @router.get("/volatile", summary="Volatile spans learned from traffic: templates per tenant")
-    async def volatile(request: Request) -> dict[str, Any]:
-        gw = authed(request)
+    async def volatile(learner: VolatileDep, tenants: TenantsDep) -> dict[str, Any]:
         return {
             "data": [
-                {"tenant": gw.tenants.name_of(tenant), "templates": [dataclasses.asdict(t) for t in views]}
-                for tenant, views in gw.volatile.view().items()
+                {"tenant": tenants.name_of(tenant), "templates": [dataclasses.asdict(t) for t in views]}
+                for tenant, views in learner.view().items()
             ]
         }
 
     @router.get("/audit", summary="Who changed what, newest first")
     async def audit(
-        request: Request, limit: int = Query(100, ge=1, le=1000), offset: int = Query(0, ge=0, le=MAX_ID)
+        admin: AdminStoreDep,
+        limit: int = Query(100, ge=1, le=1000),
+        offset: int = Query(0, ge=0, le=MAX_ID),
     ) -> dict[str, Any]:
-        gw = authed(request)
-        return {"data": await asyncio.to_thread(gw.admin.audit_log, limit, offset)}
+        return {"data": await asyncio.to_thread(admin.audit_log, limit, offset)}
 
     @router.get("/feedback", summary="Hits flagged bad, newest first")
-    async def flagged(request: Request, limit: int = Query(50, ge=1, le=1000)) -> dict[str, Any]:
-        gw = authed(request)
-        return {"data": await asyncio.to_thread(gw.admin.feedback, limit)}
+    async def flagged(admin: AdminStoreDep, limit: int = Query(50, ge=1, le=1000)) -> dict[str, Any]:
+        return {"data": await asyncio.to_thread(admin.feedback, limit)}
 
     @router.post("/feedback", summary="Flag a bad answer by request id or entry id")
-    async def admin_feedback(request: Request) -> dict[str, Any]:
-        gw = authed(request)
+    async def admin_feedback(request: Request, reports: ReportsDep) -> dict[str, Any]:
         request_id, entry_id = parse_feedback(await json_body(request), admin=True)
-        return await report_bad(gw, actor(request), request_id, entry_id, tenant=None)
+        return await reports.report_bad(actor(request), request_id, entry_id, tenant=None)
 
     return router
 

@@ -11,7 +11,8 @@ from typing import Any
 from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from gateway.tables import AuditEvent, CacheEntry, Feedback, RequestRecord, Setting
+from gateway.request_record import RequestRecord
+from gateway.tables import AuditEvent, CacheEntry, Feedback, RequestRow, Setting
 
 ENTRY_ORDER = {
     "hits": (CacheEntry.hit_count.desc(), CacheEntry.id.desc()),
@@ -19,7 +20,7 @@ ENTRY_ORDER = {
     "last_hit": (func.coalesce(CacheEntry.last_hit_at, 0).desc(), CacheEntry.id.desc()),
     "size": (CacheEntry.size_bytes.desc(), CacheEntry.id.desc()),
 }
-_RECORD_COLUMNS = [c.name for c in RequestRecord.__table__.columns]
+_RECORD_COLUMNS = [c.name for c in RequestRow.__table__.columns]
 
 
 def _like(text: str) -> str:
@@ -181,28 +182,31 @@ class AdminStore:
 
     # Request log
 
-    def find_request(self, request_id: str) -> dict[str, Any] | None:
+    def find_request(self, request_id: str) -> RequestRecord | None:
         """By the gateway's request id (x-request-id) or the response body's id."""
         with self.session() as s:
             rec = s.scalars(
-                select(RequestRecord)
-                .where(or_(RequestRecord.id == request_id, RequestRecord.response_id == request_id))
+                select(RequestRow)
+                .where(or_(RequestRow.id == request_id, RequestRow.response_id == request_id))
                 .limit(1)
             ).first()
-            return {c: getattr(rec, c) for c in _RECORD_COLUMNS} if rec else None
+            return RequestRecord.from_row(rec) if rec else None
 
     def requests(
         self, since: float, until: float, tenant: str = "", model: str = "", limit: int = 2_000_000
-    ) -> list[dict[str, Any]]:
-        """Request-log rows in [since, until), oldest first."""
-        cols = [getattr(RequestRecord, c) for c in _RECORD_COLUMNS]
-        q = select(*cols).where(RequestRecord.ts >= since, RequestRecord.ts < until)
+    ) -> list[RequestRecord]:
+        """Request-log records in [since, until), oldest first."""
+        cols = [getattr(RequestRow, c) for c in _RECORD_COLUMNS]
+        q = select(*cols).where(RequestRow.ts >= since, RequestRow.ts < until)
         if tenant:
-            q = q.where(RequestRecord.tenant == tenant)
+            q = q.where(RequestRow.tenant == tenant)
         if model:
-            q = q.where(RequestRecord.model == model)
+            q = q.where(RequestRow.model == model)
         with self.session() as s:
-            return [dict(r._mapping) for r in s.execute(q.order_by(RequestRecord.ts).limit(limit))]
+            return [
+                RequestRecord.from_dict(dict(r._mapping))
+                for r in s.execute(q.order_by(RequestRow.ts).limit(limit))
+            ]
 
 
 def _audit_event(actor: str, action: str, target: str = "", old: Any = None, new: Any = None) -> AuditEvent:

@@ -9,6 +9,7 @@ report and the dashboard agree; a JSONL export analyzes exactly like the databas
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -84,7 +85,8 @@ def _export(args: argparse.Namespace) -> int:
     log = read_database(args.db or settings.gateway.resolved_database_url(settings.data_dir), since, until)
     with _output(args.out) as f:
         for row in log.rows:
-            f.write(json.dumps({**row, "flagged": row["id"] in log.flagged}, ensure_ascii=False) + "\n")
+            line = {**dataclasses.asdict(row), "flagged": row.id in log.flagged}
+            f.write(json.dumps(line, ensure_ascii=False) + "\n")
     where = "stdout" if args.out == "-" else args.out
     say(f"wrote {len(log.rows):,} requests ({len(log.flagged)} flagged) to {where}")
     return 0

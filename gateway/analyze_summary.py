@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from gateway import stats
+from gateway.cache_result import HITS, NOT_HITS
 from gateway.request_log_read import RequestLog, Row
 
 if TYPE_CHECKING:
@@ -25,8 +26,8 @@ def build_summary(log: RequestLog, settings: Settings) -> dict[str, Any]:
 
     rows, pricing = log.rows, settings.pricing
     flagged = sorted(log.flagged)
-    t0 = log.since if log.since is not None else rows[0]["ts"]
-    t1 = log.until if log.until is not None else rows[-1]["ts"] + 1e-3
+    t0 = log.since if log.since is not None else rows[0].ts
+    t1 = log.until if log.until is not None else rows[-1].ts + 1e-3
     bucket = stats.auto_bucket(t1 - t0)
     current, seen = current_threshold(rows, settings.cache.threshold)
     by_tenant, name_of = stats.group(rows, "tenant"), Tenants(settings.tenants).name_of
@@ -55,26 +56,26 @@ def _sorted(groups: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 def current_threshold(rows: Sequence[Row], configured: float) -> tuple[float, list[float]]:
     """The threshold most semantic lookups ran at (the log records it), else the configured one."""
-    seen = Counter(float(r["threshold"]) for r in stats.semantic_rows(rows) if r.get("threshold") is not None)
+    seen = Counter(float(r.threshold) for r in stats.semantic_rows(rows) if r.threshold is not None)
     return (seen.most_common(1)[0][0] if seen else configured), sorted(seen)
 
 
 def top_repeated(rows: Sequence[Row], key: str, n: int = TOP_N) -> list[dict[str, Any]]:
     """The most repeated values of ``key`` (asked twice or more), with how many of them were hits."""
-    groups = stats.group((r for r in rows if r.get(key)), key)
+    groups = stats.group((r for r in rows if getattr(r, key)), key)
     out = []
     for value, count in stats.top(rows, key, n):
         if count < 2:
             break
         g = groups[value]
-        text = next((r["query"] for r in g if r.get("query")), None)
-        hits = sum(1 for r in g if r.get("cache_result") in stats.HITS)
+        text = next((r.query for r in g if r.query), None)
+        hits = sum(1 for r in g if r.cache_result in HITS)
         out.append({key: value, "query": text, "requests": count, "hits": hits})
     return out
 
 
 def _backend_rows(rows: Sequence[Row]) -> list[Row]:
-    return [r for r in rows if r.get("cache_result") in ("miss", "bypass")]
+    return [r for r in rows if r.cache_result in NOT_HITS]
 
 
 def prefix_cache_by_system(rows: Sequence[Row], settings: Settings, n: int = TOP_N) -> list[dict[str, Any]]:
@@ -98,7 +99,7 @@ def rule_gains(rows: Sequence[Row], overall: dict[str, Any], settings: Settings)
     """Per canonicalization rule: the requests where it fired against the rest (a correlation only).
 
     One ``summarize`` per rule, over the rows it fired on; the rest is the overall totals minus those."""
-    fired = [set(filter(None, (r.get("rules_fired") or "").split(","))) for r in rows]
+    fired = [set(filter(None, (r.rules_fired or "").split(","))) for r in rows]
     counts = Counter(rule for rules in fired for rule in rules)
     total = _totals(overall)
     out = []

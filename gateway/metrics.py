@@ -9,6 +9,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from gateway.cache_result import HITS, NOT_HITS, CacheResult
+from gateway.request_record import RequestRecord
+
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -162,7 +165,17 @@ class GatewayMetrics:
             if s.name.endswith("_total")
         }
         total = sum(counts.values())
-        return (counts.get("exact-hit", 0) + counts.get("semantic-hit", 0)) / total if total else 0.0
+        return sum(counts.get(result, 0) for result in HITS) / total if total else 0.0
+
+    def observe_request(self, r: RequestRecord) -> None:
+        """Count a finished request by its result: latency, similarity, a backend's prompt tokens."""
+        self.requests.labels(r.cache_result.value).inc()
+        if r.similarity is not None and r.cache_result != CacheResult.EXACT_HIT:
+            self.similarity.labels(r.cache_result.value).observe(r.similarity)
+        self.total.labels(r.cache_result.value).observe(r.total_ms / 1e3)
+        if r.cache_result in NOT_HITS:
+            self.prompt_tokens.inc(r.prompt_tokens or 0)
+            self.cached_tokens.inc(r.cached_tokens or 0)
 
     def count_error(self, status: int, code: str) -> None:
         self.errors.labels(str(status), code).inc()

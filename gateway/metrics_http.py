@@ -18,20 +18,20 @@ from protocol.errors import ApiError
 from protocol.http import install_error_handlers
 
 if TYPE_CHECKING:
-    from gateway.app import Gateway
     from gateway.config import GatewayConfig
+    from gateway.metrics import GatewayMetrics
+    from gateway.pipeline import Gateway
 
 CONTENT_TYPE = "text/plain; version=0.0.4"
 
 
-def metrics_response(gw: Gateway, request: Request, own_port: bool) -> Response:
+def metrics_response(g: GatewayConfig, metrics: GatewayMetrics, request: Request, own_port: bool) -> Response:
     """The scrape, after the checks: served where the config says, with its token when it has one."""
-    g: GatewayConfig = gw.settings.gateway
     if bool(g.metrics_port) != own_port:  # not on this listener: as if the route did not exist
         raise ApiError(404, f"Invalid URL ({request.method} {request.url.path})")
     if g.metrics_token:
         AdminAuth(g.metrics_token, what="metrics").check(request.headers.get("authorization"))
-    return Response(gw.metrics.render(), media_type=CONTENT_TYPE)
+    return Response(metrics.render(), media_type=CONTENT_TYPE)
 
 
 def metrics_app(get_gw: Callable[[], Gateway | None]) -> FastAPI:
@@ -44,6 +44,6 @@ def metrics_app(get_gw: Callable[[], Gateway | None]) -> FastAPI:
         gw = get_gw()
         if gw is None:
             raise ApiError(503, "The gateway is starting.", type="server_error", code="starting")
-        return metrics_response(gw, request, own_port=True)
+        return metrics_response(gw.settings.gateway, gw.metrics, request, own_port=True)
 
     return app

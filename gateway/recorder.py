@@ -12,6 +12,7 @@ import contextlib
 import logging
 from collections import OrderedDict
 
+from gateway.request_record import RequestRecord
 from gateway.store import Store
 
 log = logging.getLogger("cachegw.gateway")
@@ -28,30 +29,31 @@ class Recorder:
         self.per_request = per_request
         self.flush_every_s = flush_every_s
         self.max_batch = max_batch
-        self.queue: asyncio.Queue[dict] = asyncio.Queue()
+        self.queue: asyncio.Queue[RequestRecord] = asyncio.Queue()
         self.task: asyncio.Task | None = None
-        self._recent: OrderedDict[str, dict] = OrderedDict()  # by request id and by response id
-        self._batch: list[dict] = []  # taken off the queue, not written yet
+        self._recent: OrderedDict[str, RequestRecord] = OrderedDict()  # by request id and by response id
+        self._batch: list[RequestRecord] = []  # taken off the queue, not written yet
         self._writing: asyncio.Future[None] | None = None
 
     def start(self) -> None:
         self.task = asyncio.create_task(self._run(), name="cachegw-recorder")
 
-    async def record(self, row: dict) -> None:
-        """Queue the row, or with ``per_request`` commit it before returning (off the event loop)."""
-        self._remember(row)
+    async def record(self, record: RequestRecord) -> None:
+        """Queue the record, or with ``per_request`` commit it before returning (off the event loop)."""
+        self._remember(record)
         if self.per_request:
-            await self._write([row])
+            await self._write([record])
         else:
-            self.queue.put_nowait(row)
+            self.queue.put_nowait(record)
 
-    def _remember(self, row: dict) -> None:
-        for key in {row["id"], row.get("response_id")} - {None}:
-            self._recent[key] = row
+    def _remember(self, record: RequestRecord) -> None:
+        for key in (record.id, record.response_id):
+            if key is not None:
+                self._recent[key] = record
         while len(self._recent) > 2 * RECENT:
             self._recent.popitem(last=False)
 
-    def recent(self, request_id: str) -> dict | None:
+    def recent(self, request_id: str) -> RequestRecord | None:
         """A row recorded by this process lately, by request id or response id (maybe not yet written)."""
         return self._recent.get(request_id)
 
@@ -66,7 +68,7 @@ class Recorder:
             self._writing = asyncio.ensure_future(self._write(rows))
             await asyncio.shield(self._writing)
 
-    async def _write(self, rows: list[dict]) -> None:
+    async def _write(self, rows: list[RequestRecord]) -> None:
         try:
             await asyncio.to_thread(self.store.log_requests, rows)
         except Exception:  # the log must never take a request down with it

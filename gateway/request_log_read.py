@@ -10,19 +10,22 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
-from gateway.tables import RequestRecord
+from gateway.cache_result import CacheResult
+from gateway.request_record import RequestRecord
+from gateway.tables import RequestRow
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
 
-Row = dict[str, Any]
-COLUMNS = tuple(c.name for c in RequestRecord.__table__.columns)
+Row = RequestRecord
+COLUMNS = tuple(c.name for c in RequestRow.__table__.columns)
+RESULTS = tuple(r.value for r in CacheResult)
 REQUIRED = ("id", "ts", "tenant", "model", "cache_result")
 NUMERIC = ("ts", "similarity", "threshold", "embed_ms", "lookup_ms", "backend_ms", "total_ms") + (
     "prompt_tokens",
@@ -103,7 +106,7 @@ def read_database(url: str, since: float | None, until: float | None) -> Request
                 )
             admin = AdminStore(sessionmaker(engine))
             rows = admin.requests(since or 0.0, until or NO_UPPER_BOUND, limit=ROW_LIMIT)
-            ids = {r["id"] for r in rows}
+            ids = {r.id for r in rows}
             flagged = set(admin.flagged_request_ids(since or 0.0)) & ids if "feedback" in tables else set()
     except SQLAlchemyError as exc:
         raise AnalyzeError(f"cannot read the request log from {shown}: {first_line(exc)}") from None
@@ -132,13 +135,13 @@ def read_jsonl(path: Path, since: float | None, until: float | None) -> RequestL
                 continue
             row, bad = parse_line(raw, n)
             seen += 1
-            if in_range(row["ts"], since, until):
+            if in_range(row.ts, since, until):
                 rows.append(row)
                 if bad:
-                    flagged.add(row["id"])
+                    flagged.add(row.id)
     if not seen:
         raise AnalyzeError(f"{path} is empty: no request rows in it")
-    rows.sort(key=lambda r: r["ts"])  # as the database returns them
+    rows.sort(key=lambda r: r.ts)  # as the database returns them
     say(f"read {len(rows):,} of {seen:,} requests ({len(flagged)} flagged) from {path}")
     return RequestLog(rows, flagged, str(path), since, until)
 
@@ -161,9 +164,9 @@ def parse_line(raw: bytes, n: int) -> tuple[Row, bool]:
         v = obj.get(c)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)):
             raise AnalyzeError(f"line {n}: column {c} must be a number, got {v!r}")
-    if not isinstance(obj["cache_result"], str):
-        raise AnalyzeError(f"line {n}: column cache_result must be a string")
-    return {c: obj.get(c) for c in COLUMNS}, bool(obj.get("flagged"))
+    if obj["cache_result"] not in RESULTS:
+        raise AnalyzeError(f"line {n}: column cache_result must be one of {', '.join(RESULTS)}")
+    return RequestRecord.from_dict({c: obj.get(c) for c in COLUMNS}), bool(obj.get("flagged"))
 
 
 def first_line(exc: BaseException) -> str:

@@ -18,7 +18,7 @@ from embeddings.encoder import make_encoder
 from embeddings.index import ScopedIndex
 from gateway.admin_auth import resolve_admin_token
 from gateway.admin_store import AdminStore
-from gateway.app import Gateway, build_app
+from gateway.app import build_app
 from gateway.audits import Auditor
 from gateway.backend_health import HealthProbes
 from gateway.cache import ResponseCache
@@ -28,6 +28,7 @@ from gateway.error_control import ThresholdProvider
 from gateway.evidence_store import EvidenceStore
 from gateway.live_settings import LiveSettings
 from gateway.metrics_http import metrics_app
+from gateway.pipeline import Gateway
 from gateway.proxy import Backends
 from gateway.store import Store
 from gateway.supervisor import BuiltinBackend
@@ -85,8 +86,8 @@ async def started_gateway(
     retry_after = max(1, math.ceil(g.probe_interval_s))  # a down backend is re-checked that soon
     backends = Backends(specs, g.connect_timeout_s, g.backend_timeout_s, g.routing, retry_after)
     probes = HealthProbes(backends, g.probe_interval_s, g.probe_timeout_s, g.probe_misses)
-    gw = Gateway(live, store, cache, backends, admin_token)
-    gw.auditor = auditor = Auditor(lines, backends, batcher, lambda: gw.settings.cache, clock)
+    auditor = Auditor(lines, backends, batcher, lambda: live.current.cache, clock)
+    gw = Gateway(live, store, cache, backends, admin_token, auditor)
     gw.metrics.watch_audits(
         auditor.counts, lambda: auditor.backend_tokens, lambda: lines.view(gw.settings.cache)
     )

@@ -1,7 +1,7 @@
 """Hit-rate statistics over request-log rows: one implementation for the admin API, the dashboard
 and `cachegw analyze`.
 
-Rows are dicts with the columns of ``RequestRecord`` (from the database or a JSONL export), so the
+Rows are ``RequestRecord``s (from the database or a JSONL export), read by attribute, so the
 numbers a report prints are the numbers the dashboard shows.
 """
 
@@ -15,14 +15,13 @@ from typing import Any
 
 import numpy as np
 
+from gateway.cache_result import HITS, NOT_HITS, CacheResult
 from gateway.config import PricingConfig
+from gateway.request_record import RequestRecord
 
-RESULTS = ("exact-hit", "semantic-hit", "miss", "bypass")
-HITS = frozenset({"exact-hit", "semantic-hit"})
-NOT_HITS = frozenset({"miss", "bypass"})
 _WINDOW = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-Row = dict[str, Any]
+Row = RequestRecord
 SWEEP = tuple(round(0.5 + 0.01 * i, 2) for i in range(51))  # thresholds of what-if curves and reports
 
 
@@ -38,49 +37,44 @@ def _pct(values: Sequence[float], q: float) -> float | None:
     return round(float(np.percentile(values, q)), 2) if len(values) else None
 
 
-def _num(row: Row, key: str) -> float:
-    v = row.get(key)
-    return float(v) if v is not None else 0.0
+def _num(value: float | None) -> float:
+    return float(value) if value is not None else 0.0
 
 
 def saved_usd(row: Row, pricing: PricingConfig) -> float:
     """What a request saved: a hit the whole backend call, a miss its prefix-cached prompt tokens."""
-    input_price, output_price = pricing.price(row.get("model") or "")
-    if row.get("cache_result") in HITS:
-        cost = _num(row, "prompt_tokens") * input_price + _num(row, "completion_tokens") * output_price
+    input_price, output_price = pricing.price(row.model or "")
+    if row.cache_result in HITS:
+        cost = _num(row.prompt_tokens) * input_price + _num(row.completion_tokens) * output_price
         return cost / 1e6
-    return _num(row, "cached_tokens") * input_price * pricing.cached_input_discount / 1e6
+    return _num(row.cached_tokens) * input_price * pricing.cached_input_discount / 1e6
 
 
 def summarize(rows: Sequence[Row], pricing: PricingConfig) -> dict[str, Any]:
     """Counts, ratios, latency percentiles, tokens and money saved."""
-    counts = Counter(r.get("cache_result") for r in rows)
+    counts = Counter(r.cache_result for r in rows)
     n = len(rows)
-    hits = counts["exact-hit"] + counts["semantic-hit"]
-    backend = [r for r in rows if r.get("cache_result") in ("miss", "bypass") and r.get("prompt_tokens")]
-    prompt = sum(_num(r, "prompt_tokens") for r in backend)
-    cached = sum(_num(r, "cached_tokens") for r in backend)
+    hits = counts[CacheResult.EXACT_HIT] + counts[CacheResult.SEMANTIC_HIT]
+    backend = [r for r in rows if r.cache_result in NOT_HITS and r.prompt_tokens]
+    prompt = sum(_num(r.prompt_tokens) for r in backend)
+    cached = sum(_num(r.cached_tokens) for r in backend)
     latency: dict[str, dict[str, float | None]] = {}
-    for name, results in (("hit", HITS), ("miss", {"miss"}), ("bypass", {"bypass"})):
-        ms = [
-            float(r["total_ms"])
-            for r in rows
-            if r.get("cache_result") in results and r.get("total_ms") is not None
-        ]
+    for name, results in (("hit", HITS), ("miss", {CacheResult.MISS}), ("bypass", {CacheResult.BYPASS})):
+        ms = [float(r.total_ms) for r in rows if r.cache_result in results and r.total_ms is not None]
         latency[name] = {"p50": _pct(ms, 50), "p99": _pct(ms, 99), "n": len(ms)}
-    hit_rows = [r for r in rows if r.get("cache_result") in HITS]
+    hit_rows = [r for r in rows if r.cache_result in HITS]
     return {
         "requests": n,
-        "exact_hits": counts["exact-hit"],
-        "semantic_hits": counts["semantic-hit"],
-        "misses": counts["miss"],
-        "bypasses": counts["bypass"],
-        "errors": sum(1 for r in rows if (r.get("status") or 200) >= 400),
+        "exact_hits": counts[CacheResult.EXACT_HIT],
+        "semantic_hits": counts[CacheResult.SEMANTIC_HIT],
+        "misses": counts[CacheResult.MISS],
+        "bypasses": counts[CacheResult.BYPASS],
+        "errors": sum(1 for r in rows if (r.status or 200) >= 400),
         "hit_ratio": round(hits / n, 4) if n else 0.0,
         "prompt_tokens": int(prompt),
         "cached_tokens": int(cached),
         "prefix_cache_ratio": round(cached / prompt, 4) if prompt else None,
-        "tokens_saved": int(sum(_num(r, "prompt_tokens") + _num(r, "completion_tokens") for r in hit_rows)),
+        "tokens_saved": int(sum(_num(r.prompt_tokens) + _num(r.completion_tokens) for r in hit_rows)),
         "cost_saved_usd": round(sum(saved_usd(r, pricing) for r in rows), 6),
         "latency_ms": latency,
     }
@@ -89,17 +83,17 @@ def summarize(rows: Sequence[Row], pricing: PricingConfig) -> dict[str, Any]:
 def group(rows: Iterable[Row], key: str) -> dict[str, list[Row]]:
     out: dict[str, list[Row]] = defaultdict(list)
     for r in rows:
-        out[str(r.get(key) or "")].append(r)
+        out[str(getattr(r, key) or "")].append(r)
     return dict(out)
 
 
 def by_backend(rows: Iterable[Row], pricing: PricingConfig) -> dict[str, dict[str, Any]]:
     """Requests each backend answered (misses and bypasses; hits never reach one), with its prefix-cache
     ratio: how well the routing keeps conversations where their KV blocks are."""
-    answered = group((r for r in rows if r.get("backend")), "backend")
+    answered = group((r for r in rows if r.backend), "backend")
     out = {}
     for b, g in answered.items():
-        ms = [float(r["total_ms"]) for r in g if r.get("total_ms") is not None]
+        ms = [float(r.total_ms) for r in g if r.total_ms is not None]
         # whole-request latency of everything this backend answered, misses and bypasses together
         out[b] = {
             **summarize(g, pricing),
@@ -113,38 +107,38 @@ def timeseries(rows: Sequence[Row], since: float, until: float, bucket_s: float)
     n_buckets = max(1, math.ceil((until - since) / bucket_s))
     buckets: list[list[Row]] = [[] for _ in range(n_buckets)]
     for r in rows:
-        i = int((float(r["ts"]) - since) // bucket_s)
+        i = int((float(r.ts) - since) // bucket_s)
         if 0 <= i < n_buckets:
             buckets[i].append(r)
     points = []
     for i, b in enumerate(buckets):
-        c = Counter(r.get("cache_result") for r in b)
-        prompt = sum(_num(r, "prompt_tokens") for r in b if r.get("cache_result") in ("miss", "bypass"))
-        cached = sum(_num(r, "cached_tokens") for r in b if r.get("cache_result") in ("miss", "bypass"))
+        c = Counter(r.cache_result for r in b)
+        prompt = sum(_num(r.prompt_tokens) for r in b if r.cache_result in NOT_HITS)
+        cached = sum(_num(r.cached_tokens) for r in b if r.cache_result in NOT_HITS)
         points.append(
             {
                 "t": since + i * bucket_s,
                 "requests": len(b),
-                "exact_hits": c["exact-hit"],
-                "semantic_hits": c["semantic-hit"],
-                "misses": c["miss"],
-                "bypasses": c["bypass"],
-                "hit_ratio": round((c["exact-hit"] + c["semantic-hit"]) / len(b), 4) if b else None,
+                "exact_hits": c[CacheResult.EXACT_HIT],
+                "semantic_hits": c[CacheResult.SEMANTIC_HIT],
+                "misses": c[CacheResult.MISS],
+                "bypasses": c[CacheResult.BYPASS],
+                "hit_ratio": round(sum(c[h] for h in HITS) / len(b), 4) if b else None,
                 "prefix_cache_ratio": round(cached / prompt, 4) if prompt else None,
                 # "miss:below-threshold" -> count: the dashboard's reasons-over-time table
-                "reasons": dict(Counter(_reason_key(r) for r in b if r.get("cache_result") in NOT_HITS)),
+                "reasons": dict(Counter(_reason_key(r) for r in b if r.cache_result in NOT_HITS)),
             }
         )
     return points
 
 
 def _reason_key(row: Row) -> str:
-    return f"{row['cache_result']}:{row.get('reason') or 'unrecorded'}"
+    return f"{row.cache_result}:{row.reason or 'unrecorded'}"
 
 
 def reasons(rows: Iterable[Row]) -> list[dict[str, Any]]:
     """Why requests were not hits: (result, x-cache-reason) counted, most frequent first."""
-    counts = Counter(_reason_key(r) for r in rows if r.get("cache_result") in NOT_HITS)
+    counts = Counter(_reason_key(r) for r in rows if r.cache_result in NOT_HITS)
     total = sum(counts.values())
     return [
         {"result": key.split(":", 1)[0], "reason": key.split(":", 1)[1], "requests": n, "share": n / total}
@@ -165,7 +159,7 @@ def semantic_rows(rows: Iterable[Row]) -> list[Row]:
     return [
         r
         for r in rows
-        if r.get("cache_result") in ("semantic-hit", "miss") and r.get("similarity") is not None
+        if r.cache_result in (CacheResult.SEMANTIC_HIT, CacheResult.MISS) and r.similarity is not None
     ]
 
 
@@ -173,8 +167,8 @@ def similarity_histogram(rows: Sequence[Row], bins: int = 50, low: float = 0.0) 
     """Nearest-neighbour similarity of semantic hits and of misses, on shared bin edges."""
     edges = np.linspace(low, 1.0, bins + 1)
     sem = semantic_rows(rows)
-    hit = [float(r["similarity"]) for r in sem if r["cache_result"] == "semantic-hit"]
-    miss = [float(r["similarity"]) for r in sem if r["cache_result"] == "miss"]
+    hit = [_num(r.similarity) for r in sem if r.cache_result == CacheResult.SEMANTIC_HIT]
+    miss = [_num(r.similarity) for r in sem if r.cache_result == CacheResult.MISS]
     return {
         "edges": [round(float(e), 4) for e in edges],
         "hits": np.histogram(np.clip(hit, low, 1.0), edges)[0].tolist(),
@@ -194,9 +188,9 @@ def threshold_sweep(
     """
     sem = semantic_rows(rows)
     flagged = set(flagged_request_ids)
-    sims = np.array([float(r["similarity"]) for r in sem])
-    is_miss = np.array([r["cache_result"] == "miss" for r in sem], dtype=bool)
-    is_flag = np.array([r["id"] in flagged for r in sem], dtype=bool) & ~is_miss
+    sims = np.array([_num(r.similarity) for r in sem])
+    is_miss = np.array([r.cache_result == CacheResult.MISS for r in sem], dtype=bool)
+    is_flag = np.array([r.id in flagged for r in sem], dtype=bool) & ~is_miss
     served = int((~is_miss).sum())
     flag_rate = float(is_flag.sum()) / served if served else 0.0
     order = np.argsort(-sims, kind="stable")  # descending: rows above t are a prefix
@@ -204,7 +198,7 @@ def threshold_sweep(
     new_cum = np.concatenate([[0], np.cumsum(is_miss[order])])
     flag_cum = np.concatenate([[0], np.cumsum(is_flag[order])])
     total = len(rows)
-    exact = sum(1 for r in rows if r.get("cache_result") == "exact-hit")
+    exact = sum(1 for r in rows if r.cache_result == CacheResult.EXACT_HIT)
     out = []
     for t in thresholds:
         n_above = int(np.searchsorted(-sims_desc, -float(t), side="right"))
@@ -223,4 +217,4 @@ def threshold_sweep(
 
 
 def top(rows: Iterable[Row], key: str, n: int = 10) -> list[tuple[str, int]]:
-    return Counter(str(r.get(key)) for r in rows if r.get(key)).most_common(n)
+    return Counter(str(getattr(r, key)) for r in rows if getattr(r, key)).most_common(n)

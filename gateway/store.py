@@ -44,11 +44,11 @@ from sqlalchemy.orm import (
 )
 
 from gateway.migrate import upgrade
+from gateway.request_record import RequestRecord
 from gateway.tables import (
     CacheEntry,
     EntryDeletion,
     Reply,
-    RequestRecord,
 )
 
 log = logging.getLogger("cachegw.gateway")
@@ -302,10 +302,10 @@ class Store:
 
     # Request log and replies
 
-    def log_requests(self, rows: list[dict]) -> None:
-        if rows:
+    def log_requests(self, records: list[RequestRecord]) -> None:
+        if records:
             with self.session.begin() as s:
-                s.add_all(RequestRecord(**row) for row in rows)
+                s.add_all(record.to_row() for record in records)
 
     def remember_replies(self, replies: dict[str, str]) -> None:
         """key -> exact text; an existing key keeps its first text."""

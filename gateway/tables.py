@@ -58,8 +58,9 @@ class EntryDeletion(Base):
     ts: Mapped[float] = mapped_column(Float, index=True)
 
 
-class RequestRecord(Base):
-    """One request through the gateway: how the cache answered and what it cost."""
+class RequestRow(Base):
+    """One request through the gateway: how the cache answered and what it cost (the request log;
+    the gateway fills a ``gateway.request_record.RequestRecord`` and maps it here)."""
 
     __tablename__ = "requests"
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
@@ -70,7 +71,7 @@ class RequestRecord(Base):
     stream: Mapped[bool] = mapped_column(Boolean)
     cache_result: Mapped[str] = mapped_column(
         String(16), index=True
-    )  # exact-hit|semantic-hit|miss|bypass|error
+    )  # a gateway.cache_result.CacheResult value
     similarity: Mapped[float | None] = mapped_column(Float, nullable=True)  # nearest neighbour, hit or not
     threshold: Mapped[float | None] = mapped_column(Float, nullable=True)
     entry_id: Mapped[int | None] = mapped_column(Integer, nullable=True)

@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from gateway.request_record import RequestRecord
 from tests.test_gateway import MODEL, MovableClock, ask, backend_url, chat, gateway, settings_for  # noqa: F401
 from tests.test_recorder import row as log_row
 
@@ -423,7 +424,9 @@ def test_a_database_from_an_older_version_gets_the_new_columns(tmp_path):
         assert {"response_id", "query", "backend"} <= cols
         assert "threshold" in {r[1] for r in conn.execute("PRAGMA table_info(cache_entries)")}
         assert "ix_requests_response_id" in {r[1] for r in conn.execute("PRAGMA index_list(requests)")}
-    store.log_requests([log_row(1) | {"response_id": "chatcmpl-1", "backend": "http://b/v1"}])
+    store.log_requests(
+        [RequestRecord.from_dict(log_row(1) | {"response_id": "chatcmpl-1", "backend": "http://b/v1"})]
+    )
     store.close()
 
 

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from gateway.analyze import main_analyze, main_export
+from gateway.request_record import RequestRecord
 from gateway.store import Store
-from gateway.tables import Feedback, RequestRecord
+from gateway.tables import Feedback, RequestRow
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = datetime(2025, 3, 1, 10, 0, tzinfo=UTC).timestamp()
@@ -81,7 +82,7 @@ def log_db(tmp_path_factory) -> tuple[str, list[dict], set[str], Path]:
     rows = [make_row(i, BASE + 270 * i) for i in range(40)]
     old = [make_row(40 + i, BASE - 86400 + i) for i in range(2)]
     store = Store(url)
-    store.log_requests(rows + old)
+    store.log_requests([RequestRecord.from_dict(r) for r in rows + old])
     flagged = [r for r in rows if r["cache_result"] == "semantic-hit"][:2]
     with store.session.begin() as s:
         for r in flagged:
@@ -188,7 +189,7 @@ def test_export_then_jsonl_gives_the_same_summary(log_db, tmp_path, capsys):
     assert main_export(["--db", url, *RANGE, "--out", str(jsonl)]) == 0
     lines = [json.loads(x) for x in jsonl.read_text().splitlines()]
     assert len(lines) == 40 and {x["id"] for x in lines if x["flagged"]} == flagged
-    assert set(lines[0]) == {c.name for c in RequestRecord.__table__.columns} | {"flagged"}
+    assert set(lines[0]) == {c.name for c in RequestRow.__table__.columns} | {"flagged"}
     from_db = analyze_json(["--db", url, *RANGE, "--out", str(tmp_path / "a")], capsys)
     from_file = analyze_json(["--jsonl", str(jsonl), *RANGE, "--out", str(tmp_path / "b")], capsys)
     for s in (from_db, from_file):

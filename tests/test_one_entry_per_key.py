@@ -20,7 +20,7 @@ import pytest
 from sqlalchemy import func, select
 
 from gateway.store import Store
-from gateway.tables import LIVE_KEY_INDEX, CacheEntry, EntryDeletion, RequestRecord
+from gateway.tables import LIVE_KEY_INDEX, CacheEntry, EntryDeletion, RequestRow
 from tests.servers import serve_in_thread
 from tests.test_admin import flagged_by_tenant
 from tests.test_gateway import gateway, settings_for
@@ -57,7 +57,7 @@ def entry_of(url: str, headers: dict[str, str]) -> int:
         while True:
             with store.session() as s:
                 entry_id = s.scalar(
-                    select(RequestRecord.entry_id).where(RequestRecord.id == headers["x-request-id"])
+                    select(RequestRow.entry_id).where(RequestRow.id == headers["x-request-id"])
                 )
             if entry_id is not None or time.monotonic() > deadline:
                 assert entry_id is not None, "the hit was not logged"

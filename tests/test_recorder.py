@@ -14,8 +14,9 @@ import pytest
 from sqlalchemy import func, select
 
 from gateway.recorder import Recorder
+from gateway.request_record import RequestRecord
 from gateway.store import Store
-from gateway.tables import RequestRecord
+from gateway.tables import RequestRow
 
 
 def row(i: int) -> dict:
@@ -34,7 +35,7 @@ def row(i: int) -> dict:
 
 def count(store: Store) -> int:
     with store.session() as s:
-        return int(s.scalar(select(func.count(RequestRecord.id))) or 0)
+        return int(s.scalar(select(func.count(RequestRow.id))) or 0)
 
 
 @pytest.mark.parametrize(
@@ -47,10 +48,10 @@ def test_close_writes_every_recorded_row(tmp_path: Path, close_after_s: float) -
         rec = Recorder(store, flush_every_s=0.2)
         rec.start()
         for i in range(50):
-            await rec.record(row(i))
+            await rec.record(RequestRecord.from_dict(row(i)))
         await asyncio.sleep(0.01)  # the writer takes the first row and starts gathering its batch
         for i in range(50, 60):
-            await rec.record(row(i))
+            await rec.record(RequestRecord.from_dict(row(i)))
         await asyncio.sleep(close_after_s)
         await rec.close()
 
@@ -66,7 +67,7 @@ def test_rows_recorded_while_a_batch_is_written_go_in_the_next(tmp_path: Path) -
         rec = Recorder(store, flush_every_s=0.05, max_batch=7)
         rec.start()
         for i in range(100):
-            await rec.record(row(i))
+            await rec.record(RequestRecord.from_dict(row(i)))
             if i % 10 == 0:
                 await asyncio.sleep(0.02)
         await asyncio.sleep(0.5)

@@ -167,3 +167,30 @@ def test_the_event_splitter_reads_every_line_ending_across_any_chunking(framing:
         events = [e for chunk in chunks for e in splitter.feed(chunk)] + splitter.close()
         assert [data_of(e) for e in events] == [b"one", b"two", b"[DONE]"], (framing, size)
         assert splitter.rest == b""
+
+
+def test_a_client_that_goes_away_mid_stream_is_logged_and_nothing_is_stored(
+    faulty: tuple[str, list[str]], tmp_path: Path
+) -> None:
+    """The gateway finishes the request's bookkeeping in a task of its own once the client is gone (the
+    pipeline keeps a reference to it, so it cannot be collected mid-run): the row is written, the half
+    answer is not stored."""
+    backend, _ = faulty
+    RELEASE.clear()
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "crlf"}],
+        "temperature": 0,
+        "stream": True,
+    }
+    auth = {"authorization": "Bearer tenant-a"}
+    with gateway(settings_for(tmp_path, [backend])) as url:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=auth, timeout=60) as r:
+            first = next(line for line in r.iter_lines() if line.startswith("data:"))
+            assert json.loads(first[5:])["choices"][0]["delta"]["content"] == "Half "
+        # the client closed the connection with the backend's answer half sent
+        rows = logged(tmp_path, 1)
+        RELEASE.set()
+        assert rows == [(200, "stream incomplete or failed: not stored")]
+        _, cache, _ = stream(url, "crlf")
+    assert cache == "miss"
