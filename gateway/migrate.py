@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -118,7 +119,10 @@ def new_revision(message: str, versions: Path | None = None) -> Path:
         finally:
             engine.dispose()
     assert script is not None and not isinstance(script, list)
-    return Path(script.path)
+    path = Path(script.path)
+    for fix in (["format"], ["check", "--fix", "--quiet"]):  # the project's style, where ruff is installed
+        subprocess.run([sys.executable, "-m", "ruff", *fix, str(path)], capture_output=True, check=False)
+    return path
 
 
 if __name__ == "__main__":

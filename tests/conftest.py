@@ -89,3 +89,13 @@ def shared_gateway_models() -> Iterator[None]:
         yield
     loaded.clear()
     gc.collect()
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[str]:
+    """One throwaway PostgreSQL server for the run (tests/services.py; about 9 s to start and stop), shared
+    by every module that needs one; each test makes its own database (test_shared_store.fresh_database)."""
+    from tests.services import postgres_server
+
+    with postgres_server() as url:
+        yield url

@@ -2,7 +2,7 @@
 ``Store`` opens it; its rows survive and its schema then matches the models exactly.
 
 The shapes come from git history (tests/historic_schemas.py), on SQLite and on a real PostgreSQL
-(tests/services.py, shared with test_shared_store.py's fixture).
+(the session's server, ``postgres`` in tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from gateway import migrate
 from gateway.store import Store
 from gateway.tables import Base, CacheEntry, EntryDeletion
 from tests.historic_schemas import SHAPES, shape
-from tests.test_shared_store import fresh_database, postgres  # noqa: F401
+from tests.test_shared_store import fresh_database
 
 NOW = 1_800_000_000.0
 
@@ -120,7 +120,7 @@ def test_every_shipped_schema_is_upgraded_on_sqlite(name: str, tmp_path: Path) -
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
-def test_every_shipped_schema_is_upgraded_on_postgresql(name: str, postgres: str) -> None:  # noqa: F811
+def test_every_shipped_schema_is_upgraded_on_postgresql(name: str, postgres: str) -> None:
     check_upgrade(fresh_database(postgres), name)
 
 
@@ -139,7 +139,7 @@ def test_the_revisions_alone_build_the_models_schema(dialect: str, tmp_path: Pat
         engine.dispose()
 
 
-def test_replicas_starting_at_once_upgrade_an_old_database_once(postgres: str) -> None:  # noqa: F811
+def test_replicas_starting_at_once_upgrade_an_old_database_once(postgres: str) -> None:
     """Four stores open one pre-Alembic database together: the advisory lock lets one upgrade it and
     the others find it done (without it, two would add the same column and one would fail)."""
     url = fresh_database(postgres)

@@ -24,7 +24,7 @@ from gateway.tables import LIVE_KEY_INDEX, CacheEntry, EntryDeletion, RequestRow
 from tests.servers import serve_in_thread
 from tests.test_admin import flagged_by_tenant
 from tests.test_gateway import gateway, settings_for
-from tests.test_shared_store import eventually, fresh_database, on_database, postgres, shared_url  # noqa: F401
+from tests.test_shared_store import eventually, fresh_database, on_database, shared_url  # noqa: F401
 from tests.tool_server import Calls, tool_backend
 
 MODEL = "tools"

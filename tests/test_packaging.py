@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -86,9 +87,18 @@ print(head())
 
 def test_an_installed_wheel_finds_its_migrations(tmp_path: Path) -> None:
     """The migration scripts ship as package data: a wheel installed elsewhere builds a database with them."""
-    wheels, target = tmp_path / "wheels", tmp_path / "site"
+    wheels, target, src = tmp_path / "wheels", tmp_path / "site", tmp_path / "src"
+    # built from a copy of the sources git knows: setuptools writes build/ beside them and keeps stale files
+    listed = ["git", "ls-files", "--cached", "--others", "--exclude-standard"]
+    tracked = subprocess.run(listed, cwd=ROOT, capture_output=True, text=True, check=True)
+    packages = {p.rstrip("*") for p in PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]}
+    for name in tracked.stdout.splitlines():
+        wanted = name.split("/")[0] in packages or name in ("pyproject.toml", "README.md", "LICENSE")
+        if wanted and (ROOT / name).is_file():
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, src / name)
     build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
-    subprocess.run([*build, "-w", str(wheels), str(ROOT)], check=True, capture_output=True, timeout=300)
+    subprocess.run([*build, "-w", str(wheels), str(src)], check=True, capture_output=True, timeout=300)
     [wheel] = wheels.glob("cachegw-*.whl")
     install = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)]
     subprocess.run(install, check=True, capture_output=True, timeout=300)

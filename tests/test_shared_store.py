@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -19,15 +19,8 @@ from gateway.analyze_summary import build_summary
 from gateway.config import Settings
 from gateway.request_log_read import read_database
 from gateway.store import Store
-from tests.services import postgres_server
 from tests.test_admin import TOKEN, admin_settings, api
 from tests.test_gateway import ask, backend_url, chat, gateway  # noqa: F401
-
-
-@pytest.fixture(scope="module")
-def postgres() -> Iterator[str]:
-    with postgres_server() as url:
-        yield url
 
 
 def fresh_database(server_url: str) -> str:
