@@ -19,7 +19,7 @@ depends_on = None
 def upgrade() -> None:
     guarded.create_table(
         "hit_audits",
-        sa.Column("id", sa.Integer(), autoincrement=True, nullable=False),
+        sa.Column("id", sa.Integer(), primary_key=True, autoincrement=True, nullable=False),
         sa.Column("ts", sa.Float(), nullable=False),
         sa.Column("model", sa.String(length=256), nullable=False),
         sa.Column("tenant", sa.String(length=64), nullable=False),
@@ -29,7 +29,6 @@ def upgrade() -> None:
         sa.Column("entry_id", sa.Integer(), nullable=True),
         sa.Column("request_id", sa.String(length=64), nullable=True),
         sa.Column("backend_tokens", sa.Integer(), nullable=False),
-        sa.PrimaryKeyConstraint("id"),
     )
     guarded.create_index("ix_hit_audits_ts", "hit_audits", ["ts"])
 
