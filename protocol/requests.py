@@ -115,6 +115,9 @@ class GenerationRequest(_Model):
     seed: Seed | None = None
     stop: str | list[str] | None = None
     n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = False  # extension
@@ -130,6 +133,8 @@ class GenerationRequest(_Model):
 class CompletionRequest(GenerationRequest):
     prompt: str | list[int] | list[str]
     logprobs: int | None = None
+    echo: bool | None = False
+    best_of: int | None = None
 
     def prompt_input(self) -> str | list[int]:
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
