@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from backend.async_engine import AsyncEngine, EngineDeadError, EngineError, RequestStream
-from backend.choices import Cursors, Echo, text_logprobs
+from backend.choices import CompletionShaper, Cursors, Echo, Shaper
 from backend.config import load_backend_server_config, load_engine_config
 from backend.metrics import ServerMetrics
 from backend.model_loader import EMBEDDED_GGUF
@@ -33,7 +33,6 @@ from backend.outputs import CompletionOutput, RequestOutput
 from backend.protocol import (
     TokenTexts,
     chat_logprobs,
-    completion_logprobs,
     invalid_parameter,
     sampling_params,
     usage,
@@ -205,7 +204,7 @@ class _Server:
         if req.echo:
             text = prompt if isinstance(prompt, str) else await self.in_tokenizer_thread(self.decode, prompt)
             echo = Echo(text, req.logprobs is not None)
-        shaper = _CompletionShaper(
+        shaper = CompletionShaper(
             f"cmpl-{uuid.uuid4().hex}", self.model_name, self.texts, req.include_usage, echo
         )
         stream = await self.start(shaper.id, ids, params, req.cache_salt)
@@ -252,35 +251,7 @@ class _Server:
         return Response(content, media_type=content_type)
 
 
-class _Shaper:
-    """Turns a request's outputs into one OpenAI response or its stream of chunks."""
-
-    object_name = ""
-
-    def __init__(self, request_id: str, model: str, texts: TokenTexts, include_usage: bool) -> None:
-        self.id, self.model, self.texts, self.include_usage = request_id, model, texts, include_usage
-        self.created = int(time.time())
-
-    def envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": obj,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
-
-    def chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
-        body = self.envelope(self.object_name, [choice])
-        if self.include_usage:
-            body["usage"] = None  # as OpenAI: every chunk but the last carries a null usage
-        return body
-
-    def usage_chunk(self, out: RequestOutput) -> dict[str, Any]:
-        return {**self.envelope(self.object_name, []), "usage": usage(out)}
-
-
-class _ChatShaper(_Shaper):
+class _ChatShaper(Shaper):
     object_name = "chat.completion.chunk"
 
     def __init__(self, request_id: str, model: str, texts: TokenTexts, include_usage: bool, top: int | None):
@@ -321,52 +292,6 @@ class _ChatShaper(_Shaper):
                 if c.finish_reason is not None:
                     cursor.done = True
                     yield self.chunk(self.choice({}, finish=c.finish_reason, index=c.index))
-            if out.finished and self.include_usage:
-                yield self.usage_chunk(out)
-
-
-class _CompletionShaper(_Shaper):
-    object_name = "text_completion"
-
-    def __init__(
-        self, request_id: str, model: str, texts: TokenTexts, include_usage: bool, echo: Echo | None = None
-    ) -> None:
-        super().__init__(request_id, model, texts, include_usage)
-        self.echo = echo
-
-    def response(self, out: RequestOutput) -> dict[str, Any]:
-        prefix = self.echo.text if self.echo else ""
-        choices = [
-            {"index": c.index, "text": prefix + c.text, "finish_reason": c.finish_reason,
-             "logprobs": text_logprobs(c, out, self.texts, self.echo)}
-            for c in out.outputs
-        ]  # fmt: skip
-        return {**self.envelope("text_completion", choices), "usage": usage(out)}
-
-    def text_chunk(self, index: int, text: str, logprobs: dict | None, finish: str | None = None) -> dict:
-        return self.chunk({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish})
-
-    async def chunks(self, stream: RequestStream) -> AsyncIterator[dict[str, Any]]:
-        cursors = Cursors()
-        async for out in stream:
-            for c in out.outputs:
-                cursor = cursors[c.index]
-                if not cursor.started:
-                    cursor.started = True
-                    if self.echo is not None:  # the prompt first, then the choice's own tokens
-                        cursor.offset = len(self.echo.text)
-                        yield self.text_chunk(c.index, self.echo.text, self.echo.head(out, self.texts))
-                if cursor.done:
-                    continue
-                delta, entries = cursor.advance(c)
-                logprobs = None
-                if entries:
-                    logprobs, cursor.offset = completion_logprobs(entries, self.texts, cursor.offset)
-                if delta or logprobs:
-                    yield self.text_chunk(c.index, delta, logprobs)
-                if c.finish_reason is not None:
-                    cursor.done = True
-                    yield self.text_chunk(c.index, "", None, c.finish_reason)
             if out.finished and self.include_usage:
                 yield self.usage_chunk(out)
 
