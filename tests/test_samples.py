@@ -97,8 +97,8 @@ def test_logit_bias_and_penalties_steer_greedy_output(client: openai.OpenAI) -> 
     kw = {"model": MODEL, "prompt": PROMPT_IDS, "max_tokens": 4, "temperature": 0, "logprobs": 0}
     forced = client.completions.create(**kw, logit_bias={str(COLON): 100}).choices[0]
     assert forced.text == "::::"
-    scored = client.completions.create(
-        model=MODEL, prompt=PROMPT_IDS + [COLON] * 4, echo=True, logprobs=0, max_tokens=0
+    scored = client.completions.create(  # a list of one token list, as lm-eval sends prompts
+        model=MODEL, prompt=[PROMPT_IDS + [COLON] * 4], echo=True, logprobs=0, max_tokens=0
     ).choices[0]
     assert forced.logprobs.token_logprobs == pytest.approx(scored.logprobs.token_logprobs[-4:], abs=1e-4)
     plain = client.completions.create(**kw).choices[0]
