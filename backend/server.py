@@ -278,6 +278,8 @@ class _ChatShaper(Shaper):
 
     async def chunks(self, stream: RequestStream) -> AsyncIterator[dict[str, Any]]:
         cursors = Cursors()  # one per choice (n > 1): each starts with its role, ends with its reason
+        cursors[0].started = True  # the first choice's role goes out at once, before any token
+        yield self.chunk(self.choice({"role": "assistant", "content": ""}))
         async for out in stream:
             for c in out.outputs:
                 cursor = cursors[c.index]
