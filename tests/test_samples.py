@@ -3,6 +3,7 @@ against the built-in engine's server (the session's shared backend: no model of 
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 
 import openai
@@ -106,3 +107,21 @@ def test_logit_bias_and_penalties_steer_greedy_output(client: openai.OpenAI) -> 
     steered = {"logit_bias": {str(COLON): 5.0}, "frequency_penalty": 2.0}
     penalised = client.completions.create(**kw, **steered).choices[0]
     assert penalised.text != forced.text and penalised.text != plain.text
+
+
+def test_each_sample_follows_its_own_copy_of_the_grammar(client: openai.OpenAI) -> None:
+    """A forked sample gets a copy of the response_format matcher: every choice is valid JSON."""
+    schema = {
+        "type": "object",
+        "properties": {"colour": {"type": "string", "enum": ["red", "green", "blue"]}},
+        "required": ["colour"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "c", "schema": schema, "strict": True}}
+    out = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, n=3, seed=5, temperature=1.0, max_tokens=20, response_format=fmt
+    )
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    for c in out.choices:
+        assert json.loads(c.message.content)["colour"] in {"red", "green", "blue"}
+        assert c.finish_reason == "stop"
