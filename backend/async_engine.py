@@ -274,7 +274,7 @@ class AsyncEngine:
         """
         running = [s.request_id for s in self.engine.scheduler.running]
         orphans = [rid for rid in self._streams if rid not in self.engine.requests]
-        victims = (running or list(self.engine.requests)) + orphans
+        victims = list(dict.fromkeys((running or list(self.engine.requests)) + orphans))  # samples share ids
         error = EngineError(f"the engine failed while running this request: {type(exc).__name__}: {exc}")
         for request_id in victims:
             self._safe_abort(request_id)

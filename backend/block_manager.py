@@ -78,8 +78,8 @@ class BlockManager:
 
         The last token is always left to compute: its logits are needed to sample.
         """
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
+            return []  # prompt logprobs need every prompt position computed
         hits: list[int] = []
         for i in range((seq.num_tokens - 1) // self.block_size):
             block_id = self.cached.get(self.block_hash(seq, i))
@@ -114,6 +114,27 @@ class BlockManager:
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
         for _ in range(self.blocks_needed(seq, num_new_tokens)):
             seq.block_table.append(self._take_free_block())
+
+    def can_fork(self, parent: Sequence) -> bool:
+        """Is there a block for the copy of the parent's partly filled last block (if it has one)?"""
+        return parent.num_computed_tokens % self.block_size == 0 or bool(self.free)
+
+    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
+        """Give ``child`` the parent's computed blocks: full ones shared (ref count + 1), a partly
+        filled last one copied, since each sample writes its own tokens into its free slots.
+
+        Returns (source, destination) of the block whose K/V the runner must copy, or None.
+        """
+        full = parent.num_computed_tokens // self.block_size
+        child.block_table = parent.block_table[:full]
+        for block_id in child.block_table:
+            self.blocks[block_id].ref_count += 1
+        child.num_computed_tokens = parent.num_computed_tokens
+        if len(parent.block_table) == full:
+            return None
+        copy = self._take_free_block()
+        child.block_table.append(copy)
+        return parent.block_table[full], copy
 
     def _take_free_block(self) -> int:
         block_id, _ = self.free.popitem(last=False)

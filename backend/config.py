@@ -51,6 +51,7 @@ class EngineConfig:
     enable_prefix_caching: bool
     max_model_len: int
     max_num_seqs: int
+    max_n: int
     max_num_batched_tokens: int
     enforce_eager: bool
     cache_dir: str
@@ -67,6 +68,7 @@ class EngineConfig:
             "gpu_memory_utilization": 0 < self.gpu_memory_utilization <= 1,
             "max_model_len": self.max_model_len >= 0,
             "max_num_seqs": self.max_num_seqs > 0,
+            "max_n": self.max_n > 0,
             "max_num_batched_tokens": self.max_num_batched_tokens > 0,
         }
         bad = [k for k, ok in checks.items() if not ok]

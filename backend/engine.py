@@ -20,10 +20,11 @@ from backend.model_loader import resolve_model_dir
 from backend.model_runner import ModelRunner
 from backend.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from backend.platform import resolve_device, resolve_dtype
+from backend.prompt_logprobs import record as record_prompt_logprobs
 from backend.sampler import sample
 from backend.sampling_params import InvalidParameter, SamplingParams
 from backend.scheduler import Scheduler
-from backend.sequence import Sequence
+from backend.sequence import Sequence, SequenceGroup
 from backend.structured import GrammarCompiler
 
 log = logging.getLogger("cachegw.backend")
@@ -72,7 +73,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids(hf_config, GenerationConfig)
         self.grammars = GrammarCompiler(self.tokenizer, self.runner.spec.vocab_size, self.eos_token_ids)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        self.requests: dict[str, Sequence] = {}
+        self.requests: dict[str, SequenceGroup] = {}
         self.prompt_tokens = 0
         self.generation_tokens = 0
         log.info(
@@ -142,6 +143,7 @@ class LLMEngine:
                 f"The request needs {n + params.max_tokens} tokens of KV cache but the engine holds "
                 f"{self.kv_cache_tokens}. Please reduce the prompt or max_tokens.",
             )
+        self._check_samples(params, vocab)
         grammar = self.grammars.grammar(params.structured) if params.structured else None
         seq = Sequence(
             request_id, ids, params, cache_salt, arrival_time, prompt if isinstance(prompt, str) else None
@@ -150,18 +152,58 @@ class LLMEngine:
         seq.grammar = grammar
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        self.requests[request_id] = seq
+        self.requests[request_id] = SequenceGroup(seq)
         self.scheduler.add(seq)
         return seq
 
+    def _check_samples(self, params: SamplingParams, vocab: int) -> None:
+        """The limits only the engine knows: [engine] max_n, and the vocabulary for logit_bias."""
+        for name in ("n", "best_of"):
+            value = getattr(params, name)
+            if value is not None and value > self.config.max_n:
+                raise InvalidParameter(
+                    name,
+                    f"{name}={value} is more than this server allows ([engine] max_n = {self.config.max_n})",
+                )
+        bad = next((t for t in params.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise InvalidParameter(
+                "logit_bias", f"logit_bias key {bad} is not a token id of this model (0 to {vocab - 1})"
+            )
+
+    def _fork(self, group: SequenceGroup, parent: Sequence) -> list[Sequence]:
+        """All the request's samples, made from its parent whose prompt was just computed: they share
+        its full prompt blocks and copy a partly filled last one. Without a free block or a batch
+        slot a sample waits instead, and finds the prompt in the prefix cache when admitted."""
+        group.forked = True
+        p = parent.params
+        for i in range(1, p.num_samples):
+            child = parent.fork(i)
+            child.detokenizer = IncrementalDetokenizer(self.tokenizer, p.stop)
+            child.grammar = parent.grammar.copy() if parent.grammar is not None else None
+            if p.seed is not None:
+                child.generator = torch.Generator(device=self.device).manual_seed(p.seed + i)
+            if self.scheduler.has_room() and self.block_manager.can_fork(parent):
+                copy = self.block_manager.fork(parent, child)
+                if copy is not None:
+                    self.runner.copy_block(*copy)
+                self.scheduler.add_running(child)
+            else:
+                child.num_computed_tokens = 0
+                self.scheduler.add(child)
+            group.seqs.append(child)
+        return list(group.seqs)
+
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False if it was unknown or already done."""
-        seq = self.requests.pop(request_id, None)
-        if seq is None:
+        group = self.requests.pop(request_id, None)
+        if group is None:
             return False
-        self.scheduler.finish(seq)
-        seq.finish_reason = "abort"
-        seq.finish_time = time.time()
+        now = time.time()
+        for seq in group.seqs:
+            if seq.finish_reason is None:
+                self.scheduler.finish(seq)
+                seq.finish_reason, seq.finish_time = "abort", now
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -172,33 +214,54 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        logits, rows = self.runner.execute(batch)
+        step = self.runner.execute(batch)
+        for i, (first, hidden) in step.prompt_hidden.items():
+            record_prompt_logprobs(batch.seqs[i], first, hidden, self.runner.logits)
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
             seq.num_computed_tokens += n
             self.block_manager.cache_computed_blocks(seq)
-        sampled = [batch.seqs[i] for i in rows]
-        if not sampled:
-            return []
-        result = sample(logits, sampled, self.generator)
         now = time.time()
-        outputs = []
-        for seq, token, logprob in zip(sampled, result.token_ids, result.logprobs, strict=True):
+        touched: dict[str, SequenceGroup] = {}
+        rows, sampled = [], []
+        for row, i in enumerate(step.rows):
+            seq = batch.seqs[i]
+            group = touched[seq.request_id] = self.requests[seq.request_id]
+            if seq.params.max_tokens == 0:  # echo scoring: the prompt alone
+                seq.finish_reason = "length"
+                self._finish(seq, group, now)
+                continue
+            siblings = [seq] if group.forked else self._fork(group, seq)
+            rows += [row] * len(siblings)
+            sampled += siblings
+        if sampled:
+            self._sample(
+                step.logits[rows] if rows != list(range(len(step.rows))) else step.logits, sampled, now
+            )
+        return [self.make_output(g) for g in touched.values()]
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], now: float) -> None:
+        result = sample(logits, seqs, self.generator)
+        for seq, token, logprob in zip(seqs, result.token_ids, result.logprobs, strict=True):
             seq.token_ids.append(token)
             self.generation_tokens += 1
             if seq.first_token_time is None:
                 seq.first_token_time = now
             if logprob is not None:
-                seq.logprobs.append(logprob)
+                seq.cumulative_logprob += logprob["logprob"]
+                if seq.params.logprobs is not None:
+                    seq.logprobs.append(logprob)
             self._check_stop(seq, token)
             if seq.finish_reason is not None:
-                seq.finish_time = now
-                seq.detokenizer.flush()
-                self.scheduler.finish(seq)
-                del self.requests[seq.request_id]
-            outputs.append(self.make_output(seq))
-        return outputs
+                self._finish(seq, self.requests[seq.request_id], now)
+
+    def _finish(self, seq: Sequence, group: SequenceGroup, now: float) -> None:
+        seq.finish_time = now
+        seq.detokenizer.flush()
+        self.scheduler.finish(seq)
+        if group.finished:
+            del self.requests[seq.request_id]
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params
@@ -215,31 +278,42 @@ class LLMEngine:
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
 
-    def make_output(self, seq: Sequence) -> RequestOutput:
-        finished = seq.finish_reason is not None
-        completion = CompletionOutput(
-            index=0,
-            text=seq.detokenizer.visible_text(finished),
-            token_ids=seq.output_token_ids,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-        )
+    def make_output(self, group: SequenceGroup) -> RequestOutput:
+        """The request's state: one completion per returned sample, indexed as OpenAI does."""
+        seq, finished = group.first, group.finished
+        shown = group.returned()
+        if seq.params.max_tokens == 0:  # nothing was sampled, so nothing forked: n equal answers
+            shown = [seq] * seq.params.n
+        completions = [
+            CompletionOutput(
+                index=k,
+                text=s.detokenizer.visible_text(s.finish_reason is not None),
+                token_ids=s.output_token_ids,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+                logprobs=list(s.logprobs) if s.params.logprobs is not None else None,
+                cumulative_logprob=s.cumulative_logprob,
+            )
+            for k, s in enumerate(shown)
+        ]
+        finish_times = [s.finish_time for s in group.seqs if s.finish_time is not None]
         metrics = RequestMetrics(
             seq.arrival_time,
             seq.first_scheduled_time,
             seq.first_token_time,
-            seq.finish_time,
-            seq.num_preemptions,
+            max(finish_times) if finished and finish_times else None,
+            sum(s.num_preemptions for s in group.seqs),
         )
         return RequestOutput(
             seq.request_id,
             seq.prompt,
             seq.token_ids[: seq.num_prompt_tokens],
             max(seq.num_cached_tokens, 0),
-            [completion],
+            completions,
             finished,
             metrics,
+            prompt_logprobs=list(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None,
+            num_generated_tokens=sum(s.num_output_tokens for s in group.seqs),
         )
 
     def stats(self) -> EngineStats:

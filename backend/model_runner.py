@@ -29,6 +29,16 @@ class StepInputs:
     meta: AttentionMetadata
     sample_indices: torch.Tensor  # rows of the flat batch whose logits are sampled
     sample_seq_indices: list[int]  # which batch entries those rows belong to
+    # batch entry -> (flat rows, first position): prompt positions whose logits score the next prompt token
+    prompt_rows: dict[int, tuple[torch.Tensor, int]]
+
+
+@dataclass
+class StepOutput:
+    logits: torch.Tensor  # float32 [rows, vocab] of the sampled positions
+    rows: list[int]  # the batch entries they belong to
+    # batch entry -> (first position, hidden states of its prompt positions): see ModelRunner.logits
+    prompt_hidden: dict[int, tuple[int, torch.Tensor]]
 
 
 class ModelRunner:
@@ -157,6 +167,7 @@ class ModelRunner:
         slots: list[int] = []
         starts, seq_lens, query_lens = [0], [], []
         sample_rows, sample_seqs = [], []
+        prompt_rows: dict[int, tuple[list[int], int]] = {}
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens, strict=True)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             ids.extend(seq.token_ids[start:end])
@@ -166,6 +177,9 @@ class ModelRunner:
             starts.append(starts[-1] + n)
             seq_lens.append(end)
             query_lens.append(n)
+            scored_end = min(end, seq.num_prompt_tokens - 1)
+            if seq.needs_prompt_logprobs and scored_end > start:
+                prompt_rows[i] = (list(range(starts[-1] - n, starts[-1] - n + scored_end - start)), start)
             if end == seq.num_tokens:
                 sample_rows.append(starts[-1] - 1)
                 sample_seqs.append(i)
@@ -193,22 +207,42 @@ class ModelRunner:
             meta,
             tensor(sample_rows, torch.long),
             sample_seqs,
+            {i: (tensor(rows, torch.long), first) for i, (rows, first) in prompt_rows.items()},
         )
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
-        """Float32 logits [rows, vocab] for the sequences that sample, and their batch indices."""
+    def execute(self, batch: ScheduledBatch) -> StepOutput:
+        """Logits of the sequences that sample; hidden states of the prompt positions that are scored
+        (requests asking for prompt logprobs only: the others pay nothing)."""
         inputs = self.prepare(batch)
-        if not inputs.sample_seq_indices:
-            self.model(inputs.input_ids, inputs.positions, inputs.meta)
-            return torch.empty(0, self.spec.vocab_size), []
         n = len(batch.seqs)
         graph_size = next((size for size in sorted(self.graphs) if size >= n), None)
-        if graph_size is not None and inputs.meta.max_query_len == 1:
+        if (
+            graph_size is not None
+            and inputs.meta.max_query_len == 1
+            and inputs.sample_seq_indices
+            and not inputs.prompt_rows
+        ):
             hidden = self._replay_graph(graph_size, inputs)
-        else:
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)[inputs.sample_indices]
-        return self.model.compute_logits(hidden), inputs.sample_seq_indices
+            return StepOutput(self.model.compute_logits(hidden), inputs.sample_seq_indices, {})
+        flat = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        prompt = {i: (first, flat[rows]) for i, (rows, first) in inputs.prompt_rows.items()}
+        if not inputs.sample_seq_indices:
+            return StepOutput(torch.empty(0, self.spec.vocab_size), [], prompt)
+        logits = self.model.compute_logits(flat[inputs.sample_indices])
+        return StepOutput(logits, inputs.sample_seq_indices, prompt)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of hidden states (the LM head alone)."""
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy one KV block in every layer (a forked sample's own copy of a shared partial block)."""
+        for k, v in self.kv_caches:
+            k[dst].copy_(k[src])
+            v[dst].copy_(v[src])
 
     # CUDA graphs: decode steps are captured once per batch size and replayed with new inputs.
 

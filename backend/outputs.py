@@ -13,6 +13,7 @@ class CompletionOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[dict] | None = None  # per token: {"token_id", "logprob", "top": [(id, logprob)]}
+    cumulative_logprob: float = 0.0  # of the sampled tokens (computed when logprobs or best_of ask)
 
 
 @dataclass
@@ -37,3 +38,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(repr=False, default=None)  # type: ignore[assignment]
+    # Per prompt token (the first is None), when the request asked for prompt logprobs.
+    prompt_logprobs: list[dict | None] | None = None
+    num_generated_tokens: int = 0  # every sample's tokens, best_of's discarded ones included

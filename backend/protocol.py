@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 from backend.outputs import RequestOutput
-from backend.sampling_params import InvalidParameter, SamplingParams, StructuredOutput
+from backend.sampling_params import InvalidParameter, SamplingParams, StructuredOutput, parse_logit_bias
 from protocol.errors import ApiError
 from protocol.requests import GenerationRequest, ResponseFormat
 
@@ -20,6 +20,11 @@ def invalid_parameter(exc: InvalidParameter) -> ApiError:
 def sampling_params(req: GenerationRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
     """Raises InvalidParameter naming the bad field."""
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    echo = bool(getattr(req, "echo", False))  # /v1/completions only
+    if req.stream and (getattr(req, "best_of", None) or 1) > (req.n or 1):
+        raise InvalidParameter(
+            "best_of", "best_of > n cannot be streamed (as OpenAI): leave out stream or best_of"
+        )
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -30,6 +35,12 @@ def sampling_params(req: GenerationRequest, max_tokens: int, logprobs: int | Non
         ignore_eos=bool(req.ignore_eos),
         logprobs=logprobs,
         n=1 if req.n is None else req.n,
+        best_of=getattr(req, "best_of", None),
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        logit_bias=parse_logit_bias(req.logit_bias or {}),
+        echo=echo,
+        prompt_logprobs=logprobs if echo else None,
         structured=structured_output(req.response_format),
     )
 
@@ -52,7 +63,9 @@ def structured_output(fmt: ResponseFormat | None) -> StructuredOutput | None:
 
 
 def usage(out: RequestOutput) -> dict[str, Any]:
-    prompt, completion = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+    """The prompt once, and every sample's tokens (best_of's discarded ones too, as OpenAI bills)."""
+    prompt = len(out.prompt_token_ids)
+    completion = out.num_generated_tokens or sum(len(c.token_ids) for c in out.outputs)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,

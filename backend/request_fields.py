@@ -37,17 +37,10 @@ _CHAT_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "verbosity": ((), "the model has no verbosity setting"),
 }
 _COMPLETIONS_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
-    "best_of": ((1,), "only one sample is drawn"),
-    "echo": ((False,), "echoing the prompt is not implemented"),
     "suffix": ((), "insertion (a suffix) is not implemented"),
 }
-_BOTH: dict[str, tuple[tuple[Any, ...], str]] = {
-    "frequency_penalty": ((0,), "penalties are not implemented"),
-    "presence_penalty": ((0,), "penalties are not implemented"),
-    "logit_bias": (({},), "logit_bias is not implemented"),
-}
-CHAT_UNSUPPORTED = {**_BOTH, **_CHAT_ONLY}
-COMPLETIONS_UNSUPPORTED = {**_BOTH, **_COMPLETIONS_ONLY}
+CHAT_UNSUPPORTED = _CHAT_ONLY
+COMPLETIONS_UNSUPPORTED = _COMPLETIONS_ONLY
 
 
 class EngineCompletionRequest(CompletionRequest):

@@ -1,10 +1,12 @@
 """Turns logits into the next token of each sequence.
 
-Greedy rows take the argmax. Other rows apply temperature, top-k and top-p, then draw with the
-request's own generator when it brought a seed, so a seeded request gives the same tokens
-whatever else shares its batch. A row whose request asked for structured output first has the
-tokens its grammar forbids masked out (``backend/structured.py``). Log-probabilities are those of
-the model's distribution (before temperature and before the grammar's mask), as OpenAI reports them.
+Rows that ask for them first get presence/frequency penalties and logit_bias
+(``apply_penalties``; a batch without any pays nothing). Greedy rows take the argmax. Other rows
+apply temperature, top-k and top-p, then draw with the request's own generator when it brought a
+seed, so a seeded request gives the same tokens whatever else shares its batch. A row whose
+request asked for structured output first has the tokens its grammar forbids masked out
+(``backend/structured.py``). Log-probabilities are those of the model's distribution (before
+penalties, temperature and the grammar's mask), as OpenAI reports them.
 """
 
 from __future__ import annotations
@@ -38,13 +40,36 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+@torch.inference_mode()
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """OpenAI's penalties and logit_bias, in place, on the rows that ask for them:
+    ``logit[j] -= count[j] * frequency_penalty + (count[j] > 0) * presence_penalty`` over the
+    tokens this sample generated so far, then ``logit[j] += logit_bias[j]``."""
+    vocab = logits.shape[-1]
+    for i, s in enumerate(seqs):
+        p = s.params
+        row = logits[i]
+        if (p.frequency_penalty or p.presence_penalty) and s.num_output_tokens:
+            out = torch.tensor(s.output_token_ids, device=logits.device)
+            counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)
+            row -= counts * p.frequency_penalty + (counts > 0).to(row.dtype) * p.presence_penalty
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), device=logits.device)
+            row.index_add_(
+                0, ids, torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=logits.device)
+            )
+
+
 def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.Generator) -> SampleResult:
     """One token for each row of ``logits`` [R, V] (float32); row i belongs to seqs[i].
 
     ``logits`` is changed in place where a row has a grammar.
     """
-    want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    # best_of ranks its samples by cumulative logprob, so those rows need the chosen token's too.
+    want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None or s.params.best_of_ranks]
     lp = logits[want].log_softmax(dim=-1) if want else None  # the model's own, before any mask
+    if any(s.params.penalized for s in seqs):
+        apply_penalties(logits, seqs)
     if any(s.grammar is not None for s in seqs):
         apply_grammar_masks(logits, [s.grammar for s in seqs])
     tokens = logits.argmax(dim=-1)

@@ -18,6 +18,8 @@ class InvalidParameter(ValueError):
 ANY_OBJECT = '{"type": "object"}'
 GREEDY_TEMPERATURE = 1e-5  # vLLM's epsilon too
 MAX_TOP_K = 2**31 - 1  # larger means "all tokens" anyway; a tensor of it must not overflow
+MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,13 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the chosen token's; k: plus the k most likely
-    n: int = 1
+    n: int = 1  # samples returned
+    best_of: int | None = None  # samples drawn (>= n); the n with the highest cumulative logprob return
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    prompt_logprobs: int | None = None  # None: none; k: each prompt token's logprob plus the top k
+    echo: bool = False  # the prompt is part of the answer, so max_tokens 0 (scoring only) is valid
     structured: StructuredOutput | None = None  # response_format json_object / json_schema
 
     def __post_init__(self) -> None:
@@ -59,11 +67,13 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        self.logit_bias = parse_logit_bias(self.logit_bias)
+        least_tokens = 0 if self.echo else 1
         checks = [
             (
                 "max_tokens",
-                isinstance(self.max_tokens, int) and self.max_tokens >= 1,
-                "must be an integer >= 1",
+                isinstance(self.max_tokens, int) and self.max_tokens >= least_tokens,
+                f"must be an integer >= {least_tokens}",
             ),
             ("temperature", 0.0 <= self.temperature <= 2.0, "must be between 0 and 2"),
             ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
@@ -88,14 +98,74 @@ class SamplingParams:
                 self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
                 "must be between 0 and 20",
             ),
-            ("n", self.n == 1, "only n=1 is supported"),
+            (
+                "prompt_logprobs",
+                self.prompt_logprobs is None
+                or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
+                "must be between 0 and 20",
+            ),
+            ("n", isinstance(self.n, int) and self.n >= 1, "must be an integer >= 1"),
+            (
+                "best_of",
+                self.best_of is None or (isinstance(self.best_of, int) and self.best_of >= self.n),
+                "must be an integer >= n",
+            ),
+            (
+                "presence_penalty",
+                -MAX_PENALTY <= self.presence_penalty <= MAX_PENALTY,
+                "must be between -2 and 2",
+            ),
+            (
+                "frequency_penalty",
+                -MAX_PENALTY <= self.frequency_penalty <= MAX_PENALTY,
+                "must be between -2 and 2",
+            ),
         ]
         for name, ok, why in checks:
             if not ok:
                 raise InvalidParameter(name, f"{name}={getattr(self, name)!r} is invalid: {why}")
 
     @property
+    def num_samples(self) -> int:
+        """Sequences drawn: best_of when given, else n."""
+        return self.best_of or self.n
+
+    @property
+    def best_of_ranks(self) -> bool:
+        """More samples are drawn than returned, ranked by their cumulative logprob."""
+        return self.num_samples > self.n
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the sampler has anything to add to this row's logits (rows without pay nothing)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+
+    @property
     def greedy(self) -> bool:
         """Below GREEDY_TEMPERATURE a draw is the argmax in all but name, and far below it (1e-50)
         logits / temperature overflow float32 into NaN."""
         return self.temperature < GREEDY_TEMPERATURE
+
+
+def parse_logit_bias(bias: object) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (JSON keys are strings) as token id -> bias; a bad entry names the param."""
+    if not isinstance(bias, dict):
+        raise InvalidParameter("logit_bias", "logit_bias must be an object mapping token ids to biases")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        text = str(key)
+        if isinstance(key, bool) or not (isinstance(key, int) or text.isdigit()):
+            raise InvalidParameter(
+                "logit_bias", f"logit_bias key {key!r} is not a token id (a non-negative integer)"
+            )
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS
+        ):
+            raise InvalidParameter(
+                "logit_bias",
+                f"logit_bias value {value!r} for token {text} must be a number between -100 and 100",
+            )
+        out[int(text)] = float(value)
+    return out

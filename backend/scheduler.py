@@ -46,6 +46,14 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def has_room(self) -> bool:
+        return len(self.running) < self.max_num_seqs
+
+    def add_running(self, seq: Sequence) -> None:
+        """A forked sample whose blocks are already in place: it decodes from the next step."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

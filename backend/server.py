@@ -25,14 +25,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from backend.async_engine import AsyncEngine, EngineDeadError, EngineError, RequestStream
+from backend.choices import CompletionShaper, Cursors, Echo, Shaper
 from backend.config import load_backend_server_config, load_engine_config
 from backend.metrics import ServerMetrics
 from backend.model_loader import EMBEDDED_GGUF
-from backend.outputs import RequestOutput
+from backend.outputs import CompletionOutput, RequestOutput
 from backend.protocol import (
     TokenTexts,
     chat_logprobs,
-    completion_logprobs,
     invalid_parameter,
     sampling_params,
     usage,
@@ -127,6 +127,9 @@ class _Server:
             raise ApiError(400, "This model has no tokenizer: send the prompt as token ids.", param="prompt")
         return self.tokenizer.encode(prompt, add_special_tokens=False)
 
+    def decode(self, ids: list[int]) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.decode(ids)
+
     def chat_ids(self, req: ChatCompletionRequest) -> list[int]:
         if self.tokenizer is None:
             raise ApiError(400, "This model has no tokenizer and cannot chat.", param="messages")
@@ -197,7 +200,13 @@ class _Server:
         prompt = req.prompt_input()
         ids = await self.in_tokenizer_thread(self.encode, prompt) if isinstance(prompt, str) else prompt
         params = self.sampling_params(req, req.resolved_max_tokens(), req.logprobs)
-        shaper = _CompletionShaper(f"cmpl-{uuid.uuid4().hex}", self.model_name, self.texts, req.include_usage)
+        echo = None
+        if req.echo:
+            text = prompt if isinstance(prompt, str) else await self.in_tokenizer_thread(self.decode, prompt)
+            echo = Echo(text, req.logprobs is not None)
+        shaper = CompletionShaper(
+            f"cmpl-{uuid.uuid4().hex}", self.model_name, self.texts, req.include_usage, echo
+        )
         stream = await self.start(shaper.id, ids, params, req.cache_salt)
         if req.stream:
             return self.event_stream(stream, shaper.chunks(stream))
@@ -242,35 +251,7 @@ class _Server:
         return Response(content, media_type=content_type)
 
 
-class _Shaper:
-    """Turns a request's outputs into one OpenAI response or its stream of chunks."""
-
-    object_name = ""
-
-    def __init__(self, request_id: str, model: str, texts: TokenTexts, include_usage: bool) -> None:
-        self.id, self.model, self.texts, self.include_usage = request_id, model, texts, include_usage
-        self.created = int(time.time())
-
-    def envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": obj,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
-
-    def chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
-        body = self.envelope(self.object_name, [choice])
-        if self.include_usage:
-            body["usage"] = None  # as OpenAI: every chunk but the last carries a null usage
-        return body
-
-    def usage_chunk(self, out: RequestOutput) -> dict[str, Any]:
-        return {**self.envelope(self.object_name, []), "usage": usage(out)}
-
-
-class _ChatShaper(_Shaper):
+class _ChatShaper(Shaper):
     object_name = "chat.completion.chunk"
 
     def __init__(self, request_id: str, model: str, texts: TokenTexts, include_usage: bool, top: int | None):
@@ -280,57 +261,41 @@ class _ChatShaper(_Shaper):
     def logprobs(self, entries: list[dict] | None) -> dict[str, Any] | None:
         return None if self.top is None or entries is None else chat_logprobs(entries, self.texts, self.top)
 
-    def response(self, out: RequestOutput) -> dict[str, Any]:
-        c = out.outputs[0]
-        choice = {
-            "index": 0, "message": {"role": "assistant", "content": c.text, "refusal": None},
+    def message_choice(self, c: CompletionOutput) -> dict[str, Any]:
+        return {
+            "index": c.index, "message": {"role": "assistant", "content": c.text, "refusal": None},
             "logprobs": self.logprobs(c.logprobs), "finish_reason": c.finish_reason,
         }  # fmt: skip
-        return {**self.envelope("chat.completion", [choice]), "usage": usage(out)}
-
-    def choice(self, delta: dict[str, Any], logprobs: dict | None = None, finish: str | None = None) -> dict:
-        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-
-    async def chunks(self, stream: RequestStream) -> AsyncIterator[dict[str, Any]]:
-        yield self.chunk(self.choice({"role": "assistant", "content": ""}))
-        sent_chars = sent_tokens = 0
-        async for out in stream:
-            c = out.outputs[0]
-            delta, sent_chars = c.text[sent_chars:], max(sent_chars, len(c.text))
-            entries = c.logprobs[sent_tokens:] if c.logprobs is not None else None
-            sent_tokens = len(c.token_ids)
-            if delta or entries:
-                yield self.chunk(self.choice({"content": delta}, self.logprobs(entries)))
-            if out.finished:
-                yield self.chunk(self.choice({}, finish=c.finish_reason))
-                if self.include_usage:
-                    yield self.usage_chunk(out)
-
-
-class _CompletionShaper(_Shaper):
-    object_name = "text_completion"
 
     def response(self, out: RequestOutput) -> dict[str, Any]:
-        c = out.outputs[0]
-        logprobs = None if c.logprobs is None else completion_logprobs(c.logprobs, self.texts, 0)[0]
-        choice = {"index": 0, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason}
-        return {**self.envelope("text_completion", [choice]), "usage": usage(out)}
+        choices = [self.message_choice(c) for c in out.outputs]
+        return {**self.envelope("chat.completion", choices), "usage": usage(out)}
+
+    def choice(
+        self, delta: dict[str, Any], logprobs: dict | None = None, finish: str | None = None, index: int = 0
+    ) -> dict:
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
     async def chunks(self, stream: RequestStream) -> AsyncIterator[dict[str, Any]]:
-        sent_chars = sent_tokens = offset = 0
+        cursors = Cursors()  # one per choice (n > 1): each starts with its role, ends with its reason
+        cursors[0].started = True  # the first choice's role goes out at once, before any token
+        yield self.chunk(self.choice({"role": "assistant", "content": ""}))
         async for out in stream:
-            c = out.outputs[0]
-            delta, sent_chars = c.text[sent_chars:], max(sent_chars, len(c.text))
-            logprobs = None
-            if c.logprobs is not None and len(c.logprobs) > sent_tokens:
-                logprobs, offset = completion_logprobs(c.logprobs[sent_tokens:], self.texts, offset)
-            sent_tokens = len(c.token_ids)
-            if delta or logprobs:
-                yield self.chunk({"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": None})
-            if out.finished:
-                yield self.chunk({"index": 0, "text": "", "logprobs": None, "finish_reason": c.finish_reason})
-                if self.include_usage:
-                    yield self.usage_chunk(out)
+            for c in out.outputs:
+                cursor = cursors[c.index]
+                if not cursor.started:
+                    cursor.started = True
+                    yield self.chunk(self.choice({"role": "assistant", "content": ""}, index=c.index))
+                if cursor.done:
+                    continue
+                delta, entries = cursor.advance(c)
+                if delta or entries:
+                    yield self.chunk(self.choice({"content": delta}, self.logprobs(entries), index=c.index))
+                if c.finish_reason is not None:
+                    cursor.done = True
+                    yield self.chunk(self.choice({}, finish=c.finish_reason, index=c.index))
+            if out.finished and self.include_usage:
+                yield self.usage_chunk(out)
 
 
 # --- app -------------------------------------------------------------------------------------

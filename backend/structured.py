@@ -48,6 +48,10 @@ class Grammar:
             log.warning("grammar refused token %d: %s", token, self._matcher.get_error())
         return ok
 
+    def copy(self) -> Grammar:
+        """An independent matcher in the same state (for a forked sample)."""
+        return Grammar(self._matcher.deep_copy())
+
     @property
     def done(self) -> bool:
         """Nothing but EOS may follow: the JSON is complete."""

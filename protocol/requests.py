@@ -115,6 +115,9 @@ class GenerationRequest(_Model):
     seed: Seed | None = None
     stop: str | list[str] | None = None
     n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = False  # extension
@@ -128,14 +131,17 @@ class GenerationRequest(_Model):
 
 
 class CompletionRequest(GenerationRequest):
-    prompt: str | list[int] | list[str]
+    prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
+    echo: bool | None = False
+    best_of: int | None = None
 
     def prompt_input(self) -> str | list[int]:
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
+        """The one prompt: a string, token ids, or a list of one of them (as lm-eval sends ids)."""
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str | list):
             if len(self.prompt) != 1:
                 raise ApiError(400, "Only one prompt per request is supported.", param="prompt")
-            return self.prompt[0]
+            return self.prompt[0]  # type: ignore[return-value]
         return self.prompt  # type: ignore[return-value]
 
     def resolved_max_tokens(self) -> int:

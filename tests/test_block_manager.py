@@ -123,3 +123,35 @@ def test_reset_prefix_cache_forgets_free_blocks_but_not_used_ones():
     assert bm.reset_prefix_cache() == 2  # the freed sequence's two full blocks
     assert bm.find_cached_prefix(seq(list(range(50, 59)), rid="again")) == []
     assert len(bm.find_cached_prefix(seq(list(range(9)), rid="again2"))) == 2  # still in use: kept
+
+
+def test_fork_shares_full_blocks_and_copies_the_partial_one():
+    """n > 1: the samples share the prompt's full blocks (ref counts) and each writes into its own
+    copy of a partly filled last block; freeing them all returns every block."""
+    bm = BlockManager(8, BS)
+    parent = seq(list(range(10)))  # two full blocks and a partial one
+    run_to_completion(bm, parent)
+    child = seq(list(range(10)), rid="r")
+    assert bm.can_fork(parent)
+    src, dst = bm.fork(parent, child)  # type: ignore[misc]
+    assert child.block_table[:2] == parent.block_table[:2]
+    assert [bm.blocks[b].ref_count for b in parent.block_table] == [2, 2, 1]
+    assert src == parent.block_table[2] and dst == child.block_table[2] and dst != src
+    assert child.num_computed_tokens == 10 and bm.num_free_blocks == 8 - 4
+    for s in (parent, child):
+        bm.free_blocks(s)
+    assert bm.num_free_blocks == 8 and all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_fork_at_a_block_boundary_copies_nothing():
+    bm = BlockManager(2, BS)
+    parent = seq(list(range(8)))
+    run_to_completion(bm, parent)
+    assert bm.num_free_blocks == 0 and bm.can_fork(parent)  # nothing to copy, so no block needed
+    child = seq(list(range(8)))
+    assert bm.fork(parent, child) is None
+    assert [bm.blocks[b].ref_count for b in parent.block_table] == [2, 2]
+    partial = seq(list(range(6)), rid="p")
+    bm2 = BlockManager(2, BS)
+    run_to_completion(bm2, partial)
+    assert not bm2.can_fork(partial)  # its partial block needs a copy and no block is free

@@ -132,7 +132,14 @@ def test_abort_frees_blocks_at_any_point(llm):
         ({"temperature": float("nan")}, "temperature"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"logprobs": 50}, "logprobs"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 3, "best_of": 2}, "best_of"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias"),
+        ({"max_tokens": 0, "echo": False}, "max_tokens"),
         ({"stop": [""]}, "stop"),
     ],
 )
@@ -154,4 +161,48 @@ def test_bad_prompts_are_refused_before_they_run(llm):
         eng.add_request("empty", [], SamplingParams())
     with pytest.raises(InvalidParameter):
         eng.add_request("vocab", [10**9], SamplingParams())
+    assert_no_leak(llm)
+
+
+def test_n_samples_fork_the_prompt_blocks_once(llm):
+    """n=3 computes the prompt once: the samples share its full blocks (ref count 3) and each has
+    its own copy of the partial last block, whose K/V must be right: greedy samples all equal the
+    n=1 answer. Every block comes back at the end."""
+    prompt = list(range(2000, 2037))  # 37 tokens: two full blocks and a partial one
+    alone = llm.generate([prompt], greedy(6))[0].outputs[0].token_ids
+    engine = llm.engine
+    engine.block_manager.reset_prefix_cache()
+    before = engine.prompt_tokens
+    engine.add_request("fork", prompt, SamplingParams(temperature=0.0, max_tokens=6, n=3))
+    group = engine.requests["fork"]
+    while len(group.seqs) < 3:
+        engine.step()
+    assert engine.prompt_tokens - before == len(prompt)  # prefilled once
+    tables = [s.block_table for s in group.seqs]
+    assert tables[0][:2] == tables[1][:2] == tables[2][:2]
+    assert [engine.block_manager.blocks[b].ref_count for b in tables[0][:2]] == [3, 3]
+    assert len({t[2] for t in tables}) == 3  # the partial block: one copy per sample
+    outs = llm._run(["fork"], use_tqdm=False)[0].outputs
+    assert [o.index for o in outs] == [0, 1, 2]
+    assert all(o.token_ids == alone for o in outs)
+    assert_no_leak(llm)
+
+
+def test_seeded_samples_are_the_seeded_single_requests(llm):
+    """Sample i draws with seed + i: the same tokens as n=1 requests with those seeds."""
+    params = {"temperature": 1.0, "max_tokens": 5}
+    many = llm.generate([[3000, 3001, 3002]], SamplingParams(n=3, seed=40, **params))[0].outputs
+    single = [llm.generate([[3000, 3001, 3002]], SamplingParams(seed=40 + i, **params))[0] for i in range(3)]
+    assert [o.token_ids for o in many] == [s.outputs[0].token_ids for s in single]
+
+
+def test_prompt_logprobs_score_every_prompt_token_despite_the_prefix_cache(llm):
+    """An echo request computes every prompt position (no cached prefix) and scores each once."""
+    prompt = list(range(4000, 4040))
+    llm.generate([prompt], greedy(1))  # now cached
+    out = llm.generate([prompt], SamplingParams(max_tokens=0, echo=True, prompt_logprobs=0))[0]
+    assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == []
+    assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(prompt)
+    assert out.prompt_logprobs[0] is None
+    assert [e["token_id"] for e in out.prompt_logprobs[1:]] == prompt[1:]
     assert_no_leak(llm)

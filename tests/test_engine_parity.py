@@ -78,3 +78,21 @@ def test_preempted_and_chunked_requests_match_hf(reference):
     assert any(o.metrics.num_preemptions for o in outs)
     assert small.engine.block_manager.num_free_blocks == small.engine.block_manager.num_blocks
     assert not small.engine.scheduler.running and not small.engine.scheduler.waiting
+
+
+def test_echo_prompt_logprobs_match_an_hf_forward_pass(llm, hf_model, shared_backend_url) -> None:
+    """Prompt logprobs through the server (the openai SDK, echo + logprobs + max_tokens 0, as
+    evaluation harnesses score loglikelihood) equal log_softmax of HF's logits on the same weights."""
+    import openai
+
+    ids = prompts_for(llm)[5]  # the long document: several blocks, every position scored
+    client = openai.OpenAI(base_url=shared_backend_url, api_key="unused", max_retries=0, timeout=600)
+    out = client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt=ids, echo=True, logprobs=1, max_tokens=0
+    )
+    got = out.choices[0].logprobs.token_logprobs
+    with torch.inference_mode():
+        lp = hf_model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    expected = lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist()
+    assert got[0] is None and len(got) == len(ids)
+    assert max(abs(a - b) for a, b in zip(got[1:], expected, strict=True)) < 1e-3

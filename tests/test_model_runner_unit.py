@@ -48,7 +48,7 @@ def logits_of(
                 bm.append_slots(s, n)
             else:
                 bm.allocate(s, [], n)
-        out, _ = runner.execute(ScheduledBatch([s for s, _ in batch], [n for _, n in batch]))
+        out = runner.execute(ScheduledBatch([s for s, _ in batch], [n for _, n in batch])).logits
         for s, n in batch:
             s.num_computed_tokens += n
     return out
@@ -105,5 +105,6 @@ def test_a_partial_chunk_samples_nothing(runner: ModelRunner) -> None:
     bm = BlockManager(runner.num_blocks, BS, enable_prefix_caching=False)
     s = fresh("x", PROMPT)
     bm.allocate(s, [], 4)
-    logits, rows = runner.execute(ScheduledBatch([s], [4]))
+    step = runner.execute(ScheduledBatch([s], [4]))
+    logits, rows = step.logits, step.rows
     assert rows == [] and logits.shape == (0, 64)

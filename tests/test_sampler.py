@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from backend.sampler import _filter_top_k_top_p, sample
-from backend.sampling_params import SamplingParams
+from backend.sampler import _filter_top_k_top_p, apply_penalties, sample
+from backend.sampling_params import InvalidParameter, SamplingParams
 from backend.sequence import Sequence
 
 VOCAB = 8
@@ -71,3 +72,38 @@ def test_logprobs_are_the_models_before_temperature_with_top_alternatives() -> N
     assert [t for t, _ in entry["top"]] == expected.topk(3).indices.tolist()
     only_chosen = sample(logits, [seq("a", temperature=0.0, logprobs=0)], torch.Generator()).logprobs[0]
     assert only_chosen is not None and only_chosen["top"] == []
+
+
+def test_penalties_follow_openais_formula_on_generated_tokens_only() -> None:
+    """logit[j] - count[j] * frequency - (count[j] > 0) * presence; prompt tokens do not count."""
+    s = seq("a", temperature=0.0, frequency_penalty=0.5, presence_penalty=1.0)
+    s.token_ids += [2, 2, 5]  # generated: token 2 twice, token 5 once (prompt is 1, 2, 3)
+    logits = torch.zeros(1, VOCAB)
+    apply_penalties(logits, [s])
+    expected = torch.zeros(VOCAB)
+    expected[2] = -(2 * 0.5 + 1.0)
+    expected[5] = -(1 * 0.5 + 1.0)
+    assert torch.equal(logits[0], expected)
+
+
+def test_logit_bias_moves_the_argmax_and_spares_other_rows() -> None:
+    rows = logits_rows(3, 3)
+    plain = rows[1].clone()
+    seqs = [seq("a", temperature=0.0, logit_bias={"6": 100}), seq("b", temperature=0.0)]
+    out = sample(rows, seqs, torch.Generator())
+    assert out.token_ids == [6, 3]
+    assert torch.equal(rows[1], plain)  # a row without penalties is untouched
+
+
+def test_logprobs_are_the_models_own_despite_the_bias() -> None:
+    rows = logits_rows(3)
+    expected = rows[0].log_softmax(-1)[6].item()
+    out = sample(rows, [seq("a", temperature=0.0, logprobs=0, logit_bias={"6": 100})], torch.Generator())
+    assert out.token_ids == [6] and out.logprobs[0]["logprob"] == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("bias", [{"x": 1}, {"-3": 1}, {"1": 100.5}, {"1": "up"}, {"1": True}, [1]])
+def test_bad_logit_bias_names_the_param(bias) -> None:
+    with pytest.raises(InvalidParameter) as err:
+        SamplingParams(logit_bias=bias)
+    assert err.value.param == "logit_bias"

@@ -283,7 +283,11 @@ HELLO = [{"role": "user", "content": "hi"}]
         (CHAT, {"messages": HELLO, "temperature": 5}, "temperature"),
         (CHAT, {"messages": HELLO, "top_p": 0}, "top_p"),
         (CHAT, {"messages": HELLO, "max_tokens": 0}, "max_tokens"),
-        (CHAT, {"messages": HELLO, "n": 2}, "n"),
+        (CHAT, {"messages": HELLO, "n": 0}, "n"),
+        (CHAT, {"messages": HELLO, "logit_bias": {"99999999": 1}}, "logit_bias"),  # beyond the vocabulary
+        (CHAT, {"messages": HELLO, "logit_bias": {"1": "up"}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "x", "n": 1, "best_of": 2, "stream": True}, "best_of"),
+        ("/v1/completions", {"prompt": "x", "n": 2, "best_of": 1}, "best_of"),
         ("/v1/completions", {"prompt": 5}, "prompt"),
         ("/v1/completions", {"prompt": "x", "logprobs": 50}, "logprobs"),
     ],
