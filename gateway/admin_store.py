@@ -11,7 +11,7 @@ from typing import Any
 from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from gateway.request_record import RequestRecord
+from gateway.request_record import COLUMNS, RequestRecord
 from gateway.tables import AuditEvent, CacheEntry, Feedback, RequestRow, Setting
 
 ENTRY_ORDER = {
@@ -20,7 +20,6 @@ ENTRY_ORDER = {
     "last_hit": (func.coalesce(CacheEntry.last_hit_at, 0).desc(), CacheEntry.id.desc()),
     "size": (CacheEntry.size_bytes.desc(), CacheEntry.id.desc()),
 }
-_RECORD_COLUMNS = [c.name for c in RequestRow.__table__.columns]
 
 
 def _like(text: str) -> str:
@@ -196,17 +195,14 @@ class AdminStore:
         self, since: float, until: float, tenant: str = "", model: str = "", limit: int = 2_000_000
     ) -> list[RequestRecord]:
         """Request-log records in [since, until), oldest first."""
-        cols = [getattr(RequestRow, c) for c in _RECORD_COLUMNS]
+        cols = [getattr(RequestRow, c) for c in COLUMNS]
         q = select(*cols).where(RequestRow.ts >= since, RequestRow.ts < until)
         if tenant:
             q = q.where(RequestRow.tenant == tenant)
         if model:
             q = q.where(RequestRow.model == model)
         with self.session() as s:
-            return [
-                RequestRecord.from_dict(dict(r._mapping))
-                for r in s.execute(q.order_by(RequestRow.ts).limit(limit))
-            ]
+            return [RequestRecord.from_columns(r) for r in s.execute(q.order_by(RequestRow.ts).limit(limit))]
 
 
 def _audit_event(actor: str, action: str, target: str = "", old: Any = None, new: Any = None) -> AuditEvent:

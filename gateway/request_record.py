@@ -6,7 +6,7 @@ back by attribute (feedback, the recorder's recent rows).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,17 +51,35 @@ class RequestRecord:
         return self.cache_result in (CacheResult.EXACT_HIT, CacheResult.SEMANTIC_HIT)
 
     def to_row(self) -> RequestRow:
-        return RequestRow(**{f.name: getattr(self, f.name) for f in FIELDS})
+        return RequestRow(**{name: getattr(self, name) for name in COLUMNS})
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> RequestRecord:
         """From a request-log row given as a dict of its columns (unknown keys are a TypeError)."""
-        return cls(**{**values, "cache_result": CacheResult(values["cache_result"])})
+        record = cls(**values)
+        record.cache_result = result_of(record.cache_result)
+        return record
+
+    @classmethod
+    def from_columns(cls, values: Sequence[Any]) -> RequestRecord:
+        """From the columns in field order (``COLUMNS``), as a query of them returns each row: the
+        quick way for the millions of rows a report may read (about 1 us a row)."""
+        record = cls(*values)
+        record.cache_result = result_of(record.cache_result)
+        return record
 
     @classmethod
     def from_row(cls, row: RequestRow) -> RequestRecord:
-        values = {f.name: getattr(row, f.name) for f in FIELDS}
-        return cls(**values | {"cache_result": CacheResult(row.cache_result)})
+        return cls.from_columns([getattr(row, name) for name in COLUMNS])
 
 
-FIELDS = dataclasses.fields(RequestRecord)
+COLUMNS = tuple(f.name for f in dataclasses.fields(RequestRecord))
+_RESULTS = {r.value: r for r in CacheResult}
+
+
+def result_of(value: str) -> CacheResult:
+    """The enum member of a stored value (a dict look-up: faster than ``CacheResult(value)``)."""
+    try:
+        return _RESULTS[value]
+    except KeyError:
+        raise ValueError(f"not a cache result: {value!r}") from None

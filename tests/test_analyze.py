@@ -233,6 +233,17 @@ def test_unreadable_databases(tmp_path, capsys):
     assert "cannot open database" in fails(["--db", "nosuchdialect://u@h/db"], capsys)
 
 
+def test_a_jsonl_line_with_an_unknown_cache_result_is_named(tmp_path, capsys):
+    """Rows are typed records now: a result that is not one of the four is refused with its line."""
+    bad = tmp_path / "odd.jsonl"
+    bad.write_text(
+        json.dumps(make_row(1, BASE)) + "\n" + json.dumps({**make_row(2, BASE), "cache_result": "hit"}) + "\n"
+    )
+    assert "line 2: column cache_result must be one of exact-hit, semantic-hit, miss, bypass" in fails(
+        ["--jsonl", str(bad)], capsys
+    )
+
+
 def test_bad_jsonl(log_db, tmp_path, capsys):
     good = json.dumps(make_row(1, BASE))
     bad = tmp_path / "bad.jsonl"

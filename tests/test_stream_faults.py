@@ -75,13 +75,13 @@ def faulty() -> Iterator[tuple[str, list[str]]]:
         yield f"{url}/v1", calls
 
 
+def ask(how: str) -> dict:
+    """A streamed request; its text tells the test backend how to answer."""
+    return {"model": MODEL, "messages": [{"role": "user", "content": how}], "temperature": 0, "stream": True}
+
+
 def stream(url: str, how: str) -> tuple[int, str, list[dict]]:
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": how}],
-        "temperature": 0,
-        "stream": True,
-    }
+    body = ask(how)
     headers = {"authorization": "Bearer tenant-a"}
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers, timeout=60) as r:
         events = [
@@ -136,12 +136,7 @@ def test_a_crlf_framed_stream_is_relayed_event_by_event_and_stored(
     on LF-LF only and held a CRLF stream to its end: this waited for a release that never came)."""
     backend, _ = faulty
     RELEASE.clear()
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "crlf"}],
-        "temperature": 0,
-        "stream": True,
-    }
+    body = ask("crlf")
     with gateway(settings_for(tmp_path, [backend])) as url:
         auth = {"authorization": "Bearer tenant-a"}
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=auth, timeout=60) as r:
@@ -177,12 +172,7 @@ def test_a_client_that_goes_away_mid_stream_is_logged_and_nothing_is_stored(
     answer is not stored."""
     backend, _ = faulty
     RELEASE.clear()
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "crlf"}],
-        "temperature": 0,
-        "stream": True,
-    }
+    body = ask("crlf")
     auth = {"authorization": "Bearer tenant-a"}
     with gateway(settings_for(tmp_path, [backend])) as url:
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=auth, timeout=60) as r:
