@@ -34,7 +34,7 @@ from gateway.prefix_salt import PrefixSalts
 from gateway.proxy import Backends
 from gateway.recorder import Recorder
 from gateway.store import Store, reply_key
-from gateway.streams import SseRecorder, relay
+from gateway.streams import SseRecorder, StreamRelay
 from gateway.tables import CacheEntry
 from gateway.tenants import Tenant, Tenants
 from gateway.volatile_learner import VolatileLearner
@@ -218,35 +218,17 @@ class Gateway:
             self._count_backend_error(response.status_code, data)
             await self._record(flow, response.status_code, {}, json.dumps(data)[:500])
             return JSONResponse(data, status_code=response.status_code, headers=flow.headers(self.entry_ids))
-        recorder = SseRecorder(record.endpoint)
 
-        async def events():
-            finished = False
-            try:
-                gone = self.backends.gone(record.backend or "")
-                async for event in relay(response, recorder, not client_usage, gone):
-                    if recorder.done and not finished:
-                        # Store before [DONE] reaches the client: a repeat sent right after the
-                        # stream ends must find the answer (read-your-writes).
-                        finished = True
-                        record.backend_ms = (time.perf_counter() - start) * 1e3
-                        await self._finish_stream(flow, recorder, store, ttl)
-                    yield event
-                if not finished:  # the backend broke the stream: relay ended it with an error event
-                    finished = True
-                    record.backend_ms = (time.perf_counter() - start) * 1e3
-                    await self._finish_stream(flow, recorder, store, ttl)
-            finally:  # the client went away: record it, store nothing
-                if not finished:
-                    record.backend_ms = (time.perf_counter() - start) * 1e3
-                    task = asyncio.get_running_loop().create_task(
-                        self._finish_stream(flow, recorder, store, ttl)
-                    )
-                    self._tasks.add(task)  # a task without a reference can be collected mid-run
-                    task.add_done_callback(self._tasks.discard)
+        async def finish(recorder: SseRecorder) -> None:
+            record.backend_ms = (time.perf_counter() - start) * 1e3
+            await self._finish_stream(flow, recorder, store, ttl)
 
+        gone = self.backends.gone(record.backend or "")
+        stream = StreamRelay(
+            response, SseRecorder(record.endpoint), finish, self._tasks, not client_usage, gone
+        )
         headers = flow.headers(self.entry_ids)
-        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+        return StreamingResponse(stream.events(), media_type="text/event-stream", headers=headers)
 
     async def _finish_stream(self, flow: Flow, recorder: SseRecorder, store: bool, ttl: int) -> None:
         flow.record.response_id = recorder.meta.get("id")

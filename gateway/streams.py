@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 import httpx
@@ -238,3 +238,43 @@ async def _chunks(response: httpx.Response, gone: asyncio.Event | None) -> Async
 def stream_error_event(message: str, code: str = "backend_error") -> bytes:
     """One SSE event carrying an OpenAI-style error body (what OpenAI sends for a failed stream)."""
     return sse.error_event(message, code)
+
+
+class StreamRelay:
+    """One client stream: the relayed events, the recorder reading them, and the bookkeeping at the
+    end (``finish``: log the request, store a complete answer). ``finish`` runs exactly once: before
+    ``[DONE]`` reaches the client (a repeat sent right after must find the answer), after a broken
+    stream's error event, or, when the client goes away, as a task kept in ``tasks`` (an unreferenced
+    task can be collected mid-run)."""
+
+    def __init__(
+        self,
+        response: httpx.Response,
+        recorder: SseRecorder,
+        finish: Callable[[SseRecorder], Coroutine[Any, Any, None]],
+        tasks: set[asyncio.Task],
+        drop_usage_chunk: bool,
+        gone: asyncio.Event | None = None,
+    ) -> None:
+        self.response, self.recorder, self._finish = response, recorder, finish
+        self.tasks, self.drop_usage_chunk, self.gone = tasks, drop_usage_chunk, gone
+        self.finished = False
+
+    async def _finish_once(self) -> None:
+        if not self.finished:
+            self.finished = True
+            await self._finish(self.recorder)
+
+    async def events(self) -> AsyncIterator[bytes]:
+        try:
+            async for event in relay(self.response, self.recorder, self.drop_usage_chunk, self.gone):
+                if self.recorder.done:
+                    await self._finish_once()
+                yield event
+            await self._finish_once()  # the backend broke the stream: relay ended it with an error event
+        finally:  # the client went away: record it, store nothing
+            if not self.finished:
+                self.finished = True
+                task = asyncio.get_running_loop().create_task(self._finish(self.recorder))
+                self.tasks.add(task)
+                task.add_done_callback(self.tasks.discard)
