@@ -96,7 +96,8 @@ async def false_hit_report(gw: Gateway, since: float, until: float, bucket_s: fl
     return {
         **lines.view(c),
         "audits_by_verdict": {v: auditor.counts.get(v, 0) for v in ("right", "wrong", "failed", "dropped")},
-        "audit_backend_tokens": await asyncio.to_thread(lines.store.backend_tokens),
+        "audit_backend_tokens": await asyncio.to_thread(lines.store.backend_tokens),  # every replica's
+        "audit_backend_requests": auditor.backend_requests,  # this replica's re-asks
         "history": points,
     }
 

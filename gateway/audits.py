@@ -97,6 +97,7 @@ class Auditor:
         self.queue: asyncio.Queue[AuditJob] = asyncio.Queue(maxsize=QUEUE)
         self.counts: Counter[str] = Counter()  # right | wrong | failed | dropped
         self.backend_tokens = 0  # spent by this replica's re-asks
+        self.backend_requests = 0  # this replica's re-asks (near misses need none)
         self._recent: OrderedDict[str, tuple[str, str, float]] = OrderedDict()
 
     def offer(self, job: AuditJob) -> str:
@@ -160,6 +161,7 @@ class Auditor:
         body = {k: v for k, v in job.body.items() if k not in ("stream", "stream_options")}
         urls = self.backends.order(await self.backends.route(job.model or None), job.endpoint, body)
         path = "/chat/completions" if job.endpoint == "chat" else "/completions"
+        self.backend_requests += 1
         status, data, _, _ = await self.backends.post_json(urls, path, body, job.cache_salt)
         if status != 200:
             raise RuntimeError(f"the backend answered the audit with {status}")

@@ -98,3 +98,16 @@ def test_family_wise_error_holds_on_simulated_audits() -> None:
         if c.line is not None and true_rate(c.line) > target:
             over += 1
     assert over / runs <= 0.08
+
+
+def test_the_audit_budget_is_a_token_bucket_that_never_waits() -> None:
+    from gateway.audits import TokenBucket
+
+    now = [0.0]
+    bucket = TokenBucket(2.0, clock=lambda: now[0])  # 2 a second, a burst of 2
+    assert [bucket.take() for _ in range(3)] == [True, True, False]
+    now[0] += 0.5  # one token back
+    assert [bucket.take() for _ in range(2)] == [True, False]
+    slow = TokenBucket(0.001, clock=lambda: now[0])
+    assert [slow.take() for _ in range(3)] == [True, False, False]
+    assert not TokenBucket(0.0, clock=lambda: now[0]).take()  # 0: no audits at all
