@@ -172,13 +172,15 @@ class Auditor:
         return data, tokens
 
     async def same_answer(self, a: str, b: str) -> bool:
-        """Identical up to whitespace: the same answer; else the answers' embeddings decide."""
+        """Identical up to whitespace: the same answer; else, below ``audit_answer_cosine`` 1.0, the
+        answers' embeddings decide (off by default: on a small model it hid false hits)."""
         if " ".join(a.split()) == " ".join(b.split()):
             return True
-        if self.batcher is None or not a.strip() or not b.strip():
+        least = self.config().audit_answer_cosine
+        if least >= 1.0 or self.batcher is None or not a.strip() or not b.strip():
             return False
         emb = await self.batcher.embed_many([a, b])
-        return float(np.dot(emb[0], emb[1])) >= self.config().audit_answer_cosine
+        return float(np.dot(emb[0], emb[1])) >= least
 
     async def bad_report(self, request_id: str) -> bool:
         """A user's bad-hit report on a semantic hit is wrong-verdict evidence at the hit's score
