@@ -147,9 +147,11 @@ def _analyze(args: argparse.Namespace) -> int:
     if not args.jsonl:
         from gateway.false_hit_report import read_false_hits
 
-        summary["false_hit_rate"] = read_false_hits(
+        false_hits = read_false_hits(
             args.db or settings.gateway.resolved_database_url(settings.data_dir), settings
         )
+        if false_hits.get("by_scope"):  # none recorded: the summary stays what a JSONL export gives
+            summary["false_hit_rate"] = false_hits
     out = Path(args.out) if args.out else settings.data_dir / "report"
     try:
         out.mkdir(parents=True, exist_ok=True)
