@@ -111,7 +111,8 @@ async def false_hit_report(
     return {
         **lines.view(c),
         "audits_by_verdict": {v: auditor.counts.get(v, 0) for v in ("right", "wrong", "failed", "dropped")},
-        "audit_backend_tokens": await asyncio.to_thread(lines.store.backend_tokens),
+        "audit_backend_tokens": await asyncio.to_thread(lines.store.backend_tokens),  # every replica's
+        "audit_backend_requests": auditor.backend_requests,  # this replica's re-asks
         "history": points,
     }
 

@@ -111,6 +111,14 @@ def _analyze(args: argparse.Namespace) -> int:
         raise AnalyzeError(f"no requests in {log.source} {_span_text(since, until)}{hint}", code=1)
     with err.status(f"computing statistics over {len(log.rows):,} requests"):
         summary = build_summary(log, settings)
+    if not args.jsonl:
+        from gateway.false_hit_report import read_false_hits
+
+        false_hits = read_false_hits(
+            args.db or settings.gateway.resolved_database_url(settings.data_dir), settings
+        )
+        if false_hits.get("by_scope"):  # none recorded: the summary stays what a JSONL export gives
+            summary["false_hit_rate"] = false_hits
     out = Path(args.out) if args.out else settings.data_dir / "report"
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -123,6 +131,9 @@ def _analyze(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=1))
     else:
         print_tables(summary, Console(highlight=False, width=None if sys.stdout.isatty() else 160))
+        from gateway.false_hit_report import print_false_hits
+
+        print_false_hits(summary.get("false_hit_rate") or {})
     say(f"wrote {page}, summary.json and {len(charts)} charts")
     return 0
 

@@ -97,6 +97,7 @@ class Auditor:
         self.queue: asyncio.Queue[AuditJob] = asyncio.Queue(maxsize=QUEUE)
         self.counts: Counter[str] = Counter()  # right | wrong | failed | dropped
         self.backend_tokens = 0  # spent by this replica's re-asks
+        self.backend_requests = 0  # this replica's re-asks (near misses need none)
         self._recent: OrderedDict[str, tuple[str, str, float]] = OrderedDict()
 
     def offer(self, job: AuditJob) -> str:
@@ -160,6 +161,7 @@ class Auditor:
         body = {k: v for k, v in job.body.items() if k not in ("stream", "stream_options")}
         urls = self.backends.order(await self.backends.route(job.model or None), job.endpoint, body)
         path = "/chat/completions" if job.endpoint == "chat" else "/completions"
+        self.backend_requests += 1
         status, data, _, _ = await self.backends.post_json(urls, path, body, job.cache_salt)
         if status != 200:
             raise RuntimeError(f"the backend answered the audit with {status}")
@@ -170,13 +172,15 @@ class Auditor:
         return data, tokens
 
     async def same_answer(self, a: str, b: str) -> bool:
-        """Identical up to whitespace: the same answer; else the answers' embeddings decide."""
+        """Identical up to whitespace: the same answer; else, below ``audit_answer_cosine`` 1.0, the
+        answers' embeddings decide (off by default: on a small model it hid false hits)."""
         if " ".join(a.split()) == " ".join(b.split()):
             return True
-        if self.batcher is None or not a.strip() or not b.strip():
+        least = self.config().audit_answer_cosine
+        if least >= 1.0 or self.batcher is None or not a.strip() or not b.strip():
             return False
         emb = await self.batcher.embed_many([a, b])
-        return float(np.dot(emb[0], emb[1])) >= self.config().audit_answer_cosine
+        return float(np.dot(emb[0], emb[1])) >= least
 
     async def bad_report(self, request_id: str) -> bool:
         """A user's bad-hit report on a semantic hit is wrong-verdict evidence at the hit's score

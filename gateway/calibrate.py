@@ -233,6 +233,12 @@ def main_calibrate(argv: list[str]) -> int:
     parser.add_argument("--no-verifier", action="store_true", help="cosine alone, whatever the config says")
     parser.add_argument("--limit", type=_positive_int, metavar="N", help="only the first N pairs")
     parser.add_argument("--plot", metavar="FILE.png", help="plot precision/recall/F1 against threshold")
+    parser.add_argument(
+        "--seed-evidence",
+        metavar="MODEL",
+        help="also write the pairs as false-hit evidence of this model into the gateway's database",
+    )
+    parser.add_argument("--tenant", default="", help="the tenant name (or key hash) of the seeded evidence")
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse has printed "cachegw calibrate: error: ..." already
@@ -249,6 +255,9 @@ def main_calibrate(argv: list[str]) -> int:
             print(json.dumps(res))
         else:
             print_table(res)
+        if res.get("seeded") is not None:
+            note = f"seeded {res['seeded']} candidate pairs as false-hit evidence of {args.seed_evidence}"
+            print(note, file=sys.stderr if args.json else sys.stdout)
         if args.write_config:
             write_threshold(args.write_config, res["recommended"])
             note = f"wrote [cache] threshold = {res['recommended']} to {args.write_config}"
@@ -259,6 +268,23 @@ def main_calibrate(argv: list[str]) -> int:
         print(f"cachegw calibrate: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _seed(
+    settings: Any, model: str, tenant: str, q1: list[str], q2: list[str], y: np.ndarray, verifier
+) -> int:
+    """The pairs as evidence for the false-hit bound (``gateway/evidence_seed.py``)."""
+    from gateway.evidence_seed import seed, seed_scores
+    from gateway.evidence_store import EvidenceStore
+    from gateway.store import Store
+
+    c = settings.cache
+    scores = seed_scores(q1, q2, settings.canonicalize, verifier, c.threshold, c.embed_backend)
+    store = Store(settings.gateway.resolved_database_url(settings.data_dir))
+    try:
+        return seed(EvidenceStore(store.session), model, tenant, scores, y)
+    finally:
+        store.close()
 
 
 def _run(args: argparse.Namespace) -> dict[str, Any]:
@@ -288,6 +314,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     c = settings.cache
     cos, passes = score_pairs(q1, q2, settings.canonicalize, verifier, c.verifier_threshold, c.embed_backend)
     res = sweep(cos, passes, y, args.precision)
+    if args.seed_evidence:
+        res["seeded"] = _seed(settings, args.seed_evidence, args.tenant, q1, q2, y, verifier)
     res["verifier"] = use_verifier
     res["verifier_threshold"] = settings.cache.verifier_threshold if use_verifier else None
     res["config"] = args.config

@@ -127,19 +127,41 @@ class ThresholdProvider:
 
     def view(self, config: CacheConfig) -> dict[str, Any]:
         """``false_hit_rate`` of /admin/api/stats: per scope ("model|tenant") and overall."""
-        conf = config.false_hit_confidence
-        scopes: dict[str, Any] = {}
-        wrong_all = audits_all = total_all = 0
-        for (model, tenant), ev in sorted(self.evidence.items()):
-            sl = self.line(model, tenant, config)
-            target = sl.target if sl else 0.0
-            line = sl.line if sl else None
-            wrong, n = ev.at(line) if line is not None else (0, 0)
-            view = rate_view(target, line, wrong, n, ev.total, conf)
-            scopes[f"{model}|{tenant}"] = view.as_dict()
-            wrong_all, audits_all, total_all = wrong_all + wrong, audits_all + n, total_all + ev.total
-        overall = rate_view(config.max_false_hit_rate, None, wrong_all, audits_all, total_all, conf)
-        return {"overall": overall.as_dict(), "by_scope": scopes, "confidence": conf}
+        return rates(self.evidence, config, self.line)
+
+
+def rates(
+    evidence: dict[Scope, Evidence],
+    config: CacheConfig,
+    line_of: Callable[[str, str, CacheConfig], ScopeLine | None] | None = None,
+) -> dict[str, Any]:
+    """Per scope and overall: the audited false-hit rate of hits at each scope's line in force
+    (``line_of``; by default computed from ``evidence`` itself, as ``cachegw analyze`` does)."""
+    conf = config.false_hit_confidence
+
+    def own_line(model: str, tenant: str, c: CacheConfig) -> ScopeLine | None:
+        target = c.false_hit_target(model, tenant)
+        return ScopeLine(target, choose_line(evidence[(model, tenant)], target, conf)) if target > 0 else None
+
+    line_of = line_of or own_line
+    scopes: dict[str, Any] = {}
+    wrong_all = audits_all = total_all = 0
+    for (model, tenant), ev in sorted(evidence.items()):
+        sl = line_of(model, tenant, config)
+        target = sl.target if sl else 0.0
+        line = sl.line if sl else None
+        wrong, n = ev.at(line) if line is not None else (0, 0)
+        scopes[f"{model}|{tenant}"] = rate_view(target, line, wrong, n, ev.total, conf).as_dict()
+        wrong_all, audits_all, total_all = wrong_all + wrong, audits_all + n, total_all + ev.total
+    overall = rate_view(config.max_false_hit_rate, None, wrong_all, audits_all, total_all, conf)
+    return {"overall": overall.as_dict(), "by_scope": scopes, "confidence": conf}
+
+
+def evidence_of(rows: list[EvidenceRow]) -> dict[Scope, Evidence]:
+    out: dict[Scope, Evidence] = {}
+    for r in rows:
+        out.setdefault((r.model, r.tenant), Evidence()).add(r.score, r.right)
+    return out
 
 
 def history(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
@@ -33,20 +33,7 @@ class EvidenceStore:
     def add(self, rows: list[EvidenceRow]) -> list[int]:
         """Append rows in one transaction; returns their ids."""
         with self.session.begin() as s:
-            records = [
-                HitAudit(
-                    ts=r.ts,
-                    model=r.model,
-                    tenant=r.tenant,
-                    score=r.score,
-                    right=r.right,
-                    source=r.source,
-                    entry_id=r.entry_id,
-                    request_id=r.request_id,
-                    backend_tokens=r.backend_tokens,
-                )
-                for r in rows
-            ]
+            records = [HitAudit(**{k: v for k, v in asdict(r).items() if k != "id"}) for r in rows]
             s.add_all(records)
             s.flush()
             return [r.id for r in records]
@@ -55,21 +42,7 @@ class EvidenceStore:
         """Rows written at or after ``ts`` (all of them from 0), oldest first."""
         with self.session() as s:
             found = s.scalars(select(HitAudit).where(HitAudit.ts >= ts).order_by(HitAudit.id)).all()
-            return [
-                EvidenceRow(
-                    r.model,
-                    r.tenant,
-                    r.score,
-                    r.right,
-                    r.source,
-                    r.ts,
-                    r.entry_id,
-                    r.request_id,
-                    r.backend_tokens,
-                    r.id,
-                )
-                for r in found
-            ]
+            return [EvidenceRow(**{f.name: getattr(r, f.name) for f in fields(EvidenceRow)}) for r in found]
 
     def backend_tokens(self) -> int:
         """What every audit's re-ask to the backend has cost, over all replicas."""

@@ -220,3 +220,28 @@ def test_cli_reports_bad_input_without_traceback(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.startswith("cachegw calibrate: error:") and "question1, question2" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_seed_evidence_writes_the_candidates_for_the_error_bound(capsys, pairs_csv, tmp_path):
+    """`--seed-evidence MODEL`: candidate pairs (over the cosine threshold, no guard) become rows of
+    the gateway's hit_audits table, duplicates as right hits; a gateway reads them at start."""
+    from gateway.error_control import ThresholdProvider
+    from gateway.evidence_store import EvidenceStore
+    from gateway.store import Store
+
+    cfg = tmp_path / "my.toml"
+    cfg.write_text(f'[gateway]\ndata_dir = "{tmp_path / "data"}"\n', encoding="utf-8")
+    res = _run_json(
+        capsys, ["--pairs", str(pairs_csv), "--config", str(cfg), "--seed-evidence", "m", "--tenant", "t"]
+    )
+    store = Store(f"sqlite:///{tmp_path / 'data' / 'cachegw.db'}")
+    try:
+        rows = EvidenceStore(store.session).since(0.0)
+        lines = ThresholdProvider(EvidenceStore(store.session), lambda: 0.0)
+        lines.load()
+    finally:
+        store.close()
+    assert 0 < len(rows) == res["seeded"] < len(PAIRS)  # the far and guarded pairs are no candidates
+    assert {(r.model, r.tenant, r.source) for r in rows} == {("m", "t", "seed")}
+    assert any(r.right for r in rows) and all(0.0 <= r.score <= 1.0 for r in rows)
+    assert lines.evidence[("m", "t")].total == sum(r.score >= 0.5 for r in rows)

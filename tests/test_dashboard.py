@@ -120,6 +120,9 @@ def test_dashboard_end_to_end(admin_gw, browser, tmp_path):
     stats = http.get("/admin/api/stats", params={"window": "1h"}).json()
     assert stats["overall"]["requests"] == 5
     assert page.locator("#hit-ratio").inner_text() == pct(stats["overall"]["hit_ratio"])
+    # no false-hit target here: the false-hit chart says so rather than drawing an empty line
+    page.locator("#fhr-chart text", has_text="No audited hits in this window").wait_for()
+    assert page.locator("#fhr-sub").inner_text() == "no hits audited"
     entries = http.get("/admin/api/entries", params={"order": "hits"}).json()["data"]
     assert entries
     page.locator("#entries button[data-entry-id]").first.wait_for()

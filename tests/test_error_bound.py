@@ -98,3 +98,46 @@ def test_family_wise_error_holds_on_simulated_audits() -> None:
         if c.line is not None and true_rate(c.line) > target:
             over += 1
     assert over / runs <= 0.08
+
+
+def test_the_audit_budget_is_a_token_bucket_that_never_waits() -> None:
+    from gateway.audits import TokenBucket
+
+    now = [0.0]
+    bucket = TokenBucket(2.0, clock=lambda: now[0])  # 2 a second, a burst of 2
+    assert [bucket.take() for _ in range(3)] == [True, True, False]
+    now[0] += 0.5  # one token back
+    assert [bucket.take() for _ in range(2)] == [True, False]
+    slow = TokenBucket(0.001, clock=lambda: now[0])
+    assert [slow.take() for _ in range(3)] == [True, False, False]
+    assert not TokenBucket(0.0, clock=lambda: now[0]).take()  # 0: no audits at all
+
+
+def test_analyze_reads_and_prints_the_evidence(tmp_path, capsys) -> None:
+    """`cachegw analyze`'s section: per scope the line, the estimate at it and its interval, from a real
+    SQLite evidence table; the history the dashboard draws is cumulative over served hits only."""
+    from gateway.config import load_settings
+    from gateway.error_control import history
+    from gateway.evidence_store import EvidenceRow, EvidenceStore
+    from gateway.false_hit_report import print_false_hits, read_false_hits
+    from gateway.store import Store
+
+    url = f"sqlite:///{tmp_path / 'cachegw.db'}"
+    rows = [EvidenceRow("m", "t", 0.95, i % 50 != 0, "hit", 100.0 + i, backend_tokens=10) for i in range(200)]
+    store = Store(url)
+    try:
+        EvidenceStore(store.session).add([*rows, EvidenceRow("m", "t", 0.7, False, "near-miss", 500.0)])
+    finally:
+        store.close()
+    s = load_settings(None)
+    s = s.model_copy(update={"cache": s.cache.model_copy(update={"max_false_hit_rate": 0.05})})
+    view = read_false_hits(url, s)
+    scope = view["by_scope"]["m|t"]
+    assert (scope["line"], scope["wrong"], scope["audits"], scope["evidence"]) == (0.95, 4, 200, 201)
+    assert scope["interval"][0] < scope["estimate"] == 0.02 < scope["interval"][1]  # two-sided: wider
+    assert view["audit_backend_tokens"] == 2000
+    print_false_hits(view)
+    out = capsys.readouterr().out
+    assert "m|t: 2.00% [" in out and "line 0.95" in out and "2,000 backend tokens" in out
+    points = history(rows, 100.0, 300.0, 100.0, 0.95)
+    assert [p["audits"] for p in points] == [100, 200] and points[-1]["estimate"] == 0.02
