@@ -62,6 +62,7 @@ class EngineConfig:
     enforce_eager: bool
     cache_dir: str
     seed: int
+    grammar_cache_size: int
 
     def __post_init__(self) -> None:
         checks = {
@@ -75,6 +76,7 @@ class EngineConfig:
             "max_model_len": self.max_model_len >= 0,
             "max_num_seqs": self.max_num_seqs > 0,
             "max_num_batched_tokens": self.max_num_batched_tokens > 0,
+            "grammar_cache_size": self.grammar_cache_size >= 1,
         }
         bad = [k for k, ok in checks.items() if not ok]
         if bad:

@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -39,6 +40,9 @@ from backend.protocol import (
 )
 from backend.request_fields import EngineChatRequest, EngineCompletionRequest, check_fields
 from backend.sampling_params import InvalidParameter, SamplingParams
+from backend.tool_prompt import chat_prompt_ids, template_format
+from backend.tool_responses import tool_chunks, tool_message
+from backend.tools import ToolRequest, tool_request
 from protocol import sse
 from protocol.errors import ApiError, error_body
 from protocol.http import ClientGone, install_error_handlers, read_limited_body
@@ -127,17 +131,21 @@ class _Server:
             raise ApiError(400, "This model has no tokenizer: send the prompt as token ids.", param="prompt")
         return self.tokenizer.encode(prompt, add_special_tokens=False)
 
-    def chat_ids(self, req: ChatCompletionRequest) -> list[int]:
+    def chat_ids(self, req: ChatCompletionRequest, tools: ToolRequest | None) -> list[int]:
         if self.tokenizer is None:
             raise ApiError(400, "This model has no tokenizer and cannot chat.", param="messages")
-        conversation = [m.template_dict() for m in req.messages]
-        try:
-            ids = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-        except Exception as exc:  # template errors are the request's fault (roles, order...)
-            raise ApiError(400, f"The chat template rejected the messages: {exc}", param="messages") from None
-        return list(ids)
+        return chat_prompt_ids(self.tokenizer, req.messages, tools)
+
+    def tools_of(self, req: ChatCompletionRequest) -> ToolRequest | None:
+        """The request's tool fields, in the format the model's template uses (else the generic one)."""
+        tools = tool_request(req.model_extra or {})
+        if tools is None or not tools.calls_possible:
+            return tools
+        if req.response_format is not None and req.response_format.type != "text":
+            raise ApiError(400, "response_format cannot be combined with tool calls: send tool_choice "
+                           "'none' or leave response_format out.", param="response_format")  # fmt: skip
+        templated = template_format(self.tokenizer)
+        return tools if templated is None else replace(tools, format=templated, templated=True)
 
     @staticmethod
     def sampling_params(
@@ -208,11 +216,19 @@ class _Server:
         self.check_model(req.model)
         check_fields(req)
         top = req.logprobs_k()
-        ids = await self.in_tokenizer_thread(self.chat_ids, req)
+        tools = self.tools_of(req)
+        ids = await self.in_tokenizer_thread(self.chat_ids, req, tools)
         room = min(self.engine.max_model_len, self.engine.kv_cache_tokens) - len(ids)
         params = self.sampling_params(req, req.resolved_max_tokens(room), top)
+        if tools is not None and tools.calls_possible:
+            params.structured = tools.grammar()
         shaper = _ChatShaper(
-            f"chatcmpl-{uuid.uuid4().hex}", self.model_name, self.texts, req.include_usage, top
+            f"chatcmpl-{uuid.uuid4().hex}",
+            self.model_name,
+            self.texts,
+            req.include_usage,
+            top,
+            tools if tools is not None and tools.calls_possible else None,
         )
         stream = await self.start(shaper.id, ids, params, req.cache_salt)
         if req.stream:
@@ -273,18 +289,24 @@ class _Shaper:
 class _ChatShaper(_Shaper):
     object_name = "chat.completion.chunk"
 
-    def __init__(self, request_id: str, model: str, texts: TokenTexts, include_usage: bool, top: int | None):
+    def __init__(
+        self, request_id: str, model: str, texts: TokenTexts, include_usage: bool, top: int | None,
+        tools: ToolRequest | None = None,
+    ) -> None:  # fmt: skip
         super().__init__(request_id, model, texts, include_usage)
         self.top = top  # None: no logprobs
+        self.tools = tools  # the answer may be tool calls (backend/tool_responses.py)
 
     def logprobs(self, entries: list[dict] | None) -> dict[str, Any] | None:
         return None if self.top is None or entries is None else chat_logprobs(entries, self.texts, self.top)
 
     def response(self, out: RequestOutput) -> dict[str, Any]:
         c = out.outputs[0]
+        message, finish = {"role": "assistant", "content": c.text, "refusal": None}, c.finish_reason
+        if self.tools is not None:
+            message, finish = tool_message(c.text, c.finish_reason, self.tools.format)
         choice = {
-            "index": 0, "message": {"role": "assistant", "content": c.text, "refusal": None},
-            "logprobs": self.logprobs(c.logprobs), "finish_reason": c.finish_reason,
+            "index": 0, "message": message, "logprobs": self.logprobs(c.logprobs), "finish_reason": finish,
         }  # fmt: skip
         return {**self.envelope("chat.completion", [choice]), "usage": usage(out)}
 
@@ -292,6 +314,10 @@ class _ChatShaper(_Shaper):
         return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
     async def chunks(self, stream: RequestStream) -> AsyncIterator[dict[str, Any]]:
+        if self.tools is not None:
+            async for chunk in tool_chunks(self, stream, self.tools.format):
+                yield chunk
+            return
         yield self.chunk(self.choice({"role": "assistant", "content": ""}))
         sent_chars = sent_tokens = 0
         async for out in stream:

@@ -1,0 +1,104 @@
+"""Tool calls in the engine's answers: the chat message (JSON) and the stream's deltas, in OpenAI's shape.
+
+An answer that is calls has ``content`` null, each call an id (``call_...``), ``type: function``, the
+function's name and its arguments as a JSON string, and ``finish_reason: "tool_calls"`` once every
+call is whole. A stream sends each call's index, id, type and name in one delta as soon as the name
+is out, then its arguments in pieces as they are generated. An answer that is text is sent as
+content, as without tools.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from backend.async_engine import RequestStream
+from backend.outputs import RequestOutput
+from backend.tool_parser import ToolFormat, scan, whole_calls
+from protocol.tool_calls import new_call_id
+
+
+def _finish(text: str, finish_reason: str | None, fmt: ToolFormat) -> str | None:
+    whole = whole_calls(text, fmt) is not None
+    return "tool_calls" if whole and finish_reason == "stop" else finish_reason
+
+
+def tool_message(text: str, finish_reason: str | None, fmt: ToolFormat) -> tuple[dict[str, Any], str | None]:
+    """(the assistant message, the finish reason) of a finished answer."""
+    result = scan(text, fmt)
+    if result.kind != "calls" or not result.calls:
+        return {"role": "assistant", "content": text, "refusal": None}, finish_reason
+    calls = [
+        {"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        for c in result.calls
+    ]
+    message = {"role": "assistant", "content": None, "refusal": None, "tool_calls": calls}
+    return message, _finish(text, finish_reason, fmt)
+
+
+class ToolDeltas:
+    """Turns a growing output into stream deltas: content while it is text, calls once it is calls."""
+
+    def __init__(self, fmt: ToolFormat) -> None:
+        self.fmt = fmt
+        self.text_mode = False
+        self.sent_chars = 0
+        self.ids: list[str] = []
+        self.sent_args: list[int] = []
+
+    def feed(self, text: str, finished: bool) -> list[dict[str, Any]]:
+        result = scan(text, self.fmt)
+        if not self.text_mode and not self.ids:
+            # text, or a finished answer that never got as far as a call's name
+            self.text_mode = result.kind == "text" or (finished and not result.calls)
+        if self.text_mode:
+            piece, self.sent_chars = text[self.sent_chars :], len(text)
+            return [{"content": piece}] if piece else []
+        deltas: list[dict[str, Any]] = []
+        for i, call in enumerate(result.calls):
+            if i == len(self.ids):
+                self.ids.append(new_call_id())
+                self.sent_args.append(0)
+                head = {"index": i, "id": self.ids[i], "type": "function",
+                        "function": {"name": call.name, "arguments": ""}}  # fmt: skip
+                deltas.append({"tool_calls": [head]})
+            piece = call.arguments[self.sent_args[i] :]
+            if piece:
+                self.sent_args[i] = len(call.arguments)
+                deltas.append({"tool_calls": [{"index": i, "function": {"arguments": piece}}]})
+        return deltas
+
+
+class ChatShaper(Protocol):
+    """What the server's chat shaper offers the tool stream (backend/server.py)."""
+
+    include_usage: bool
+
+    def chunk(self, choice: dict[str, Any]) -> dict[str, Any]: ...
+    def choice(
+        self, delta: dict[str, Any], logprobs: dict | None = None, finish: str | None = None
+    ) -> dict: ...
+    def logprobs(self, entries: list[dict] | None) -> dict[str, Any] | None: ...
+    def usage_chunk(self, out: RequestOutput) -> dict[str, Any]: ...
+
+
+async def tool_chunks(
+    shaper: ChatShaper, stream: RequestStream, fmt: ToolFormat
+) -> AsyncIterator[dict[str, Any]]:
+    """The chunks of a streamed answer to a request that offered tools."""
+    yield shaper.chunk(shaper.choice({"role": "assistant", "content": None}))
+    deltas = ToolDeltas(fmt)
+    held: list[dict] = []  # logprobs not yet sent with a delta
+    sent_tokens = 0
+    async for out in stream:
+        c = out.outputs[0]
+        if c.logprobs is not None:
+            held += c.logprobs[sent_tokens:]
+        sent_tokens = len(c.token_ids)
+        for delta in deltas.feed(c.text, out.finished):
+            yield shaper.chunk(shaper.choice(delta, shaper.logprobs(held or None)))
+            held = []
+        if out.finished:
+            yield shaper.chunk(shaper.choice({}, finish=_finish(c.text, c.finish_reason, fmt)))
+            if shaper.include_usage:
+                yield shaper.usage_chunk(out)
