@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
 from backend.tool_parser import HERMES, ToolFormat
 from backend.tools import ToolRequest
@@ -33,6 +33,9 @@ class _Call(BaseModel):
     id: str | None = None
     type: str = "function"
     function: _Function
+
+
+_CALLS = TypeAdapter(list[_Call])
 
 
 def template_format(tokenizer: Any) -> ToolFormat | None:
@@ -65,7 +68,7 @@ def generic_tool_section(req: ToolRequest) -> str:
 
 def _calls(message: ChatMessage, index: int) -> list[_Call]:
     try:
-        return [_Call.model_validate(c) for c in message.tool_calls or []]
+        return _CALLS.validate_python(message.tool_calls or [])
     except ValidationError as exc:
         err = exc.errors(include_url=False)[0]
         param = f"messages[{index}].tool_calls" + "".join(

@@ -34,6 +34,7 @@ CALC = {
 WEATHER = weather_tool()
 WEATHER["function"]["parameters"]["properties"]["city"]["maxLength"] = 24
 WEATHER["function"]["parameters"]["properties"]["unit"] = {"enum": ["celsius", "fahrenheit"]}
+WEATHER["function"]["parameters"]["additionalProperties"] = False  # bounded: no invented extra fields
 TOOLS = [WEATHER, CALC]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
