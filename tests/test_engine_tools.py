@@ -53,6 +53,17 @@ def create(client: openai.OpenAI, messages: list[dict] = ASK, **kw: Any) -> Any:
     )  # fmt: skip
 
 
+_ANSWERS: dict[str, Any] = {}
+
+
+def answer(client: openai.OpenAI, tool_choice: Any) -> Any:
+    """The JSON answer to ASK under ``tool_choice``, generated once for the module (greedy, so the same)."""
+    key = json.dumps(tool_choice)
+    if key not in _ANSWERS:
+        _ANSWERS[key] = create(client, tool_choice=tool_choice).choices[0]
+    return _ANSWERS[key]
+
+
 def calls_of(choice: Any) -> list[tuple[str, Any]]:
     """(name, arguments) of each call, after checking its shape and validating its arguments."""
     out = []
@@ -85,7 +96,7 @@ def streamed(client: openai.OpenAI, **kw: Any) -> dict[str, Any]:
 
 
 def test_required_calls_a_listed_function_with_valid_arguments(client: openai.OpenAI) -> None:
-    choice = create(client, tool_choice="required").choices[0]
+    choice = answer(client, "required")
     [(name, arguments)] = calls_of(choice)
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     assert name == "get_weather" and arguments["city"] == "Paris"
@@ -106,7 +117,7 @@ def test_parallel_tool_calls_false_gives_one_call(client: openai.OpenAI) -> None
 
 @pytest.mark.parametrize("tool_choice", ["required", NAMED, "auto"])
 def test_a_stream_carries_the_same_answer_in_openai_chunks(client: openai.OpenAI, tool_choice: Any) -> None:
-    choice = create(client, tool_choice=tool_choice).choices[0]
+    choice = answer(client, tool_choice)
     s = streamed(client, tool_choice=tool_choice)
     assert s["role"] == "assistant" and s["finish"] == choice.finish_reason and s["usage"] is not None
     calls = [(c["name"], json.loads(c["arguments"])) for c in s["calls"].values()]
@@ -120,7 +131,7 @@ def test_a_stream_carries_the_same_answer_in_openai_chunks(client: openai.OpenAI
 def test_auto_answers_text_or_valid_calls(client: openai.OpenAI) -> None:
     """The grammar allows either; whichever the model picks is well formed."""
     for ask in (ASK, [{"role": "user", "content": "Say hello to Anna."}]):
-        choice = create(client, ask, tool_choice="auto").choices[0]
+        choice = answer(client, "auto") if ask is ASK else create(client, ask, tool_choice="auto").choices[0]
         if choice.message.tool_calls:
             assert calls_of(choice) and choice.finish_reason == "tool_calls"
             assert choice.message.content is None
@@ -137,16 +148,15 @@ def test_tool_choice_none_is_the_plain_answer(client: openai.OpenAI) -> None:
 
 
 def test_a_tool_result_turn_is_answered(client: openai.OpenAI) -> None:
-    first = create(client, tool_choice="required").choices[0]
-    call = first.message.tool_calls[0]
+    call = answer(client, "required").message.tool_calls[0]
     result = {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21, "sky": "clear"}'}
     turn = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]}, result]
-    answer = create(client, turn, tool_choice="none", max_tokens=24)
-    assert answer.choices[0].message.content and answer.usage.prompt_tokens > 40
+    reply = create(client, turn, tool_choice="none", max_tokens=24)
+    assert reply.choices[0].message.content and reply.usage.prompt_tokens > 40
     # the result is in the prompt: another result is another prompt, so another answer's usage
     other = [*turn[:2], {**turn[2], "content": '{"temperature": -5, "sky": "heavy snow and strong wind"}'}]
     longer = create(client, other, tool_choice="none", max_tokens=2)
-    assert longer.usage.prompt_tokens > answer.usage.prompt_tokens
+    assert longer.usage.prompt_tokens > reply.usage.prompt_tokens
 
 
 def error_of(resp: httpx.Response) -> dict:
