@@ -81,6 +81,9 @@ QUESTIONS: list[tuple[str, str | None]] = [
 ]
 
 
+DEFAULT_MODES = "required,auto,required_several"
+
+
 def run_mode(llm: Any, mode: str, max_tokens: int, limit: int | None = None) -> list[dict[str, Any]]:
     """Every question under one tool_choice, in one batch; per question what came out."""
     from backend.sampling_params import SamplingParams
@@ -155,7 +158,7 @@ def main() -> None:
     )
     parser.add_argument("--max-tokens", type=int, default=80)
     parser.add_argument("--auto-tokens", type=int, default=16, help="max_tokens of the auto answers")
-    parser.add_argument("--modes", default="required,auto,required_several")
+    parser.add_argument("--modes", default=DEFAULT_MODES)
     parser.add_argument("--several-questions", type=int, default=6, help="questions of required_several")
     args = parser.parse_args()
 
@@ -175,7 +178,9 @@ def main() -> None:
             "rows": rows,
         }
         say(f"{mode}: {json.dumps(summarize(mode, rows))}")
-        save("tool_calls", result)
+        # another set of modes goes to its own file, beside the default run's
+        suffix = "" if args.modes == DEFAULT_MODES else "_" + args.modes.replace(",", "_")
+        save(f"tool_calls{suffix}", result)
 
 
 if __name__ == "__main__":
