@@ -16,7 +16,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -40,9 +39,9 @@ from backend.protocol import (
 )
 from backend.request_fields import EngineChatRequest, EngineCompletionRequest, check_fields
 from backend.sampling_params import InvalidParameter, SamplingParams
-from backend.tool_prompt import chat_prompt_ids, template_format
+from backend.tool_prompt import chat_prompt_ids, request_tools
 from backend.tool_responses import tool_chunks, tool_message
-from backend.tools import ToolRequest, tool_request
+from backend.tools import ToolRequest
 from protocol import sse
 from protocol.errors import ApiError, error_body
 from protocol.http import ClientGone, install_error_handlers, read_limited_body
@@ -136,17 +135,6 @@ class _Server:
             raise ApiError(400, "This model has no tokenizer and cannot chat.", param="messages")
         return chat_prompt_ids(self.tokenizer, req.messages, tools)
 
-    def tools_of(self, req: ChatCompletionRequest) -> ToolRequest | None:
-        """The request's tool fields, in the format the model's template uses (else the generic one)."""
-        tools = tool_request(req.model_extra or {})
-        if tools is None or not tools.calls_possible:
-            return tools
-        if req.response_format is not None and req.response_format.type != "text":
-            raise ApiError(400, "response_format cannot be combined with tool calls: send tool_choice "
-                           "'none' or leave response_format out.", param="response_format")  # fmt: skip
-        templated = template_format(self.tokenizer)
-        return tools if templated is None else replace(tools, format=templated, templated=True)
-
     @staticmethod
     def sampling_params(
         req: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None
@@ -216,7 +204,7 @@ class _Server:
         self.check_model(req.model)
         check_fields(req)
         top = req.logprobs_k()
-        tools = self.tools_of(req)
+        tools = request_tools(req, self.tokenizer)
         ids = await self.in_tokenizer_thread(self.chat_ids, req, tools)
         room = min(self.engine.max_model_len, self.engine.kv_cache_tokens) - len(ids)
         params = self.sampling_params(req, req.resolved_max_tokens(room), top)

@@ -12,14 +12,15 @@ tags. ``tool_choice: none`` renders no tools at all.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
 from backend.tool_parser import HERMES, ToolFormat
-from backend.tools import ToolRequest
+from backend.tools import ToolRequest, tool_request
 from protocol.errors import ApiError
-from protocol.requests import ChatMessage
+from protocol.requests import ChatCompletionRequest, ChatMessage
 
 
 class _Function(BaseModel):
@@ -45,6 +46,18 @@ def template_format(tokenizer: Any) -> ToolFormat | None:
     if "tools" in text and HERMES.open.strip() in text:
         return HERMES
     return None
+
+
+def request_tools(req: ChatCompletionRequest, tokenizer: Any) -> ToolRequest | None:
+    """The request's tool fields, in the format the model's template uses (else the generic prompt's)."""
+    tools = tool_request(req.model_extra or {})
+    if tools is None or not tools.calls_possible:
+        return tools
+    if req.response_format is not None and req.response_format.type != "text":
+        raise ApiError(400, "response_format cannot be combined with tool calls: send tool_choice "
+                       "'none' or leave response_format out.", param="response_format")  # fmt: skip
+    templated = template_format(tokenizer)
+    return tools if templated is None else replace(tools, format=templated, templated=True)
 
 
 def generic_tool_section(req: ToolRequest) -> str:
