@@ -56,6 +56,7 @@ class EngineConfig:
     enforce_eager: bool
     cache_dir: str
     seed: int
+    grammar_cache_size: int
 
     def __post_init__(self) -> None:
         checks = {
@@ -70,6 +71,7 @@ class EngineConfig:
             "max_num_seqs": self.max_num_seqs > 0,
             "max_n": self.max_n > 0,
             "max_num_batched_tokens": self.max_num_batched_tokens > 0,
+            "grammar_cache_size": self.grammar_cache_size >= 1,
         }
         bad = [k for k, ok in checks.items() if not ok]
         if bad:

@@ -71,7 +71,9 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_token_ids = self._eos_ids(hf_config, GenerationConfig)
-        self.grammars = GrammarCompiler(self.tokenizer, self.runner.spec.vocab_size, self.eos_token_ids)
+        self.grammars = GrammarCompiler(
+            self.tokenizer, self.runner.spec.vocab_size, self.eos_token_ids, config.grammar_cache_size
+        )
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.requests: dict[str, SequenceGroup] = {}
         self.prompt_tokens = 0

@@ -24,11 +24,8 @@ NO_OP = frozenset(
 
 # Not implemented: accepted only with the value (besides null) that means "off", as (values, why).
 _CHAT_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
-    "tools": ((), "tool calling is not implemented"),
-    "tool_choice": (("none",), "tool calling is not implemented"),
-    "parallel_tool_calls": ((True,), "tool calling is not implemented"),
-    "functions": ((), "function calling is not implemented"),
-    "function_call": (("none",), "function calling is not implemented"),
+    "functions": ((), "the legacy function calling is not implemented: send 'tools'"),
+    "function_call": (("none",), "the legacy function calling is not implemented: send 'tool_choice'"),
     "audio": ((), "the model outputs text only"),
     "modalities": ((["text"],), "the model outputs text only"),
     "prediction": ((), "predicted outputs are not implemented"),
@@ -40,6 +37,8 @@ _COMPLETIONS_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "suffix": ((), "insertion (a suffix) is not implemented"),
 }
 CHAT_UNSUPPORTED = _CHAT_ONLY
+# Honoured, but read from the extra fields (backend/tools.py) since the shared model does not carry them.
+CHAT_HONOURED = frozenset({"tools", "tool_choice", "parallel_tool_calls"})
 COMPLETIONS_UNSUPPORTED = _COMPLETIONS_ONLY
 
 
@@ -60,9 +59,10 @@ def _is_off(value: Any, off: tuple[Any, ...]) -> bool:
 
 def check_fields(req: GenerationRequest) -> None:
     """Raise ApiError(400) naming the first field this engine would have to ignore."""
-    unsupported = CHAT_UNSUPPORTED if isinstance(req, ChatCompletionRequest) else COMPLETIONS_UNSUPPORTED
+    chat = isinstance(req, ChatCompletionRequest)
+    unsupported = CHAT_UNSUPPORTED if chat else COMPLETIONS_UNSUPPORTED
     for name, value in (req.model_extra or {}).items():
-        if name in NO_OP:
+        if name in NO_OP or (chat and name in CHAT_HONOURED):
             continue
         rule = unsupported.get(name)
         if rule is None:

@@ -24,13 +24,14 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """What the output must be: any JSON object, or JSON valid against ``schema`` (its JSON text).
+    """What the output must be: any JSON object, or JSON valid against ``schema`` (its JSON text), or
+    (kind ``lark``) text of the llguidance Lark grammar in ``schema``: how tool calls are enforced.
 
     ``strict`` False lets the compiler skip schema keywords it does not implement instead of
     refusing the schema; True (OpenAI's strict mode) refuses them with a 400.
     """
 
-    kind: Literal["json_object", "json_schema"]
+    kind: Literal["json_object", "json_schema", "lark"]
     schema: str = ANY_OBJECT
     strict: bool = True
 
@@ -38,6 +39,15 @@ class StructuredOutput:
     def json_schema(cls, schema: dict[str, Any], strict: bool | None) -> StructuredOutput:
         # Key order is kept: the output lists properties in the schema's order.
         return cls("json_schema", json.dumps(schema), bool(strict))
+
+    @classmethod
+    def lark(cls, grammar: str) -> StructuredOutput:
+        return cls("lark", grammar)
+
+    @property
+    def param(self) -> str:
+        """The request field a bad grammar of this kind comes from."""
+        return "tools" if self.kind == "lark" else "response_format"
 
 
 @dataclass

@@ -39,6 +39,9 @@ from backend.protocol import (
 )
 from backend.request_fields import EngineChatRequest, EngineCompletionRequest, check_fields
 from backend.sampling_params import InvalidParameter, SamplingParams
+from backend.tool_prompt import chat_prompt_ids, request_tools
+from backend.tool_responses import tool_chunks, tool_message
+from backend.tools import ToolRequest
 from protocol import sse
 from protocol.errors import ApiError, error_body
 from protocol.http import ClientGone, install_error_handlers, read_limited_body
@@ -130,17 +133,10 @@ class _Server:
     def decode(self, ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(ids)
 
-    def chat_ids(self, req: ChatCompletionRequest) -> list[int]:
+    def chat_ids(self, req: ChatCompletionRequest, tools: ToolRequest | None) -> list[int]:
         if self.tokenizer is None:
             raise ApiError(400, "This model has no tokenizer and cannot chat.", param="messages")
-        conversation = [m.template_dict() for m in req.messages]
-        try:
-            ids = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-        except Exception as exc:  # template errors are the request's fault (roles, order...)
-            raise ApiError(400, f"The chat template rejected the messages: {exc}", param="messages") from None
-        return list(ids)
+        return chat_prompt_ids(self.tokenizer, req.messages, tools)
 
     @staticmethod
     def sampling_params(
@@ -217,11 +213,19 @@ class _Server:
         self.check_model(req.model)
         check_fields(req)
         top = req.logprobs_k()
-        ids = await self.in_tokenizer_thread(self.chat_ids, req)
+        tools = request_tools(req, self.tokenizer)
+        ids = await self.in_tokenizer_thread(self.chat_ids, req, tools)
         room = min(self.engine.max_model_len, self.engine.kv_cache_tokens) - len(ids)
         params = self.sampling_params(req, req.resolved_max_tokens(room), top)
+        if tools is not None and tools.calls_possible:
+            params.structured = tools.grammar()
         shaper = _ChatShaper(
-            f"chatcmpl-{uuid.uuid4().hex}", self.model_name, self.texts, req.include_usage, top
+            f"chatcmpl-{uuid.uuid4().hex}",
+            self.model_name,
+            self.texts,
+            req.include_usage,
+            top,
+            tools if tools is not None and tools.calls_possible else None,
         )
         stream = await self.start(shaper.id, ids, params, req.cache_salt)
         if req.stream:
@@ -254,18 +258,27 @@ class _Server:
 class _ChatShaper(Shaper):
     object_name = "chat.completion.chunk"
 
-    def __init__(self, request_id: str, model: str, texts: TokenTexts, include_usage: bool, top: int | None):
+    def __init__(
+        self, request_id: str, model: str, texts: TokenTexts, include_usage: bool, top: int | None,
+        tools: ToolRequest | None = None,
+    ) -> None:  # fmt: skip
         super().__init__(request_id, model, texts, include_usage)
         self.top = top  # None: no logprobs
+        self.tools = tools  # the answer may be tool calls (backend/tool_responses.py)
 
     def logprobs(self, entries: list[dict] | None) -> dict[str, Any] | None:
         return None if self.top is None or entries is None else chat_logprobs(entries, self.texts, self.top)
 
     def message_choice(self, c: CompletionOutput) -> dict[str, Any]:
+        message, finish = {"role": "assistant", "content": c.text, "refusal": None}, c.finish_reason
+        if self.tools is not None:
+            message, finish = tool_message(c.text, c.finish_reason, self.tools.format)
         return {
-            "index": c.index, "message": {"role": "assistant", "content": c.text, "refusal": None},
-            "logprobs": self.logprobs(c.logprobs), "finish_reason": c.finish_reason,
-        }  # fmt: skip
+            "index": c.index,
+            "message": message,
+            "logprobs": self.logprobs(c.logprobs),
+            "finish_reason": finish,
+        }
 
     def response(self, out: RequestOutput) -> dict[str, Any]:
         choices = [self.message_choice(c) for c in out.outputs]
@@ -277,6 +290,10 @@ class _ChatShaper(Shaper):
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
     async def chunks(self, stream: RequestStream) -> AsyncIterator[dict[str, Any]]:
+        if self.tools is not None:
+            async for chunk in tool_chunks(self, stream, self.tools.format):
+                yield chunk
+            return
         cursors = Cursors()  # one per choice (n > 1): each starts with its role, ends with its reason
         cursors[0].started = True  # the first choice's role goes out at once, before any token
         yield self.chunk(self.choice({"role": "assistant", "content": ""}))

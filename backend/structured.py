@@ -70,7 +70,7 @@ class GrammarCompiler:
         self.eos_ids = sorted(eos_ids)
         self.cache_size = cache_size
         self._tokenizer: Any = None
-        self._compiled: OrderedDict[tuple[str, bool], Any] = OrderedDict()
+        self._compiled: OrderedDict[tuple[bool, str, bool], Any] = OrderedDict()
 
     @property
     def tokenizer(self) -> Any:
@@ -93,19 +93,23 @@ class GrammarCompiler:
         """The compiled matcher for ``spec`` (cached); InvalidParameter naming response_format if bad."""
         import llguidance
 
-        key = (spec.schema, spec.strict)
+        key = (spec.kind == "lark", spec.schema, spec.strict)
         hit = self._compiled.get(key)
         if hit is not None:
             self._compiled.move_to_end(key)
             return hit
         options: Any = {**JSON_OPTIONS, "lenient": not spec.strict}
+        what = "Invalid tool definitions" if spec.kind == "lark" else "Invalid JSON schema in response_format"
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(spec.schema, defaults=options)
+            if spec.kind == "lark":
+                grammar = llguidance.LLMatcher.grammar_from_lark(spec.schema)
+            else:
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(spec.schema, defaults=options)
             matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         except (ValueError, TypeError) as exc:
-            raise InvalidParameter(PARAM, f"Invalid JSON schema in response_format: {exc}") from None
+            raise InvalidParameter(spec.param, f"{what}: {exc}") from None
         if matcher.is_error():
-            raise InvalidParameter(PARAM, f"Invalid JSON schema in response_format: {matcher.get_error()}")
+            raise InvalidParameter(spec.param, f"{what}: {matcher.get_error()}")
         self._compiled[key] = matcher
         if len(self._compiled) > self.cache_size:
             self._compiled.popitem(last=False)

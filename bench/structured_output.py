@@ -9,6 +9,7 @@ step): the report gives tok/s per mode and round, the median ratio of paired ste
 of the constrained time spent computing and applying masks (timed inside the same run).
 
     .venv/bin/python -m bench.structured_output  [--rounds 3] [--tokens-1 48] [--tokens-32 16]
+    .venv/bin/python -m bench.structured_output --compile-only   # compile times only, tool grammars too
 """
 
 from __future__ import annotations
@@ -124,6 +125,24 @@ def compare(
     }
 
 
+def tool_grammars() -> dict[str, Any]:
+    """The Lark grammars of tool calling (bench/tool_calls.py's five tools) under each tool_choice."""
+    from dataclasses import replace
+
+    from backend.tools import tool_request
+    from bench.tool_calls import TOOLS
+
+    named = {"type": "function", "function": {"name": "convert_currency"}}
+    out = {}
+    for label, choice in (("required", "required"), ("auto", "auto"), ("named", named)):
+        req = tool_request({"tools": TOOLS, "tool_choice": choice})
+        assert req is not None
+        out[f"tools_5_{label}"] = req.grammar()
+        if label == "required":  # several calls in one answer (a template that knows tools)
+            out["tools_5_required_parallel"] = replace(req, templated=True).grammar()
+    return out
+
+
 def compile_times(llm: Any) -> dict:
     """Cold compile of each schema (a fresh cache), after the one-off tokenizer build."""
     from backend.sampling_params import StructuredOutput
@@ -134,8 +153,11 @@ def compile_times(llm: Any) -> dict:
     start = time.perf_counter()
     compiler.tokenizer  # noqa: B018 - built on first use
     out: dict[str, Any] = {"tokenizer_build_ms": round(1000 * (time.perf_counter() - start), 1)}
-    for name, schema in {"json_object": None, **schema_set()}.items():
-        spec = StructuredOutput.json_schema(schema, True) if schema else StructuredOutput("json_object")
+    specs = {
+        name: StructuredOutput.json_schema(schema, True) if schema else StructuredOutput("json_object")
+        for name, schema in {"json_object": None, **schema_set()}.items()
+    }
+    for name, spec in {**specs, **tool_grammars()}.items():
         start = time.perf_counter()
         compiler.compile(spec)
         cold = time.perf_counter() - start
@@ -154,10 +176,17 @@ def main() -> None:
     parser.add_argument("--tokens-1", type=int, default=48, help="output tokens of the batch-1 runs")
     parser.add_argument("--tokens-32", type=int, default=16, help="output tokens of each of the 32 requests")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--compile-only", action="store_true", help="only the compile times (one engine)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     from backend import LLM
+
+    if args.compile_only:
+        compiles = compile_times(LLM(dtype="float32", kv_cache_tokens=1024, max_num_seqs=4))
+        save("structured_output_compile", {"compile": compiles})
+        say(json.dumps(compiles, indent=1))
+        return
 
     timer = MaskTimer()
     sampler_module.apply_grammar_masks = timer  # type: ignore[assignment]

@@ -8,20 +8,16 @@ twice. The cache keys tool-call ids by position, so the follow-up turn still rep
 from __future__ import annotations
 
 import re
-import secrets
 import time
 from collections.abc import Iterator
 from typing import Any
 
 from protocol import sse
+from protocol.tool_calls import new_call_id
 
 _PIECE = re.compile(r"\S+\s*|\s+")
 WORDS_PER_CHUNK = 4
 ARGUMENT_CHARS_PER_CHUNK = 16  # a tool call's arguments stream in pieces of this many characters
-
-
-def new_call_id() -> str:
-    return f"call_{secrets.token_hex(12)}"
 
 
 def with_fresh_call_ids(stored: dict[str, Any]) -> dict[str, Any]:

@@ -175,9 +175,6 @@ def test_lenient_schema_when_not_strict(client: openai.OpenAI) -> None:
 
 
 UNSUPPORTED = [
-    (CHAT, "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    (CHAT, "tool_choice", "required"),
-    (CHAT, "parallel_tool_calls", False),
     (CHAT, "functions", [{"name": "f", "parameters": {}}]),
     (CHAT, "function_call", "auto"),
     (CHAT, "audio", {"voice": "alloy", "format": "wav"}),

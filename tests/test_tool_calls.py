@@ -1,10 +1,11 @@
 """Tool calls through the cache: stored when whole, replayed under fresh ids as JSON and as OpenAI-shaped
 streams, and the tool-result turn that follows hits only when it repeats exactly.
 
-The real gateway on real SQLite, driven by the real openai SDK. The backend is the small
-OpenAI-compatible test server in tests/tool_server.py, not the built-in engine: the engine cannot
-produce tool calls. It streams each call's arguments in several pieces, so the gateway's reassembly
-is exercised as well as its replay.
+The real gateway on real SQLite, driven by the real openai SDK. Most tests put the small
+OpenAI-compatible test server in tests/tool_server.py behind it: it answers with labelled calls whose
+arguments come from the question and streams them in several pieces, so the gateway's reassembly is
+exercised as well as its replay (the embedded 135M model's calls are valid but not predictable
+enough for that). The last tests put the built-in engine (the session's shared one) behind it.
 """
 
 from __future__ import annotations
@@ -233,3 +234,46 @@ def test_tool_call_entries_have_no_embedding_and_show_their_calls(gw) -> None:
         rows = db.execute("SELECT response, embedding, scope FROM cache_entries").fetchall()
     with_calls = [(e, s) for r, e, s in rows if json.loads(r)["choices"][0]["message"].get("tool_calls")]
     assert with_calls and all(e is None and s == "" for e, s in with_calls)
+
+
+# --- the same through the built-in engine: its own tool calls and structured answers, cached -------
+
+ENGINE_MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def engine_gw(shared_backend_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The real gateway in front of the session's built-in engine (its generic tool prompt and grammar)."""
+    with gateway(admin_settings(tmp_path_factory.mktemp("engine-tools"), shared_backend_url)) as url:
+        yield url
+
+
+def test_engine_tool_calls_are_cached_and_replayed_with_fresh_ids(engine_gw: str) -> None:
+    messages = [{"role": "user", "content": "What is the weather in Madrid?"}]
+    kw: dict[str, Any] = {"tools": TOOLS, "tool_choice": "required", "max_tokens": 40}
+    first, h1 = ask(engine_gw, messages, model=ENGINE_MODEL, **kw)
+    again, h2 = ask(engine_gw, messages, model=ENGINE_MODEL, **kw)
+    assert (h1["x-cache"], h2["x-cache"], h2["x-cache-reason"]) == ("miss", "exact-hit", "exact")
+    [(id1, name1, args1)], [(id2, name2, args2)] = calls_of(first), calls_of(again)
+    assert (name2, args2) == (name1, args1) and name1 == "get_weather" and json.loads(args1)["city"]
+    assert id1.startswith("call_") and id2.startswith("call_") and id2 != id1
+    assert again.choices[0].finish_reason == "tool_calls" and again.choices[0].message.content is None
+    # stored from JSON, replayed as a stream with yet another id
+    with client(engine_gw).chat.completions.stream(
+        model=ENGINE_MODEL, messages=messages, temperature=0, **kw
+    ) as s:
+        final = s.get_final_completion()
+    [(id3, name3, args3)] = calls_of(final)
+    assert (name3, args3) == (name1, args1) and id3 not in (id1, id2)
+
+
+def test_engine_json_schema_answers_are_cached(engine_gw: str) -> None:
+    fmt = schema("city", "country")
+    fmt["json_schema"]["schema"]["properties"] = {"city": {"type": "string", "maxLength": 16},
+                                                  "country": {"type": "string", "maxLength": 16}}  # fmt: skip
+    messages = [{"role": "user", "content": "Describe Madrid as JSON."}]
+    first, h1 = ask(engine_gw, messages, model=ENGINE_MODEL, response_format=fmt, max_tokens=40)
+    again, h2 = ask(engine_gw, messages, model=ENGINE_MODEL, response_format=fmt, max_tokens=40)
+    assert (h1["x-cache"], h2["x-cache"]) == ("miss", "exact-hit")
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert set(json.loads(first.choices[0].message.content)) == {"city", "country"}

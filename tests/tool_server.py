@@ -1,6 +1,7 @@
 """A small OpenAI-compatible backend that answers with tool calls, for the gateway's tests.
 
-The built-in engine cannot produce tool calls, so these tests put this server behind the real gateway.
+Its calls are labelled (the arguments come from the question), which the built-in engine's 135M
+model cannot promise, so most of the gateway's tool-call tests put this server behind the gateway.
 It answers a request that offers ``tools`` with one call of the first tool, its arguments taken from
 the user's message, as JSON or as a stream whose arguments arrive in several pieces (the id, type and
 name only in the first delta, as OpenAI and vLLM send them). A turn that ends with a tool result, or

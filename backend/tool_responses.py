@@ -1,0 +1,123 @@
+"""Tool calls in the engine's answers: the chat message (JSON) and the stream's deltas, in OpenAI's shape.
+
+An answer that is calls has ``content`` null, each call an id (``call_...``), ``type: function``, the
+function's name and its arguments as a JSON string, and ``finish_reason: "tool_calls"`` once every
+call is whole. A stream sends each call's index, id, type and name in one delta as soon as the name
+is out, then its arguments in pieces as they are generated. An answer that is text is sent as
+content, as without tools.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from backend.async_engine import RequestStream
+from backend.outputs import RequestOutput
+from backend.tool_parser import ToolFormat, scan, whole_calls
+from protocol.tool_calls import new_call_id
+
+
+def _finish(text: str, finish_reason: str | None, fmt: ToolFormat) -> str | None:
+    whole = whole_calls(text, fmt) is not None
+    return "tool_calls" if whole and finish_reason == "stop" else finish_reason
+
+
+def tool_message(text: str, finish_reason: str | None, fmt: ToolFormat) -> tuple[dict[str, Any], str | None]:
+    """(the assistant message, the finish reason) of a finished answer."""
+    result = scan(text, fmt)
+    if result.kind != "calls" or not result.calls:
+        return {"role": "assistant", "content": text, "refusal": None}, finish_reason
+    calls = [
+        {"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        for c in result.calls
+    ]
+    message = {"role": "assistant", "content": None, "refusal": None, "tool_calls": calls}
+    return message, _finish(text, finish_reason, fmt)
+
+
+class ToolDeltas:
+    """Turns a growing output into stream deltas: content while it is text, calls once it is calls."""
+
+    def __init__(self, fmt: ToolFormat) -> None:
+        self.fmt = fmt
+        self.text_mode = False
+        self.sent_chars = 0
+        self.ids: list[str] = []
+        self.sent_args: list[int] = []
+
+    def feed(self, text: str, finished: bool) -> list[dict[str, Any]]:
+        result = scan(text, self.fmt)
+        if not self.text_mode and not self.ids:
+            # text, or a finished answer that never got as far as a call's name
+            self.text_mode = result.kind == "text" or (finished and not result.calls)
+        if self.text_mode:
+            piece, self.sent_chars = text[self.sent_chars :], len(text)
+            return [{"content": piece}] if piece else []
+        deltas: list[dict[str, Any]] = []
+        for i, call in enumerate(result.calls):
+            if i == len(self.ids):
+                self.ids.append(new_call_id())
+                self.sent_args.append(0)
+                head = {"index": i, "id": self.ids[i], "type": "function",
+                        "function": {"name": call.name, "arguments": ""}}  # fmt: skip
+                deltas.append({"tool_calls": [head]})
+            piece = call.arguments[self.sent_args[i] :]
+            if piece:
+                self.sent_args[i] = len(call.arguments)
+                deltas.append({"tool_calls": [{"index": i, "function": {"arguments": piece}}]})
+        return deltas
+
+
+class ChatShaper(Protocol):
+    """What the server's chat shaper offers the tool stream (backend/server.py)."""
+
+    include_usage: bool
+
+    def chunk(self, choice: dict[str, Any]) -> dict[str, Any]: ...
+    def choice(
+        self, delta: dict[str, Any], logprobs: dict | None = None, finish: str | None = None, index: int = 0
+    ) -> dict: ...
+    def logprobs(self, entries: list[dict] | None) -> dict[str, Any] | None: ...
+    def usage_chunk(self, out: RequestOutput) -> dict[str, Any]: ...
+
+
+@dataclass
+class _ChoiceState:
+    """One choice's progress through a tool stream (n > 1 streams each on its own index)."""
+
+    deltas: ToolDeltas
+    held: list[dict] = field(default_factory=list)  # logprobs not yet sent with a delta
+    sent_tokens: int = 0
+    started: bool = False
+    done: bool = False
+
+
+async def tool_chunks(
+    shaper: ChatShaper, stream: RequestStream, fmt: ToolFormat
+) -> AsyncIterator[dict[str, Any]]:
+    """The chunks of a streamed answer to a request that offered tools, per choice."""
+    states: dict[int, _ChoiceState] = {0: _ChoiceState(ToolDeltas(fmt), started=True)}
+    yield shaper.chunk(shaper.choice({"role": "assistant", "content": None}))
+    async for out in stream:
+        for c in out.outputs:
+            st = states.setdefault(c.index, _ChoiceState(ToolDeltas(fmt)))
+            if not st.started:
+                st.started = True
+                yield shaper.chunk(shaper.choice({"role": "assistant", "content": None}, index=c.index))
+            if st.done:
+                continue
+            if c.logprobs is not None:
+                st.held += c.logprobs[st.sent_tokens :]
+            st.sent_tokens = len(c.token_ids)
+            ended = c.finish_reason is not None
+            for delta in st.deltas.feed(c.text, ended):
+                yield shaper.chunk(shaper.choice(delta, shaper.logprobs(st.held or None), index=c.index))
+                st.held = []
+            if ended:
+                st.done = True
+                finish = _finish(c.text, c.finish_reason, fmt)
+                yield shaper.chunk(shaper.choice({}, finish=finish, index=c.index))
+        if out.finished and shaper.include_usage:
+            yield shaper.usage_chunk(out)
