@@ -44,6 +44,7 @@ class EngineConfig:
     load_format: str
     device: str
     dtype: str
+    quantization: str
     block_size: int
     kv_cache_tokens: int
     kv_cache_bytes: int
@@ -63,6 +64,7 @@ class EngineConfig:
             "load_format": self.load_format in ("auto", "gguf", "safetensors", "dummy"),
             "device": self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
             "dtype": self.dtype in ("auto", "float32", "bfloat16", "float16"),
+            "quantization": self.quantization in ("auto", "none", "int8", "int4"),
             "block_size": self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
             "kv_cache_tokens": self.kv_cache_tokens >= 0,
             "kv_cache_bytes": self.kv_cache_bytes > 0,
@@ -77,6 +79,7 @@ class EngineConfig:
         if bad:
             raise ValueError(
                 f"invalid engine config value(s): {', '.join(f'{k}={getattr(self, k)!r}' for k in bad)}"
+                + ("; quantization is one of auto, none, int8, int4" if "quantization" in bad else "")
             )
 
     @property

@@ -16,7 +16,7 @@ import torch
 from backend.block_manager import BlockManager, cdiv
 from backend.config import EngineConfig
 from backend.detokenizer import IncrementalDetokenizer
-from backend.model_loader import resolve_model_dir
+from backend.model_loader import gguf_source, resolve_model_dir
 from backend.model_runner import ModelRunner
 from backend.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from backend.platform import resolve_device, resolve_dtype
@@ -64,7 +64,13 @@ class LLMEngine:
         has_tokenizer = any((self.model_dir / f).exists() for f in ("tokenizer.json", "tokenizer.model"))
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir)) if has_tokenizer else None
         self.runner = ModelRunner(
-            config, hf_config, self.model_dir, self.device, self.dtype, self.max_model_len
+            config,
+            hf_config,
+            self.model_dir,
+            self.device,
+            self.dtype,
+            self.max_model_len,
+            gguf_path=gguf_source(config.model),
         )
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching

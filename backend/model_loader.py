@@ -57,6 +57,14 @@ def resolve_model_dir(model: str, cache_dir: Path) -> Path:
     )
 
 
+def gguf_source(model: str) -> Path | None:
+    """The GGUF file a model setting names (the embedded one for ""), or None for a folder."""
+    if not model:
+        return embedded_gguf_path()
+    path = Path(model).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
 def _gguf_pre_tokenizer(path: Path) -> str | None:
     from gguf import GGUFReader
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -17,6 +18,7 @@ from backend.layers.attention import AttentionMetadata
 from backend.layers.rotary import RotaryEmbedding
 from backend.model_loader import iter_safetensors
 from backend.models.llama import LlamaForCausalLM, ModelSpec
+from backend.quantization import quantize_model, resolve_mode
 from backend.scheduler import ScheduledBatch
 
 log = logging.getLogger("cachegw.backend")
@@ -50,6 +52,7 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         max_model_len: int,
+        gguf_path: Path | None = None,
     ) -> None:
         self.config, self.device, self.dtype = config, device, dtype
         self.block_size = config.block_size
@@ -72,6 +75,9 @@ class ModelRunner:
             model.init_dummy_weights(config.seed)
         else:
             model.load_weights(iter_safetensors(model_dir))
+        self.quantization = resolve_mode(config.quantization, device, gguf_path)
+        if self.quantization != "none":
+            quantize_model(model, self.quantization, gguf_path if config.load_format != "dummy" else None)
         self.model = model.eval()
         self.attention_backend = self._choose_attention_backend()
         self.num_blocks = self._num_kv_blocks()

@@ -162,7 +162,8 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(spec, rotary) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        # an nn.Linear, or a weight-only quantized layer (backend/quantization.py)
+        self.lm_head: nn.Module = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:

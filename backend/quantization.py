@@ -1,0 +1,118 @@
+"""Which weights become int8/int4 layers, and from what: ``[engine] quantization``.
+
+- ``none``: float weights everywhere (the parity tests' path).
+- ``int4`` / ``int8``: every projection in that format. From a GGUF's Q4_0/Q4_1 blocks int4 keeps
+  the file's own integers, scales and minimums (lossless); anything else is rounded again.
+- ``auto``: what the file holds where a fast kernel exists: Q4_0/Q4_1 as they are, other 2-4 bit
+  types as int4, 5-8 bit types as int8, float tensors stay float; a safetensors model stays float.
+In every quantized mode the LM head is int8 (per-row scales) while the embedding it is tied to stays
+float for the lookup. Norms, embeddings and rotary tables stay float. On CUDA the engine runs the
+dequantized float weights: these kernels are CPU ones.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from backend.gguf_weights import BlockWeights, GgufLinear, read_linears
+from backend.layers.quantized_linear import Int4Linear, Int8Linear
+from backend.models.llama import LlamaForCausalLM
+
+log = logging.getLogger("cachegw.backend")
+
+MODES = ("auto", "none", "int8", "int4")
+# our fused module -> the checkpoint projections it holds, in row order
+_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
+
+
+def resolve_mode(mode: str, device: torch.device, gguf: Path | None) -> str:
+    """The mode the engine runs: "none" on CUDA and for "auto" over a float checkpoint."""
+    if mode not in MODES:
+        raise ValueError(f"[engine] quantization must be one of {', '.join(MODES)}, not {mode!r}")
+    if mode != "none" and device.type != "cpu":
+        log.info(
+            "quantization=%s: the int4/int8 kernels are CPU ones; running float weights on %s", mode, device
+        )
+        return "none"
+    if mode == "auto" and gguf is None:
+        return "none"
+    return mode
+
+
+def _auto_format(kind: str) -> str:
+    if kind in ("F32", "F16", "BF16", "F64"):
+        return "none"
+    bits = next((int(c) for c in kind if c.isdigit()), 8)
+    return "int4" if bits <= 4 else "int8"
+
+
+def _concat(blocks: list[BlockWeights]) -> BlockWeights:
+    return BlockWeights(
+        blocks[0].kind,
+        torch.cat([b.q for b in blocks]),
+        torch.cat([b.scale for b in blocks]),
+        torch.cat([b.offset for b in blocks]),
+    )
+
+
+def _build(
+    fmt: str, sources: list[GgufLinear] | None, module: nn.Linear, compute_dtype: torch.dtype
+) -> nn.Module:
+    """The quantized layer replacing ``module`` (its bias kept), or ``module`` where no kernel fits."""
+    bias = module.bias
+    if (
+        fmt == "int4"
+        and sources
+        and all(s.blocks is not None and s.kind in ("Q4_0", "Q4_1") for s in sources)
+    ):
+        return Int4Linear.from_blocks(_concat([s.blocks for s in sources]), bias, compute_dtype)  # type: ignore[misc]
+    weight = torch.cat([s.to_float() for s in sources]) if sources else module.weight
+    if fmt == "int4" and Int4Linear.supports(weight.shape[1]):
+        return Int4Linear.from_float(weight, bias, compute_dtype)
+    if fmt in ("int4", "int8"):
+        return Int8Linear.from_float(weight, bias, compute_dtype)
+    return module
+
+
+def quantize_model(
+    model: LlamaForCausalLM,
+    mode: str,
+    gguf: Path | None,
+    compute_dtype: torch.dtype = torch.bfloat16,
+) -> Counter[str]:
+    """Replace the projections (and the LM head) in place; returns how many layers got each format."""
+    spec = model.spec
+    linears: dict[str, GgufLinear] = {}
+    if gguf is not None:
+        linears = {g.name: g for g in read_linears(gguf, spec.num_heads, spec.num_kv_heads)}
+    formats: Counter[str] = Counter()
+    for i, layer in enumerate(model.layers):
+        for fused, parts in _FUSED.items():
+            owner_name, attr = fused.rsplit(".", 1)
+            owner = layer.get_submodule(owner_name)
+            names = [f"model.layers.{i}.{p}.weight" for p in parts]
+            sources = [linears[n] for n in names] if all(n in linears for n in names) else None
+            fmt = mode
+            if mode == "auto":
+                fmts = {_auto_format(s.kind) for s in sources} if sources else {"none"}
+                fmt = fmts.pop() if len(fmts) == 1 else "int8"
+            new = _build(fmt, sources, getattr(owner, attr), compute_dtype)
+            setattr(owner, attr, new)
+            formats[type(new).__name__] += 1
+    if mode != "none":
+        head = model.lm_head
+        assert isinstance(head, nn.Linear)
+        model.lm_head = Int8Linear.from_float(head.weight, None, compute_dtype)
+        formats["lm_head Int8Linear"] += 1
+    log.info("quantization=%s: %s", mode, dict(formats))
+    return formats

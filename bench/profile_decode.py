@@ -1,0 +1,88 @@
+"""Where a batch-1 decode step goes: torch.profiler over 20 engine steps after a 200-token prompt.
+
+Operator self-times are put in four groups: projections (float or int4/int8 matmuls, LM head
+included), attention (SDPA plus the KV-cache gather and store), the other tensor ops (norms, rotary,
+SiLU, adds, copies, sampling), and what no operator accounts for (Python: scheduler, batch
+preparation, module calls, detokenization).
+
+    .venv/bin/python -m bench.profile_decode [--modes none,int4] [--steps 20] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+import torch
+
+from bench.common import save, say
+
+_GROUPS = {
+    "projections": (
+        "aten::addmm",
+        "aten::mm",
+        "aten::_weight_int4pack_mm_for_cpu",
+        "aten::_weight_int8pack_mm",
+    ),
+    "attention": (
+        "scaled_dot_product",
+        "flash_attention",
+        "aten::index_select",
+        "aten::index_put",
+        "aten::bmm",
+    ),
+}
+
+
+def _group(name: str) -> str:
+    return next((g for g, keys in _GROUPS.items() if any(k in name for k in keys)), "other ops")
+
+
+def profile(mode: str, steps: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    from backend import LLM, SamplingParams
+
+    llm = LLM(
+        quantization=mode, dtype="float32", kv_cache_tokens=1024, max_num_seqs=1, enable_prefix_caching=False
+    )
+    engine = llm.engine
+    engine.add_request(
+        "p", list(range(100, 300)), SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    )
+    for _ in range(4):  # the prefill and a few warm decode steps
+        engine.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = (time.perf_counter() - start) / steps * 1000
+    totals: dict[str, float] = {"projections": 0.0, "attention": 0.0, "other ops": 0.0}
+    ops = 0
+    for ev in prof.key_averages():
+        totals[_group(ev.key)] += ev.self_cpu_time_total / 1000 / steps
+        ops += ev.count
+    del llm, engine
+    gc.collect()
+    ms = {k: round(v, 2) for k, v in totals.items()}
+    ms["outside operators"] = round(wall - sum(totals.values()), 2)
+    return {"step_ms": round(wall, 2), "ms_per_step": ms, "operator_calls_per_step": round(ops / steps)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--modes", default="none,int4")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    result = {}
+    for mode in args.modes.split(","):
+        result[mode] = profile(mode, args.steps)
+        say(f"{mode}: {result[mode]}")
+    save("profile_decode", {"threads": args.threads, "steps": args.steps, "modes": result})
+
+
+if __name__ == "__main__":
+    main()
