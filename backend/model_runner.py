@@ -134,17 +134,7 @@ class ModelRunner:
         n = min(self.config.max_num_batched_tokens, self.max_model_len)
         blocks = cdiv(n, self.block_size)
         self.kv_caches = self._allocate_kv_cache(blocks)
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(n, device=self.device),
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
-            block_tables=torch.arange(blocks, dtype=torch.int32, device=self.device)[None],
-            max_query_len=n,
-            max_seq_len=n,
-            num_decodes=0,
-            query_lens_cpu=[n],
-            seq_lens_cpu=[n],
-        )
+        meta = AttentionMetadata.one_prefill(n, self.block_size, self.device)
         with torch.inference_mode():
             ids = torch.zeros(n, dtype=torch.long, device=self.device)
             self.model.compute_logits(self.model(ids, torch.arange(n, device=self.device), meta)[-1:])

@@ -48,18 +48,7 @@ def _perplexity(llm, texts: list[str], max_len: int) -> float:
     for text in texts:
         ids = llm.tokenizer.encode(text, add_special_tokens=False)[:max_len]
         n = len(ids)
-        blocks = -(-n // runner.block_size)
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(n),
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-            seq_lens=torch.tensor([n], dtype=torch.int32),
-            block_tables=torch.arange(blocks, dtype=torch.int32)[None],
-            max_query_len=n,
-            max_seq_len=n,
-            num_decodes=0,
-            query_lens_cpu=[n],
-            seq_lens_cpu=[n],
-        )
+        meta = AttentionMetadata.one_prefill(n, runner.block_size)
         with torch.inference_mode():
             hidden = runner.model(torch.tensor(ids), torch.arange(n), meta)
             logp = torch.log_softmax(runner.model.compute_logits(hidden[:-1]), dim=-1)

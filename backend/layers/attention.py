@@ -32,6 +32,22 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     decode_groups: list[tuple[int, int]] | None = None  # torch path: set on first use in a step
 
+    @classmethod
+    def one_prefill(cls, n: int, block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
+        """One sequence of ``n`` new tokens in blocks 0, 1, ... (start-up warm-up, offline scoring)."""
+        blocks = -(-n // block_size)
+        return cls(
+            slot_mapping=torch.arange(n, device=device),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
+            block_tables=torch.arange(blocks, dtype=torch.int32, device=device)[None],
+            max_query_len=n,
+            max_seq_len=n,
+            num_decodes=0,
+            query_lens_cpu=[n],
+            seq_lens_cpu=[n],
+        )
+
 
 def store_kv_torch(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
