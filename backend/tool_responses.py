@@ -10,10 +10,10 @@ content, as without tools.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from backend.async_engine import RequestStream
+from backend.choices import Cursors
 from backend.outputs import RequestOutput
 from backend.tool_parser import ToolFormat, scan, whole_calls
 from protocol.tool_calls import new_call_id
@@ -83,40 +83,31 @@ class ChatShaper(Protocol):
     def usage_chunk(self, out: RequestOutput) -> dict[str, Any]: ...
 
 
-@dataclass
-class _ChoiceState:
-    """One choice's progress through a tool stream (n > 1 streams each on its own index)."""
-
-    deltas: ToolDeltas
-    held: list[dict] = field(default_factory=list)  # logprobs not yet sent with a delta
-    sent_tokens: int = 0
-    started: bool = False
-    done: bool = False
-
-
 async def tool_chunks(
     shaper: ChatShaper, stream: RequestStream, fmt: ToolFormat
 ) -> AsyncIterator[dict[str, Any]]:
-    """The chunks of a streamed answer to a request that offered tools, per choice."""
-    states: dict[int, _ChoiceState] = {0: _ChoiceState(ToolDeltas(fmt), started=True)}
+    """The chunks of a streamed answer to a request that offered tools, each choice on its index."""
+    cursors = Cursors()  # what each choice has sent (tokens for logprobs; started, done)
+    deltas: dict[int, ToolDeltas] = {}
+    held: dict[int, list[dict]] = {}  # logprobs not yet sent with a delta, per choice
+    cursors[0].started = True  # the first choice's role goes out at once, before any token
     yield shaper.chunk(shaper.choice({"role": "assistant", "content": None}))
     async for out in stream:
         for c in out.outputs:
-            st = states.setdefault(c.index, _ChoiceState(ToolDeltas(fmt)))
-            if not st.started:
-                st.started = True
+            cursor = cursors[c.index]
+            if not cursor.started:
+                cursor.started = True
                 yield shaper.chunk(shaper.choice({"role": "assistant", "content": None}, index=c.index))
-            if st.done:
+            if cursor.done:
                 continue
-            if c.logprobs is not None:
-                st.held += c.logprobs[st.sent_tokens :]
-            st.sent_tokens = len(c.token_ids)
-            ended = c.finish_reason is not None
-            for delta in st.deltas.feed(c.text, ended):
-                yield shaper.chunk(shaper.choice(delta, shaper.logprobs(st.held or None), index=c.index))
-                st.held = []
-            if ended:
-                st.done = True
+            _, entries = cursor.advance(c)
+            pending = held.setdefault(c.index, [])
+            pending += entries or []
+            cursor.done = c.finish_reason is not None
+            for delta in deltas.setdefault(c.index, ToolDeltas(fmt)).feed(c.text, cursor.done):
+                yield shaper.chunk(shaper.choice(delta, shaper.logprobs(pending or None), index=c.index))
+                pending = held[c.index] = []
+            if cursor.done:
                 finish = _finish(c.text, c.finish_reason, fmt)
                 yield shaper.chunk(shaper.choice({}, finish=finish, index=c.index))
         if out.finished and shaper.include_usage:

@@ -62,12 +62,16 @@ class ResponseCache:
         self.memo = EntryMemo(store)
         self.exact = ExactTier(store, self.memo)
         self.semantic = SemanticTier(self.settings, index, batcher, verifier, self.memo, lines)
-        self.lines = lines
         self.maintenance = Maintenance(self.settings, store, self._forget)
         self.replicas = ReplicaSync(store, self.exact, self.memo, index, self.maintenance, self._forget)
         self._storing = KeyedLocks()  # one insert per exact key at a time: its replace is seen whole
         if self.settings().semantic:
             warm_alignment()
+
+    @property
+    def lines(self) -> ThresholdProvider | None:
+        """Each scope's false-hit-bound line (the stats read it), as the semantic tier holds it."""
+        return self.semantic.lines
 
     @property
     def entries(self) -> int:

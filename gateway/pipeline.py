@@ -153,7 +153,7 @@ class Gateway:
             await self._record_failure(flow, exc, time.perf_counter())
             raise
         if settings.tenants.prefix_isolation:  # after the keys: the gateway's own cache is unchanged
-            flow.cache_salt = self.salts.salt(self.tenants.prefix_key(tenant), body.get("cache_salt"))
+            flow.cache_salt = self._prefix_salt(flow)
         if record.stream:
             return await self._forward_stream(flow, urls, path, body, store, ttl)
         return await self._forward_json(flow, urls, path, body, store, ttl)
@@ -243,6 +243,10 @@ class Gateway:
         error = None if complete is not None else "stream incomplete or failed: not stored"
         await self._record(flow, 200, recorder.usage or {}, error)
 
+    def _prefix_salt(self, flow: Flow) -> str:
+        """The salt the backend's prefix cache gets for this tenant (and the client's own salt)."""
+        return self.salts.salt(self.tenants.prefix_key(flow.tenant), flow.body.get("cache_salt"))
+
     def _offer_audit(
         self, flow: Flow, kind: Literal["hit", "near-miss"], entry: CacheEntry, fresh: dict | None
     ) -> None:
@@ -252,7 +256,7 @@ class Gateway:
             return  # audits feed the error bound: only scopes with a false-hit target are audited
         salt = flow.cache_salt
         if salt is None and self.settings.tenants.prefix_isolation:  # a hit computed none
-            salt = self.salts.salt(self.tenants.prefix_key(flow.tenant), flow.body.get("cache_salt"))
+            salt = self._prefix_salt(flow)
         r = flow.record
         job = AuditJob(
             kind, r.model, flow.tenant.name, lk.score, entry, r.id, r.endpoint, flow.body, salt, fresh
