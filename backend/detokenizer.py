@@ -9,8 +9,9 @@ from __future__ import annotations
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, stop: list[str]) -> None:
+    def __init__(self, tokenizer, stop: list[str], skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.stop = stop
         self.max_stop_len = max((len(s) for s in stop), default=0)
         self.ids: list[int] = []
@@ -19,7 +20,7 @@ class IncrementalDetokenizer:
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_id: int) -> str | None:
         """Append a token; returns the stop string that now ends the text, if any (text cut before it)."""

@@ -156,7 +156,7 @@ class LLMEngine:
         seq = Sequence(
             request_id, ids, params, cache_salt, arrival_time, prompt if isinstance(prompt, str) else None
         )
-        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
         seq.grammar = grammar
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
@@ -187,7 +187,7 @@ class LLMEngine:
         p = parent.params
         for i in range(1, p.num_samples):
             child = parent.fork(i)
-            child.detokenizer = IncrementalDetokenizer(self.tokenizer, p.stop)
+            child.detokenizer = IncrementalDetokenizer(self.tokenizer, p.stop, p.skip_special_tokens)
             child.grammar = parent.grammar.copy() if parent.grammar is not None else None
             if p.seed is not None:
                 child.generator = torch.Generator(device=self.device).manual_seed(p.seed + i)

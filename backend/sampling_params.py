@@ -71,6 +71,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's logprob plus the top k
     echo: bool = False  # the prompt is part of the answer, so max_tokens 0 (scoring only) is valid
     structured: StructuredOutput | None = None  # response_format json_object / json_schema
+    skip_special_tokens: bool = True  # False: the text keeps them (a tool format's [TOOL_CALLS])
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

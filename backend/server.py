@@ -39,7 +39,7 @@ from backend.protocol import (
 )
 from backend.request_fields import EngineChatRequest, EngineCompletionRequest, check_fields
 from backend.sampling_params import InvalidParameter, SamplingParams
-from backend.tool_prompt import chat_prompt_ids, request_tools
+from backend.tool_prompt import answer_constraint, chat_prompt_ids, request_tools
 from backend.tool_responses import tool_chunks, tool_message
 from backend.tools import ToolRequest
 from protocol import sse
@@ -217,8 +217,8 @@ class _Server:
         ids = await self.in_tokenizer_thread(self.chat_ids, req, tools)
         room = min(self.engine.max_model_len, self.engine.kv_cache_tokens) - len(ids)
         params = self.sampling_params(req, req.resolved_max_tokens(room), top)
-        if tools is not None and tools.calls_possible:
-            params.structured = tools.grammar()
+        params.structured = answer_constraint(tools, params.structured)
+        params.skip_special_tokens = not (tools and tools.calls_possible and tools.special)
         shaper = _ChatShaper(
             f"chatcmpl-{uuid.uuid4().hex}",
             self.model_name,

@@ -1,8 +1,10 @@
 """A chat request's messages and tools as the prompt the model reads.
 
 A chat template that knows tools in a format the engine reads (Hermes' ``<tool_call>`` blocks:
-Qwen2.5, Hermes 2/3) renders them itself: ``apply_chat_template(messages, tools=...)``, earlier calls
-as ``tool_calls`` with their arguments as objects, results as ``role: tool`` messages. Any other
+Qwen2.5, Hermes 2/3; Llama 3.1+'s JSON calls; Mistral's ``[TOOL_CALLS]``) renders them itself:
+``apply_chat_template(messages, tools=...)``, earlier calls as ``tool_calls`` with their arguments as
+objects, results as ``role: tool`` messages (Mistral's template insists on 9-character call ids: other
+ids are mapped to one, the same for a call and its result). Any other
 template (the embedded SmolLM2's knows no tools) gets the generic tool prompt: a system section
 listing each function with the JSON schema of its arguments and the call format, earlier calls
 written into the assistant's text in that format, and results as user turns in ``<tool_response>``
@@ -11,13 +13,15 @@ tags. ``tool_choice: none`` renders no tools at all.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import replace
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
-from backend.tool_parser import HERMES, ToolFormat
+from backend.sampling_params import StructuredOutput
+from backend.tool_parser import HERMES, ID_ALPHABET, LLAMA3, MISTRAL, ToolFormat
 from backend.tools import ToolRequest, tool_request
 from protocol.errors import ApiError
 from protocol.requests import ChatCompletionRequest, ChatMessage
@@ -40,12 +44,25 @@ _CALLS = TypeAdapter(list[_Call])
 
 
 def template_format(tokenizer: Any) -> ToolFormat | None:
-    """The tool format the model's own chat template renders and expects, if it has one we read."""
+    """The tool format the model's own chat template renders and expects, if it has one we read:
+    told apart by what each family's template writes (Hermes' ``<tool_call>``, Mistral's
+    ``[TOOL_CALLS]``, Llama 3.1+'s ``ipython`` role or ``<|python_tag|>`` with ``"parameters"``)."""
     template = getattr(tokenizer, "chat_template", None)
     text = " ".join(template.values()) if isinstance(template, dict) else str(template or "")
-    if "tools" in text and HERMES.open.strip() in text:
+    if "tools" not in text:
+        return None
+    if HERMES.open.strip() in text:
         return HERMES
+    if "[TOOL_CALLS]" in text:
+        return MISTRAL
+    if ("ipython" in text or "<|python_tag|>" in text) and '"parameters"' in text:
+        return LLAMA3
     return None
+
+
+def _special_markers(tokenizer: Any, fmt: ToolFormat) -> tuple[tuple[str, int], ...]:
+    special = set(getattr(tokenizer, "all_special_tokens", ()) or ())
+    return tuple((m, int(tokenizer.convert_tokens_to_ids(m))) for m in fmt.markers if m in special)
 
 
 def request_tools(req: ChatCompletionRequest, tokenizer: Any) -> ToolRequest | None:
@@ -53,11 +70,30 @@ def request_tools(req: ChatCompletionRequest, tokenizer: Any) -> ToolRequest | N
     tools = tool_request(req.model_extra or {})
     if tools is None or not tools.calls_possible:
         return tools
-    if req.response_format is not None and req.response_format.type != "text":
-        raise ApiError(400, "response_format cannot be combined with tool calls: send tool_choice "
-                       "'none' or leave response_format out.", param="response_format")  # fmt: skip
-    templated = template_format(tokenizer)
-    return tools if templated is None else replace(tools, format=templated, templated=True)
+    fmt = template_format(tokenizer)
+    if fmt is None:
+        return tools
+    return replace(tools, format=fmt, templated=True, special=_special_markers(tokenizer, fmt))
+
+
+def answer_constraint(tools: ToolRequest | None, answer: StructuredOutput | None) -> StructuredOutput | None:
+    """What the output must be, given the tools and the response_format's constraint ``answer``."""
+    return answer if tools is None else tools.grammar(answer)
+
+
+def template_call_id(call_id: str | None, fmt: ToolFormat) -> str | None:
+    """The id a template gets for a call: as sent, or for a format with fixed ids (Mistral's 9 letters
+    and digits) the id itself when it fits, else one derived from it (the same for a call and its result)."""
+    if not fmt.id_length or call_id is None:
+        return call_id
+    if len(call_id) == fmt.id_length and all(c in ID_ALPHABET for c in call_id):
+        return call_id
+    digest = int.from_bytes(hashlib.sha256(call_id.encode()).digest()[:8], "big")
+    out = ""
+    for _ in range(fmt.id_length):
+        digest, r = divmod(digest, len(ID_ALPHABET))
+        out += ID_ALPHABET[r]
+    return out
 
 
 def generic_tool_section(req: ToolRequest) -> str:
@@ -97,18 +133,18 @@ def _arguments(text: str) -> Any:
         return text
 
 
-def _templated(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+def _templated(messages: list[ChatMessage], fmt: ToolFormat) -> list[dict[str, Any]]:
     out = []
     for i, m in enumerate(messages):
         item: dict[str, Any] = dict(m.template_dict())
         if m.role == "assistant" and m.tool_calls:
             item["tool_calls"] = [
-                {"id": c.id, "type": "function",
+                {"id": template_call_id(c.id, fmt), "type": "function",
                  "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
                 for c in _calls(m, i)
             ]  # fmt: skip
         elif m.role == "tool" and m.tool_call_id is not None:
-            item["tool_call_id"] = m.tool_call_id
+            item["tool_call_id"] = template_call_id(m.tool_call_id, fmt)
         out.append(item)
     return out
 
@@ -141,7 +177,7 @@ def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage], req: ToolReques
     templated = template_format(tokenizer)
     kwargs: dict[str, Any] = {}
     if templated is not None:
-        conversation = _templated(messages)
+        conversation = _templated(messages, templated)
         if req is not None and req.calls_possible:
             kwargs["tools"] = [f.openai() for f in req.functions]
     else:

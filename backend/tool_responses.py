@@ -1,6 +1,7 @@
 """Tool calls in the engine's answers: the chat message (JSON) and the stream's deltas, in OpenAI's shape.
 
-An answer that is calls has ``content`` null, each call an id (``call_...``), ``type: function``, the
+An answer that is calls has ``content`` null, each call an id (``call_...``, or the 9 letters and digits
+Mistral's template insists on), ``type: function``, the
 function's name and its arguments as a JSON string, and ``finish_reason: "tool_calls"`` once every
 call is whole. A stream sends each call's index, id, type and name in one delta as soon as the name
 is out, then its arguments in pieces as they are generated. An answer that is text is sent as
@@ -16,7 +17,6 @@ from backend.async_engine import RequestStream
 from backend.choices import Cursors
 from backend.outputs import RequestOutput
 from backend.tool_parser import ToolFormat, scan, whole_calls
-from protocol.tool_calls import new_call_id
 
 
 def _finish(text: str, finish_reason: str | None, fmt: ToolFormat) -> str | None:
@@ -30,7 +30,7 @@ def tool_message(text: str, finish_reason: str | None, fmt: ToolFormat) -> tuple
     if result.kind != "calls" or not result.calls:
         return {"role": "assistant", "content": text, "refusal": None}, finish_reason
     calls = [
-        {"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        {"id": fmt.new_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
         for c in result.calls
     ]
     message = {"role": "assistant", "content": None, "refusal": None, "tool_calls": calls}
@@ -58,7 +58,7 @@ class ToolDeltas:
         deltas: list[dict[str, Any]] = []
         for i, call in enumerate(result.calls):
             if i == len(self.ids):
-                self.ids.append(new_call_id())
+                self.ids.append(self.fmt.new_id())
                 self.sent_args.append(0)
                 head = {"index": i, "id": self.ids[i], "type": "function",
                         "function": {"name": call.name, "arguments": ""}}  # fmt: skip

@@ -4,10 +4,15 @@
 The grammar is a Lark grammar for llguidance with each function's ``parameters`` embedded as a JSON
 schema (``%json``), so every call the engine writes names a listed function and its arguments validate:
 
-- ``required``: one or more calls (one with ``parallel_tool_calls`` false or under the generic prompt);
+- ``required``: one or more calls (one with ``parallel_tool_calls`` false, under the generic prompt
+  or in a format that allows one, as Llama 3.1's);
 - a named function: exactly one call of it;
-- ``auto``: either calls, or plain text that does not start with ``<`` (an answer is one or the other);
-- ``none``: no grammar, and the tools are left out of the prompt.
+- ``auto``: either calls, or the answer ``response_format`` asks for: its JSON, or without one plain
+  text that cannot start a call (not ``<`` for Hermes' format, ``{`` for Llama's, ``[`` for Mistral's);
+- ``none``: the ``response_format`` alone, and the tools are left out of the prompt.
+
+The call format (``backend/tool_parser.py``) is written as it is; a marker that is one special token
+in the model's tokenizer (Mistral's ``[TOOL_CALLS]``) is that token (``<[id]>``), as the model was trained.
 
 Bad definitions (a name OpenAI would refuse, ``parameters`` that are not a JSON schema, a
 ``tool_choice`` naming no listed function) are a 400 naming the parameter.
@@ -16,6 +21,7 @@ Bad definitions (a name OpenAI would refuse, ``parameters`` that are not a JSON 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -87,6 +93,7 @@ class ToolRequest:
     parallel: bool
     format: ToolFormat = HERMES
     templated: bool = False  # the model's own template renders the tools (else the generic prompt)
+    special: tuple[tuple[str, int], ...] = ()  # the format's markers that are special tokens: (text, id)
 
     @property
     def calls_possible(self) -> bool:
@@ -97,13 +104,14 @@ class ToolRequest:
         """Whether one answer may hold several calls: with ``parallel_tool_calls`` (OpenAI's default)
         and a template that knows tools. Under the generic prompt one call per answer: SmolLM2 then
         repeats calls until max_tokens (bench/tool_calls.py has the figures)."""
-        return self.parallel and self.templated
+        return self.parallel and self.templated and self.format.parallel
 
-    def grammar(self) -> StructuredOutput | None:
-        """The constraint of this choice, or None (``none``: plain text)."""
+    def grammar(self, answer: StructuredOutput | None = None) -> StructuredOutput | None:
+        """The constraint of this choice given the request's response_format ``answer`` (None: text):
+        ``none`` is the answer's alone, ``auto`` calls or the answer, ``required``/named calls only."""
         if self.mode == "none":
-            return None
-        return StructuredOutput.lark(tool_grammar(self))
+            return answer
+        return StructuredOutput.lark(tool_grammar(self, answer))
 
 
 def _param(prefix: str, loc: tuple[int | str, ...]) -> str:
@@ -175,27 +183,60 @@ def _lark_string(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def _arguments_schema(fn: Function) -> str:
-    """The function's parameters as %json text, with the engine's JSON layout and strictness."""
-    guidance = {**JSON_OPTIONS, "lenient": not fn.strict}
-    return json.dumps({**fn.parameters, "x-guidance": guidance}, ensure_ascii=False)
+def _lark_text(text: str, special: dict[str, int]) -> str:
+    """``text`` as Lark terminals: its special-token markers as ``<[id]>`` (the model writes those as
+    the one token it was trained on, never spelled out), the rest as strings; "" when empty."""
+    parts, pos = [], 0
+    for marker in sorted(special, key=lambda m: text.find(m)):
+        at = text.find(marker, pos)
+        if at < 0:
+            continue
+        if at > pos:
+            parts.append(_lark_string(text[pos:at]))
+        parts.append(f"<[{special[marker]}]>")
+        pos = at + len(marker)
+    if pos < len(text):
+        parts.append(_lark_string(text[pos:]))
+    return " ".join(parts)
 
 
-def tool_grammar(req: ToolRequest) -> str:
-    """The Lark grammar of the answers ``req`` allows (see the module docstring)."""
-    fmt = req.format
+def _json_pieces(text: str) -> str:
+    """JSON text as Lark strings cut where a JSON lexer cuts it (``{``, each string, ``: ``, ``, ``): where
+    a call may also be the start of a JSON answer (Llama's bare calls), each piece is the very lexeme
+    the answer's JSON would have there, and the parser, not the lexer, tells the two apart."""
+    pieces = re.findall(r'"[^"]*"?|[^"]+', text)
+    return " ".join(_lark_string(p) for p in pieces)
+
+
+def schema_json(schema: dict[str, Any], strict: bool) -> str:
+    """A JSON schema as %json text, with the engine's JSON layout and strictness."""
+    guidance = {**JSON_OPTIONS, "lenient": not strict}
+    return json.dumps({**schema, "x-guidance": guidance}, ensure_ascii=False)
+
+
+def _answer_rule(answer: StructuredOutput | None, fmt: ToolFormat) -> str:
+    """What ``auto`` allows besides calls: the response_format's JSON, else text that cannot start a call."""
+    if answer is None or answer.kind == "lark":
+        excluded = "".join("\\" + c if c in "[]\\^-/" else c for c in fmt.text_excludes)
+        return f"answer: TEXT\nTEXT: /[^{excluded}\\s](.|\\n)*/"
+    return f"answer: %json {schema_json(json.loads(answer.schema), answer.strict)}"
+
+
+def tool_grammar(req: ToolRequest, answer: StructuredOutput | None = None) -> str:
+    """The Lark grammar of the answers ``req`` allows (see the module docstring); under ``auto`` the
+    answer that is not calls is ``answer`` (the response_format) when given, else plain text."""
+    fmt, special = req.format, dict(req.special)
     rules: list[str] = []
     for i, fn in enumerate(req.functions):
-        head = _lark_string(f"{fmt.open}{fmt.head}{fn.name}{fmt.mid}")
-        rules.append(f"f{i}: {head} %json {_arguments_schema(fn)} {_lark_string('}' + fmt.close)}")
+        head = f"{_lark_text(fmt.open, special)} {_json_pieces(fmt.head + fn.name + fmt.mid)}"
+        tail = _lark_text("}" + fmt.close, special)
+        rules.append(f"f{i}: {head} %json {schema_json(fn.parameters, fn.strict)} {tail}")
     if req.mode == "named":
-        start = f"f{[f.name for f in req.functions].index(req.named or '')}"
+        rules.append(f"call: f{[f.name for f in req.functions].index(req.named or '')}")
     else:
-        call = " | ".join(f"f{i}" for i in range(len(req.functions)))
-        rules.append(f"call: {call}")
-        calls = f"call ({_lark_string(fmt.separator)} call)*" if req.several_calls else "call"
-        start = calls
-        if req.mode == "auto":
-            start = f"{calls} | TEXT"
-            rules.append(r"TEXT: /[^<\s](.|\n)*/")
-    return "\n".join([f"start: {start}", *rules])
+        rules.append("call: " + " | ".join(f"f{i}" for i in range(len(req.functions))))
+    more = f" ({_lark_text(fmt.separator, special)} call)*" if req.several_calls else ""
+    rules.append(f"calls: {_lark_text(fmt.prefix, special)} call{more} {_lark_text(fmt.suffix, special)}")
+    if req.mode == "auto":
+        return "\n".join(["start: calls | answer", *rules, _answer_rule(answer, fmt)])
+    return "\n".join(["start: calls", *rules])

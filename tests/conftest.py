@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import os
 from collections.abc import Iterator
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -41,6 +42,19 @@ def hf_model(llm) -> Iterator:
     yield model
     del model
     gc.collect()
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer() -> Any:
+    """SmolLM2's tokenizer alone, with its own chat template (which knows no tools): the template and
+    grammar tests need no weights."""
+    from transformers import AutoTokenizer
+
+    from backend.config import load_engine_config
+    from backend.model_loader import resolve_model_dir
+
+    cfg = load_engine_config(None)
+    return AutoTokenizer.from_pretrained(str(resolve_model_dir(cfg.model, cfg.resolved_cache_dir)))
 
 
 @pytest.fixture(scope="session")

@@ -184,7 +184,6 @@ def fn(name: str = "f", parameters: Any = None) -> dict:
         ({"tools": [fn()], "tool_choice": "sometimes"}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": [fn()], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
-        ({"tools": [fn()], "response_format": {"type": "json_object"}}, "response_format"),
         ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
         ({"function_call": "auto"}, "function_call"),
         ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f"}}]}]},

@@ -1,9 +1,10 @@
 """Tool calling without weights: prompt rendering, the grammar and the parser, on SmolLM2's tokenizer.
 
-The template path is tested with a Hermes/Qwen-style chat template written here (the embedded model's
-own template knows no tools): the engine must see that it renders tools with ``<tool_call>`` blocks,
-let it render them, constrain the output to that format and read it back, as JSON and as stream
-deltas. The generic path is tested on SmolLM2's own template. No model is loaded: only the tokenizer.
+The template path is tested with a Hermes/Qwen-style chat template (tests/tool_templates.py; the
+embedded model's own template knows no tools): the engine must see that it renders tools with
+``<tool_call>`` blocks, let it render them, constrain the output to that format and read it back, as
+JSON and as stream deltas. The generic path is tested on SmolLM2's own template. No model is loaded:
+only the tokenizer.
 """
 
 from __future__ import annotations
@@ -14,51 +15,15 @@ from typing import Any
 
 import pytest
 
-from backend.sampling_params import StructuredOutput
-from backend.structured import Grammar, GrammarCompiler
+from backend.structured import GrammarCompiler
 from backend.tool_parser import HERMES, scan
 from backend.tool_prompt import chat_prompt_ids, template_format
 from backend.tool_responses import ToolDeltas, tool_message
 from backend.tools import ToolRequest, tool_request
 from protocol.requests import ChatMessage
 from tests.tool_server import weather_tool
-
-HERMES_STYLE_TEMPLATE = """
-{%- if tools -%}
-<|im_start|>system
-{% if messages[0].role == 'system' %}{{ messages[0].content }}{% else %}You are helpful.{% endif %}
-Functions you may call, inside <tools></tools>:
-<tools>
-{% for tool in tools %}{{ tool | tojson }}
-{% endfor %}</tools>
-For each call, answer with <tool_call>
-{"name": <function-name>, "arguments": <args-json-object>}
-</tool_call><|im_end|>
-{% endif -%}
-{%- for message in messages -%}
-{%- if message.role == 'system' -%}
-{% if not tools %}<|im_start|>system
-{{ message.content }}<|im_end|>
-{% endif %}
-{%- elif message.role == 'assistant' -%}
-<|im_start|>assistant
-{{ message.content or '' }}
-{%- for call in message.tool_calls or [] %}<tool_call>
-{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
-</tool_call>{% endfor %}<|im_end|>
-{% elif message.role == 'tool' -%}
-<|im_start|>user
-<tool_response>
-{{ message.content }}
-</tool_response><|im_end|>
-{% else -%}
-<|im_start|>{{ message.role }}
-{{ message.content }}<|im_end|>
-{% endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif -%}
-"""
+from tests.tool_templates import HERMES_STYLE, with_template
+from tests.tool_templates import accepts as accepts_ids
 
 CALC = {
     "type": "function",
@@ -86,25 +51,14 @@ TURN = [
 
 
 @pytest.fixture(scope="module")
-def smol() -> Any:
-    """SmolLM2's tokenizer, with its own chat template (which knows no tools)."""
-    from transformers import AutoTokenizer
-
-    from backend.config import load_engine_config
-    from backend.model_loader import resolve_model_dir
-
-    cfg = load_engine_config(None)
-    return AutoTokenizer.from_pretrained(str(resolve_model_dir(cfg.model, cfg.resolved_cache_dir)))
+def smol(smol_tokenizer: Any) -> Any:
+    return smol_tokenizer
 
 
 @pytest.fixture(scope="module")
 def hermes(smol: Any) -> Any:
     """The same tokenizer with a tools-aware template in Hermes' format."""
-    import copy
-
-    tok = copy.deepcopy(smol)
-    tok.chat_template = HERMES_STYLE_TEMPLATE
-    return tok
+    return with_template(smol, HERMES_STYLE)
 
 
 @pytest.fixture(scope="module")
@@ -123,16 +77,7 @@ def request(choice: Any = "auto", parallel: bool = True, templated: bool = True)
 
 
 def accepts(compiler: GrammarCompiler, tok: Any, req: ToolRequest, text: str) -> bool:
-    """Whether the grammar of ``req`` lets the model write ``text`` and stop there."""
-    spec = req.grammar()
-    assert isinstance(spec, StructuredOutput)
-    grammar: Grammar = compiler.grammar(spec)
-    ids = tok.encode(text, add_special_tokens=False)
-    matcher = grammar._matcher
-    if matcher.validate_tokens(ids) != len(ids):
-        return False
-    assert matcher.consume_tokens(ids)
-    return bool(matcher.is_accepting())
+    return accepts_ids(compiler, req, tok.encode(text, add_special_tokens=False))
 
 
 def test_the_format_is_read_from_the_template(smol: Any, hermes: Any) -> None:
@@ -229,8 +174,8 @@ def test_partial_outputs_are_read_as_far_as_they_go() -> None:
     head = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
     [partial] = scan(head).calls
     assert (partial.name, partial.arguments, partial.complete) == ("get_weather", '{"city": "Pa', False)
-    # the closing brace that may belong to the tag is held back until it is known
+    # the arguments are read as JSON: whole once their object closes, the call once its tag does
     [held] = scan(head + 'ris"}').calls
-    assert held.arguments == '{"city": "Paris"' and not held.complete
+    assert held.arguments == '{"city": "Paris"}' and not held.complete
     [whole] = scan(head + 'ris"}}\n</tool_call>').calls
     assert whole.arguments == '{"city": "Paris"}' and whole.complete
