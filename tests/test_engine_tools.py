@@ -219,3 +219,34 @@ def test_n_samples_each_call_on_their_own_index_in_json_and_stream(client: opena
     for c in whole.choices:
         [(name, arguments)] = calls_of(c)
         assert calls[c.index]["name"] == name and json.loads(calls[c.index]["arguments"]) == arguments
+
+
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 16}, "sunny": {"type": "boolean"}},
+    "required": ["city", "sunny"],
+    "additionalProperties": False,
+}
+ANSWER_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {"name": "weather", "schema": ANSWER_SCHEMA, "strict": True},
+}
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "required", NAMED, "none"])
+def test_tools_with_a_response_format(client: openai.OpenAI, tool_choice: Any) -> None:
+    """As OpenAI: ``auto`` answers with calls or with JSON valid against the schema (the grammar is the
+    union), ``required``/named with calls, ``none`` with the schema's JSON; in JSON and in a stream."""
+    choice = create(client, tool_choice=tool_choice, response_format=ANSWER_FORMAT, max_tokens=40).choices[0]
+    calls = calls_of(choice)
+    if tool_choice == "none":
+        assert not calls
+    if tool_choice in ("required", NAMED):
+        assert calls and choice.finish_reason == "tool_calls"
+    if not calls:
+        jsonschema.validate(json.loads(choice.message.content), ANSWER_SCHEMA)
+        assert choice.finish_reason == "stop"
+    if tool_choice == "auto":  # the same answer streamed (greedy)
+        s = streamed(client, tool_choice=tool_choice, response_format=ANSWER_FORMAT, max_tokens=40)
+        assert s["content"] == (choice.message.content or "") and s["finish"] == choice.finish_reason
+        assert [(c["name"], json.loads(c["arguments"])) for c in s["calls"].values()] == calls
