@@ -34,6 +34,7 @@ class StructuredOutput:
     kind: Literal["json_object", "json_schema", "lark"]
     schema: str = ANY_OBJECT
     strict: bool = True
+    embedded: StructuredOutput | None = None  # the response_format beside tools: compiled (checked) first
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any], strict: bool | None) -> StructuredOutput:
@@ -41,8 +42,8 @@ class StructuredOutput:
         return cls("json_schema", json.dumps(schema), bool(strict))
 
     @classmethod
-    def lark(cls, grammar: str) -> StructuredOutput:
-        return cls("lark", grammar)
+    def lark(cls, grammar: str, embedded: StructuredOutput | None = None) -> StructuredOutput:
+        return cls("lark", grammar, embedded=embedded)
 
     @property
     def param(self) -> str:

@@ -93,6 +93,8 @@ class GrammarCompiler:
         """The compiled matcher for ``spec`` (cached); InvalidParameter naming response_format if bad."""
         import llguidance
 
+        if spec.embedded is not None:  # a bad response_format inside the tools' grammar is named as such
+            self.compile(spec.embedded)
         key = (spec.kind == "lark", spec.schema, spec.strict)
         hit = self._compiled.get(key)
         if hit is not None:

@@ -111,7 +111,7 @@ class ToolRequest:
         ``none`` is the answer's alone, ``auto`` calls or the answer, ``required``/named calls only."""
         if self.mode == "none":
             return answer
-        return StructuredOutput.lark(tool_grammar(self, answer))
+        return StructuredOutput.lark(tool_grammar(self, answer), answer)  # answer: checked even if unused
 
 
 def _param(prefix: str, loc: tuple[int | str, ...]) -> str:

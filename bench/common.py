@@ -36,6 +36,7 @@ def machine() -> dict:
         "cpu_threads": torch.get_num_threads(),
         "cpu": platform.processor() or platform.machine(),
         "device": "cpu",
+        "load_average": [round(x, 2) for x in os.getloadavg()],  # uptime's 1/5/15 min, at save time
     }
     if torch.cuda.is_available():
         info["device"] = torch.cuda.get_device_name()

@@ -10,6 +10,7 @@ of the constrained time spent computing and applying masks (timed inside the sam
 
     .venv/bin/python -m bench.structured_output  [--rounds 3] [--tokens-1 48] [--tokens-32 16]
     .venv/bin/python -m bench.structured_output --compile-only   # compile times only, tool grammars too
+    (--name NAME: write bench/results/NAME.json instead)
 """
 
 from __future__ import annotations
@@ -126,9 +127,12 @@ def compare(
 
 
 def tool_grammars() -> dict[str, Any]:
-    """The Lark grammars of tool calling (bench/tool_calls.py's five tools) under each tool_choice."""
+    """The Lark grammars of tool calling (bench/tool_calls.py's five tools) under each tool_choice, in
+    each call format, and ``auto`` with a response_format (the union of calls and the schema)."""
     from dataclasses import replace
 
+    from backend.sampling_params import StructuredOutput
+    from backend.tool_parser import LLAMA3, MISTRAL
     from backend.tools import tool_request
     from bench.tool_calls import TOOLS
 
@@ -140,6 +144,13 @@ def tool_grammars() -> dict[str, Any]:
         out[f"tools_5_{label}"] = req.grammar()
         if label == "required":  # several calls in one answer (a template that knows tools)
             out["tools_5_required_parallel"] = replace(req, templated=True).grammar()
+        for fmt in (LLAMA3, MISTRAL):
+            out[f"tools_5_{label}_{fmt.name}"] = replace(req, templated=True, format=fmt).grammar()
+    auto = tool_request({"tools": TOOLS, "tool_choice": "auto"})
+    assert auto is not None
+    answer = StructuredOutput.json_schema(OPEN_SCHEMA, True)
+    out["tools_5_auto_or_schema"] = auto.grammar(answer)
+    out["tools_5_auto_or_schema_llama3"] = replace(auto, templated=True, format=LLAMA3).grammar(answer)
     return out
 
 
@@ -177,6 +188,7 @@ def main() -> None:
     parser.add_argument("--tokens-32", type=int, default=16, help="output tokens of each of the 32 requests")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--compile-only", action="store_true", help="only the compile times (one engine)")
+    parser.add_argument("--name", help="the results file's name (default structured_output[_compile])")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -184,7 +196,7 @@ def main() -> None:
 
     if args.compile_only:
         compiles = compile_times(LLM(dtype="float32", kv_cache_tokens=1024, max_num_seqs=4))
-        save("structured_output_compile", {"compile": compiles})
+        save(args.name or "structured_output_compile", {"compile": compiles})
         say(json.dumps(compiles, indent=1))
         return
 
@@ -203,7 +215,7 @@ def main() -> None:
     result: dict[str, Any] = {"schema": json.dumps(OPEN_SCHEMA), "compile": compiles}
     for size, tokens in ((1, args.tokens_1), (32, args.tokens_32)):
         result[f"batch_{size}"] = compare(engines, prompts[:size], tokens, args.rounds, timer)
-        save("structured_output", result)  # after each part: a run cut short keeps what it measured
+        save(args.name or "structured_output", result)  # after each part: a run cut short keeps its part
     say(json.dumps(result, indent=1))
 
 

@@ -141,10 +141,12 @@ def test_auto_answers_text_or_valid_calls(client: openai.OpenAI) -> None:
 
 
 def test_tool_choice_none_is_the_plain_answer(client: openai.OpenAI) -> None:
-    """none: the tools are not even rendered, so the answer is the one without tools."""
+    """none: the tools are not even rendered, so the answer is the one without tools, streamed too."""
     plain = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=24)
     choice = create(client, tool_choice="none", max_tokens=24).choices[0]
     assert choice.message.tool_calls is None and choice.message.content == plain.choices[0].message.content
+    s = streamed(client, tool_choice="none", max_tokens=24)
+    assert s["content"] == choice.message.content and not s["calls"] and s["finish"] == choice.finish_reason
 
 
 def test_a_tool_result_turn_is_answered(client: openai.OpenAI) -> None:
@@ -157,6 +159,10 @@ def test_a_tool_result_turn_is_answered(client: openai.OpenAI) -> None:
     other = [*turn[:2], {**turn[2], "content": '{"temperature": -5, "sky": "heavy snow and strong wind"}'}]
     longer = create(client, other, tool_choice="none", max_tokens=2)
     assert longer.usage.prompt_tokens > reply.usage.prompt_tokens
+
+
+BAD_FORMAT = {"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {
+    "type": "string", "format": "no-such-format"}}}  # fmt: skip
 
 
 def error_of(resp: httpx.Response) -> dict:
@@ -184,6 +190,8 @@ def fn(name: str = "f", parameters: Any = None) -> dict:
         ({"tools": [fn()], "tool_choice": "sometimes"}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": [fn()], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+        # a bad schema beside tools is named as such, even where only calls may come
+        ({"tools": [fn()], "tool_choice": "required", "response_format": BAD_FORMAT}, "response_format"),
         ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
         ({"function_call": "auto"}, "function_call"),
         ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f"}}]}]},
