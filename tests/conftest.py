@@ -58,22 +58,30 @@ def smol_tokenizer() -> Any:
 
 
 @pytest.fixture(scope="session")
-def shared_backend_url() -> Iterator[str]:
-    """The built-in engine behind its OpenAI HTTP server, for the gateway tests: they only send it
-    requests (each gateway has its own data dir), so one engine serves every module."""
+def shared_engine() -> Iterator[Any]:
+    """The built-in engine (an AsyncEngine on SmolLM2), one for the session: every server a test
+    puts in front of it shares its weights and KV cache."""
     from backend.async_engine import AsyncEngine
     from backend.config import load_engine_config
     from backend.engine import LLMEngine
-    from backend.server import build_app
-    from tests.servers import serve_in_thread
 
     cfg = load_engine_config(None, device="cpu", dtype="float32", kv_cache_tokens=8192, max_num_seqs=8)
     engine = AsyncEngine(LLMEngine(cfg))
-    with serve_in_thread(build_app(engine, "SmolLM2-135M-Instruct", 1 << 20)) as url:
-        yield f"{url}/v1"
+    yield engine
     engine.shutdown()
     del engine
     gc.collect()
+
+
+@pytest.fixture(scope="session")
+def shared_backend_url(shared_engine: Any) -> Iterator[str]:
+    """The built-in engine behind its OpenAI HTTP server, for the gateway tests: they only send it
+    requests (each gateway has its own data dir), so one engine serves every module."""
+    from backend.server import build_app
+    from tests.servers import serve_in_thread
+
+    with serve_in_thread(build_app(shared_engine, "SmolLM2-135M-Instruct", 1 << 20)) as url:
+        yield f"{url}/v1"
 
 
 @pytest.fixture(scope="session", autouse=True)
