@@ -70,6 +70,8 @@ def request_tools(req: ChatCompletionRequest, tokenizer: Any) -> ToolRequest | N
     tools = tool_request(req.model_extra or {})
     if tools is None or not tools.calls_possible:
         return tools
+    if req.response_format is not None and req.response_format.type != "text":
+        tools = replace(tools, answers_json=True)
     fmt = template_format(tokenizer)
     if fmt is None:
         return tools
@@ -105,6 +107,8 @@ def generic_tool_section(req: ToolRequest) -> str:
         rule = f"You must call the function {req.named}."
     elif req.mode == "required":
         rule = "You must call at least one function."
+    elif req.answers_json:
+        rule = "If no function helps with the request, answer with the JSON asked for instead."
     else:
         rule = "If no function helps with the request, answer in plain text instead, without any tag."
     return (

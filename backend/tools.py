@@ -94,6 +94,7 @@ class ToolRequest:
     format: ToolFormat = HERMES
     templated: bool = False  # the model's own template renders the tools (else the generic prompt)
     special: tuple[tuple[str, int], ...] = ()  # the format's markers that are special tokens: (text, id)
+    answers_json: bool = False  # a response_format asks for JSON when the answer is not calls
 
     @property
     def calls_possible(self) -> bool:

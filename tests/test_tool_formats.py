@@ -19,7 +19,13 @@ from backend.request_fields import EngineChatRequest
 from backend.sampling_params import StructuredOutput
 from backend.structured import GrammarCompiler
 from backend.tool_parser import HERMES, LLAMA3, MISTRAL, ToolFormat, scan, whole_calls
-from backend.tool_prompt import chat_prompt_ids, request_tools, template_call_id, template_format
+from backend.tool_prompt import (
+    chat_prompt_ids,
+    generic_tool_section,
+    request_tools,
+    template_call_id,
+    template_format,
+)
 from backend.tool_responses import ToolDeltas, tool_message
 from backend.tools import ToolRequest, tool_request
 from protocol.requests import ChatMessage
@@ -264,3 +270,11 @@ def test_the_formats_stay_as_declared() -> None:
     )
     assert isinstance(tool_request({"tools": TOOLS}), ToolRequest)
     assert replace(HERMES, name="x") != HERMES and isinstance(HERMES, ToolFormat)
+
+
+def test_the_generic_prompt_asks_for_the_json_when_a_response_format_does(smol_tokenizer: Any) -> None:
+    body = {"model": "m", "messages": TURN[1:2], "tools": TOOLS, "response_format": {"type": "json_object"}}
+    req = request_tools(EngineChatRequest.model_validate(body), smol_tokenizer)
+    assert req is not None and req.answers_json and not req.templated
+    assert "answer with the JSON asked for instead" in generic_tool_section(req)
+    assert "answer in plain text instead" in generic_tool_section(replace(req, answers_json=False))
