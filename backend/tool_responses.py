@@ -1,11 +1,10 @@
 """Tool calls in the engine's answers: the chat message (JSON) and the stream's deltas, in OpenAI's shape.
 
-An answer that is calls has ``content`` null, each call an id (``call_...``, or the 9 letters and digits
-Mistral's template insists on), ``type: function``, the
-function's name and its arguments as a JSON string, and ``finish_reason: "tool_calls"`` once every
-call is whole. A stream sends each call's index, id, type and name in one delta as soon as the name
-is out, then its arguments in pieces as they are generated. An answer that is text is sent as
-content, as without tools.
+An answer that is calls has ``content`` null, each call an id (``call_...``, or the 9 letters and
+digits Mistral's template insists on), ``type: function``, the function's name and its arguments as
+a JSON string, and ``finish_reason: "tool_calls"`` once every call is whole. A stream sends each
+call's index, id, type and name in one delta as soon as the name is out, then its arguments in pieces
+as they are generated. An answer that is text is sent as content, as without tools.
 """
 
 from __future__ import annotations
