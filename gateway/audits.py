@@ -1,7 +1,8 @@
 """Audits: after the client has its answer, a sampled share of semantic hits and near misses is
 checked, and the verdict becomes false-hit evidence (``gateway/error_control.py``).
 
-A hit is re-asked to the backend by the gateway itself (its canonical body, without streaming) and
+A hit is re-asked to the backend by the gateway itself (its canonical body, without streaming, at low
+priority: ``[cache] audit_priority``, which the built-in engine's scheduler honours) and
 the fresh answer is compared with the stored one that was served. A near miss (a candidate only the
 error-bound line refused) needs no extra request: the client's own fresh answer is compared with the
 candidate's stored one. That is how evidence grows while a scope serves no hits yet.
@@ -90,8 +91,10 @@ class Auditor:
         config: Callable[[], CacheConfig],
         clock: Callable[[], float] = time.time,
         rng: Callable[[], float] = random.random,
+        builtin_backend: bool = False,
     ) -> None:
         self.lines, self.backends, self.batcher = lines, backends, batcher
+        self.builtin_backend = builtin_backend  # the built-in engine answers: it honours `priority`
         self.config, self.clock, self.rng = config, clock, rng
         self.bucket = TokenBucket(config().audit_max_per_second)
         self.queue: asyncio.Queue[AuditJob] = asyncio.Queue(maxsize=QUEUE)
@@ -157,8 +160,17 @@ class Auditor:
         await self.lines.record([row])
         return right
 
-    async def _reask(self, job: AuditJob) -> tuple[dict[str, Any], int]:
+    def reask_body(self, job: AuditJob) -> dict[str, Any]:
+        """The request as a miss would have sent it, not streamed, at the audits' low priority where
+        the backend honours one (``audit_send_priority``)."""
         body = {k: v for k, v in job.body.items() if k not in ("stream", "stream_options")}
+        c = self.config()
+        if c.audit_send_priority == "always" or (c.audit_send_priority == "auto" and self.builtin_backend):
+            body["priority"] = c.audit_priority
+        return body
+
+    async def _reask(self, job: AuditJob) -> tuple[dict[str, Any], int]:
+        body = self.reask_body(job)
         urls = self.backends.order(await self.backends.route(job.model or None), job.endpoint, body)
         path = "/chat/completions" if job.endpoint == "chat" else "/completions"
         self.backend_requests += 1

@@ -183,6 +183,8 @@ class CacheConfig(_Strict):
     audit_fraction: float = Field(ge=0, le=1)
     audit_max_per_second: float = Field(ge=0)
     audit_answer_cosine: float = Field(ge=0, le=1)
+    audit_priority: int = Field(ge=-1000, le=1000)  # vLLM's `priority` of the re-asks: lower first
+    audit_send_priority: Literal["auto", "always", "never"]
 
     @field_validator("max_false_hit_rate_by_model", "max_false_hit_rate_by_tenant")
     @classmethod
