@@ -101,13 +101,13 @@ class Auditor:
         self.counts: Counter[str] = Counter()  # right | wrong | failed | dropped
         self.backend_tokens = 0  # spent by this replica's re-asks
         self.backend_requests = 0  # this replica's re-asks (near misses need none)
-        self._recent: OrderedDict[str, tuple[str, str, float]] = OrderedDict()
+        self._recent: OrderedDict[str, tuple[str, str, float, int | None]] = OrderedDict()
 
     def offer(self, job: AuditJob) -> str:
         """Sample, budget, enqueue: never waits. Returns what happened (for tests and logs)."""
         c = self.config()
         if job.kind == "hit":
-            self._recent[job.request_id] = (job.model, job.tenant, job.score)
+            self._recent[job.request_id] = (job.model, job.tenant, job.score, job.entry.id)
             if len(self._recent) > RECENT:
                 self._recent.popitem(last=False)
         if c.audit_fraction <= 0 or self.rng() >= c.audit_fraction:
@@ -195,13 +195,14 @@ class Auditor:
         return float(np.dot(emb[0], emb[1])) >= least
 
     async def bad_report(self, request_id: str) -> bool:
-        """A user's bad-hit report on a semantic hit is wrong-verdict evidence at the hit's score
-        (remembered for this replica's last ``RECENT`` hits; older reports only act on the entry)."""
+        """A user's bad-hit report on a semantic hit is wrong-verdict evidence at the hit's score, for
+        its scope and its entry (remembered for this replica's last ``RECENT`` hits; older reports
+        only act on the entry)."""
         found = self._recent.get(request_id)
         if found is None:
             return False
-        model, tenant, score = found
-        row = EvidenceRow(model, tenant, score, False, "feedback", self.clock(), request_id=request_id)
+        model, tenant, score, entry_id = found
+        row = EvidenceRow(model, tenant, score, False, "feedback", self.clock(), entry_id, request_id)
         await self.lines.record([row])
         return True
 

@@ -71,7 +71,7 @@ async def started_gateway(
         tombstone_ratio=ix.tombstone_ratio,
         snapshot_dir=data_dir / "index" if ix.snapshots else None,
     )
-    lines = ThresholdProvider(EvidenceStore(store.session), clock)
+    lines = ThresholdProvider(EvidenceStore(store.session), clock, c.ageing)
     await asyncio.to_thread(lines.load)  # the false-hit evidence every replica wrote
     cache = ResponseCache(lambda: live.current.cache, store, index, batcher, verifier, lines)
     n = await asyncio.to_thread(cache.rebuild_index, progress)
