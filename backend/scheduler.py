@@ -1,21 +1,20 @@
 """Continuous batching: which sequences run in the next step, and how many tokens each.
 
-Every step has a token budget (``max_num_batched_tokens``). Running sequences go first, in
-priority then admission order: a decode takes one token, an unfinished prompt takes the next
-chunk. When blocks run out, the newest running sequence of the lowest priority is preempted (its
-blocks freed, to be recomputed later, likely from the prefix cache) until the older one fits.
-Waiting sequences then join in their queue's order while budget, ``max_num_seqs`` and blocks
-allow. A sequence is always in exactly one of ``waiting`` or ``running`` until it finishes, so
-none is lost or run twice.
+Every step has a token budget (``max_num_batched_tokens``). Running sequences go first: a decode
+takes one token, an unfinished prompt takes the next chunk. When blocks run out, the running
+sequence that is last in the order below is preempted (its blocks freed, to be recomputed later,
+likely from the prefix cache) until the earlier one fits. Waiting sequences then join in that order
+while budget, ``max_num_seqs`` and blocks allow. A sequence is always in exactly one of ``waiting``
+or ``running`` until it finishes, so none is lost or run twice.
 
-Priority (vLLM's ``priority``: lower first, 0 by default; the gateway's audits ask for a higher value).
-Running sequences are taken in priority order (stable: arrival order within a priority), so the one
-preempted when blocks run out is the newest of the lowest priority. ``waiting`` is kept ordered by
-``priority * aging + arrival``: each ``aging`` seconds of waiting is worth one priority level, so a
-request is passed only by those that arrived less than ``(its priority - theirs) * aging`` seconds
-after it; priorities are bounded (``MAX_PRIORITY``), so that is a finite set and nothing starves. The
-key never changes while a sequence waits (every waiting one ages at the same rate), so the queue is
-sorted once, on insertion. With every priority equal, all of this is the arrival order of before.
+The order: vLLM's ``priority`` (lower first, 0 by default; the gateway's audits ask for a higher
+value), aged by arrival: ``priority * aging + arrival``, so each ``aging`` seconds of waiting is worth
+one priority level. With every priority equal it is arrival order: the newest is preempted, the
+oldest admitted. A sequence's key never changes, and only those with a smaller key can run ahead of
+it or preempt it: none that arrived more than ``(its priority + MAX_PRIORITY) * aging`` seconds after
+it (``MAX_PRIORITY`` bounds priorities), so that is a finite set and nothing starves, waiting or
+preempted over and over. ``waiting`` is sorted on insertion; ``running`` (at most
+``max_num_seqs``) at each step.
 """
 
 from __future__ import annotations
@@ -63,12 +62,12 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
-    def _waiting_key(self, seq: Sequence) -> float:
+    def _order_key(self, seq: Sequence) -> float:
         return seq.params.priority * self.priority_aging_s + seq.arrival_time
 
     def add(self, seq: Sequence) -> None:
         """Queue behind every waiting sequence with the same key or a better one."""
-        insort_right(self.waiting, seq, key=self._waiting_key)
+        insort_right(self.waiting, seq, key=self._order_key)
 
     def has_room(self) -> bool:
         return len(self.running) < self.max_num_seqs
@@ -85,7 +84,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         picked: list[tuple[Sequence, int]] = []
         preempted = 0
-        self.running.sort(key=lambda s: s.params.priority)  # stable: arrival order within a priority
+        self.running.sort(key=self._order_key)  # the last is the first preempted
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -135,7 +134,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        insort_left(self.waiting, seq, key=self._waiting_key)  # ahead of its equals: it ran first
+        insort_left(self.waiting, seq, key=self._order_key)  # ahead of its equals: it ran first
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence wherever it is and free its blocks."""

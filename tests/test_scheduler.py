@@ -124,3 +124,14 @@ def test_the_lowest_priority_running_sequence_is_preempted_first() -> None:
     batch = s.schedule()  # the next token needs a fifth block: the older but lower-priority one goes
     assert [q.request_id for q in batch.seqs] == ["high"] and batch.num_preempted == 1
     assert list(s.waiting) == [low] and s.running == [high]
+
+
+def test_ageing_protects_a_long_running_low_priority_sequence_from_preemption() -> None:
+    """Priority 3 at 1 s a level: a priority-0 request arriving 5 s later is preempted instead."""
+    s = make(num_blocks=4, budget=64)
+    old, new = pseq("old", 8, 3, 0.0), pseq("new", 8, 0, 5.0)
+    s.add(old)
+    s.add(new)
+    step(s)
+    batch = s.schedule()
+    assert [q.request_id for q in batch.seqs] == ["old"] and list(s.waiting) == [new]
