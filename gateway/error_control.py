@@ -99,6 +99,7 @@ class ThresholdProvider:
         self.ageing = ageing or Ageing()
         self.windows: dict[Scope, WindowedEvidence] = {}
         self.entries: OrderedDict[int, WindowedEvidence] = OrderedDict()
+        self.entry_scope: dict[int, Scope] = {}
         self._choices: dict[tuple[Scope | int, float, float], Choice] = {}
         self._seen: dict[int, float] = {}  # row id -> its ts, for the overlap window only
         self.synced_at = 0.0
@@ -159,8 +160,11 @@ class ThresholdProvider:
                 self.entries[r.entry_id] = window  # most recently audited last
                 window.add(r.ts, r.score, r.right)
                 self._forget(r.entry_id)
+                self.entry_scope[r.entry_id] = scope
                 if len(self.entries) > ENTRIES:
-                    self._forget(self.entries.popitem(last=False)[0])
+                    gone = self.entries.popitem(last=False)[0]
+                    self.entry_scope.pop(gone, None)
+                    self._forget(gone)
             new += 1
         return new
 
@@ -190,7 +194,16 @@ class ThresholdProvider:
         for scope, window in self.windows.items():
             if window.expire(now):
                 self._forget(scope)
-        return rates(self.evidence, config, self.line)
+        view = rates(self.evidence, config, self.line)
+        own: dict[str, int] = {}
+        for entry_id, window in self.entries.items():
+            model, tenant = self.entry_scope[entry_id]
+            target = config.false_hit_target(model, tenant)
+            if target > 0 and window.evidence.total >= min_audits(target, config.false_hit_confidence):
+                own[f"{model}|{tenant}"] = own.get(f"{model}|{tenant}", 0) + 1
+        for key, shown in view["by_scope"].items():
+            shown["entries_with_own_line"] = own.get(key, 0)
+        return view
 
 
 def rates(

@@ -44,6 +44,7 @@ def test_an_entry_with_enough_evidence_of_its_own_gets_its_own_line(tmp_path) ->
     lines.apply(rows(1, 0.90, True, entry=2))
     sl = lines.line("m", "t", c)
     assert sl is not None and sl.serves(0.90, entry_id=2) and not sl.serves(0.90, entry_id=3)
+    assert lines.view(c)["by_scope"]["m|t"]["entries_with_own_line"] == 2  # entries 1 and 2
 
 
 def test_a_bad_hit_report_counts_against_the_entry_too(tmp_path) -> None:
