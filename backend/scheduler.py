@@ -14,7 +14,8 @@ oldest admitted. A sequence's key never changes, and only those with a smaller k
 it or preempt it: none that arrived more than ``(its priority + MAX_PRIORITY) * aging`` seconds after
 it (``MAX_PRIORITY`` bounds priorities), so that is a finite set and nothing starves, waiting or
 preempted over and over. ``waiting`` is sorted on insertion; ``running`` (at most
-``max_num_seqs``) at each step.
+``max_num_seqs``) at each step. Unlike vLLM's priority policy, a waiting request never preempts a
+running one to get in: it waits for one to finish, or to be preempted when a running one needs blocks.
 """
 
 from __future__ import annotations
