@@ -20,6 +20,7 @@ GREEDY_TEMPERATURE = 1e-5  # vLLM's epsilon too
 MAX_TOP_K = 2**31 - 1  # larger means "all tokens" anyway; a tensor of it must not overflow
 MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
+MAX_PRIORITY = 1000  # |priority|: bounded, so the scheduler's ageing bounds every wait (scheduler.py)
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,9 @@ class SamplingParams:
     echo: bool = False  # the prompt is part of the answer, so max_tokens 0 (scoring only) is valid
     structured: StructuredOutput | None = None  # response_format json_object / json_schema
     skip_special_tokens: bool = True  # False: the text keeps them (a tool format's [TOOL_CALLS])
+    # Scheduling, not sampling (vLLM's `priority`): lower is scheduled first, 0 the default. Carried
+    # here because these are the request's parameters every sample (Sequence) holds.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -121,6 +125,11 @@ class SamplingParams:
                 "best_of",
                 self.best_of is None or (isinstance(self.best_of, int) and self.best_of >= self.n),
                 "must be an integer >= n",
+            ),
+            (
+                "priority",
+                isinstance(self.priority, int) and -MAX_PRIORITY <= self.priority <= MAX_PRIORITY,
+                f"must be an integer between {-MAX_PRIORITY} and {MAX_PRIORITY}",
             ),
             (
                 "presence_penalty",

@@ -1,21 +1,34 @@
 """Continuous batching: which sequences run in the next step, and how many tokens each.
 
-Every step has a token budget (``max_num_batched_tokens``). Running sequences go first, in
-arrival order: a decode takes one token, an unfinished prompt takes the next chunk. When blocks
-run out, the newest running sequence is preempted (its blocks freed, to be recomputed later,
-likely from the prefix cache) until the older one fits. Waiting sequences then join in arrival
-order while budget, ``max_num_seqs`` and blocks allow. A sequence is always in exactly one of
-``waiting`` or ``running`` until it finishes, so none is lost or run twice.
+Every step has a token budget (``max_num_batched_tokens``). Running sequences go first: a decode
+takes one token, an unfinished prompt takes the next chunk. When blocks run out, the running
+sequence that is last in the order below is preempted (its blocks freed, to be recomputed later,
+likely from the prefix cache) until the earlier one fits. Waiting sequences then join in that order
+while budget, ``max_num_seqs`` and blocks allow. A sequence is always in exactly one of ``waiting``
+or ``running`` until it finishes, so none is lost or run twice.
+
+The order: vLLM's ``priority`` (lower first, 0 by default; the gateway's audits ask for a higher
+value), aged by arrival: ``priority * aging + arrival``, so each ``aging`` seconds of waiting is worth
+one priority level. With every priority equal it is arrival order: the newest is preempted, the
+oldest admitted. A sequence's key never changes, and only those with a smaller key can run ahead of
+it or preempt it: none that arrived more than ``(its priority + MAX_PRIORITY) * aging`` seconds after
+it (``MAX_PRIORITY`` bounds priorities), so that is a finite set and nothing starves, waiting or
+preempted over and over. ``waiting`` is sorted on insertion; ``running`` (at most
+``max_num_seqs``) at each step. Unlike vLLM's priority policy, a waiting request never preempts a
+running one to get in: it waits for one to finish, or to be preempted when a running one needs blocks.
 """
 
 from __future__ import annotations
 
 import time
+from bisect import insort_left, insort_right
 from collections import deque
 from dataclasses import dataclass, field
 
 from backend.block_manager import BlockManager
 from backend.sequence import Sequence, SequenceStatus
+
+PRIORITY_AGING_S = 1.0  # seconds of waiting worth one priority level
 
 
 @dataclass
@@ -35,16 +48,27 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        priority_aging_s: float = PRIORITY_AGING_S,
+    ) -> None:
         self.block_manager = block_manager
+        self.priority_aging_s = priority_aging_s
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
+    def _order_key(self, seq: Sequence) -> float:
+        return seq.params.priority * self.priority_aging_s + seq.arrival_time
+
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        """Queue behind every waiting sequence with the same key or a better one."""
+        insort_right(self.waiting, seq, key=self._order_key)
 
     def has_room(self) -> bool:
         return len(self.running) < self.max_num_seqs
@@ -61,6 +85,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         picked: list[tuple[Sequence, int]] = []
         preempted = 0
+        self.running.sort(key=self._order_key)  # the last is the first preempted
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -110,7 +135,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        insort_left(self.waiting, seq, key=self._order_key)  # ahead of its equals: it ran first
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence wherever it is and free its blocks."""

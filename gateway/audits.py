@@ -1,7 +1,8 @@
 """Audits: after the client has its answer, a sampled share of semantic hits and near misses is
 checked, and the verdict becomes false-hit evidence (``gateway/error_control.py``).
 
-A hit is re-asked to the backend by the gateway itself (its canonical body, without streaming) and
+A hit is re-asked to the backend by the gateway itself (its canonical body, without streaming, at low
+priority: ``[cache] audit_priority``, which the built-in engine's scheduler honours) and
 the fresh answer is compared with the stored one that was served. A near miss (a candidate only the
 error-bound line refused) needs no extra request: the client's own fresh answer is compared with the
 candidate's stored one. That is how evidence grows while a scope serves no hits yet.
@@ -90,21 +91,23 @@ class Auditor:
         config: Callable[[], CacheConfig],
         clock: Callable[[], float] = time.time,
         rng: Callable[[], float] = random.random,
+        builtin_backend: bool = False,
     ) -> None:
         self.lines, self.backends, self.batcher = lines, backends, batcher
+        self.builtin_backend = builtin_backend  # the built-in engine answers: it honours `priority`
         self.config, self.clock, self.rng = config, clock, rng
         self.bucket = TokenBucket(config().audit_max_per_second)
         self.queue: asyncio.Queue[AuditJob] = asyncio.Queue(maxsize=QUEUE)
         self.counts: Counter[str] = Counter()  # right | wrong | failed | dropped
         self.backend_tokens = 0  # spent by this replica's re-asks
         self.backend_requests = 0  # this replica's re-asks (near misses need none)
-        self._recent: OrderedDict[str, tuple[str, str, float]] = OrderedDict()
+        self._recent: OrderedDict[str, tuple[str, str, float, int | None]] = OrderedDict()
 
     def offer(self, job: AuditJob) -> str:
         """Sample, budget, enqueue: never waits. Returns what happened (for tests and logs)."""
         c = self.config()
         if job.kind == "hit":
-            self._recent[job.request_id] = (job.model, job.tenant, job.score)
+            self._recent[job.request_id] = (job.model, job.tenant, job.score, job.entry.id)
             if len(self._recent) > RECENT:
                 self._recent.popitem(last=False)
         if c.audit_fraction <= 0 or self.rng() >= c.audit_fraction:
@@ -157,8 +160,17 @@ class Auditor:
         await self.lines.record([row])
         return right
 
-    async def _reask(self, job: AuditJob) -> tuple[dict[str, Any], int]:
+    def reask_body(self, job: AuditJob) -> dict[str, Any]:
+        """The request as a miss would have sent it, not streamed, at the audits' low priority where
+        the backend honours one (``audit_send_priority``)."""
         body = {k: v for k, v in job.body.items() if k not in ("stream", "stream_options")}
+        c = self.config()
+        if c.audit_send_priority == "always" or (c.audit_send_priority == "auto" and self.builtin_backend):
+            body["priority"] = c.audit_priority
+        return body
+
+    async def _reask(self, job: AuditJob) -> tuple[dict[str, Any], int]:
+        body = self.reask_body(job)
         urls = self.backends.order(await self.backends.route(job.model or None), job.endpoint, body)
         path = "/chat/completions" if job.endpoint == "chat" else "/completions"
         self.backend_requests += 1
@@ -183,13 +195,14 @@ class Auditor:
         return float(np.dot(emb[0], emb[1])) >= least
 
     async def bad_report(self, request_id: str) -> bool:
-        """A user's bad-hit report on a semantic hit is wrong-verdict evidence at the hit's score
-        (remembered for this replica's last ``RECENT`` hits; older reports only act on the entry)."""
+        """A user's bad-hit report on a semantic hit is wrong-verdict evidence at the hit's score, for
+        its scope and its entry (remembered for this replica's last ``RECENT`` hits; older reports
+        only act on the entry)."""
         found = self._recent.get(request_id)
         if found is None:
             return False
-        model, tenant, score = found
-        row = EvidenceRow(model, tenant, score, False, "feedback", self.clock(), request_id=request_id)
+        model, tenant, score, entry_id = found
+        row = EvidenceRow(model, tenant, score, False, "feedback", self.clock(), entry_id, request_id)
         await self.lines.record([row])
         return True
 

@@ -127,7 +127,7 @@ class SemanticTier:
         score instead of the static ``verifier_threshold`` (or cosine threshold, verifier off)."""
 
         def by_line(score: float) -> tuple[str | None, float]:
-            return (None if line is None or line.serves(score) else "error-bound"), score
+            return (None if line is None or line.serves(score, entry.id) else "error-bound"), score
 
         al = align(query, entry.query_text)
         if al.outcome != "judge":

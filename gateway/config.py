@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, field
 from backend.config import BackendServerConfig, EngineConfig, load_toml
 from configtools import typed_section
 from policies.canonicalize_config import CanonicalizeConfig
+from policies.evidence_window import Ageing
 from policies.routing import RoutingMode
 
 
@@ -183,6 +184,14 @@ class CacheConfig(_Strict):
     audit_fraction: float = Field(ge=0, le=1)
     audit_max_per_second: float = Field(ge=0)
     audit_answer_cosine: float = Field(ge=0, le=1)
+    audit_priority: int = Field(ge=-1000, le=1000)  # vLLM's `priority` of the re-asks: lower first
+    audit_send_priority: Literal["auto", "always", "never"]
+    evidence_max_age_s: float = Field(ge=0)  # 0: evidence never expires
+    evidence_max_audits: int = Field(ge=0)  # per scope (and entry), the newest N; 0: no limit
+
+    @property
+    def ageing(self) -> Ageing:
+        return Ageing(self.evidence_max_age_s, self.evidence_max_audits)
 
     @field_validator("max_false_hit_rate_by_model", "max_false_hit_rate_by_tenant")
     @classmethod

@@ -6,21 +6,38 @@ line comes from ``policies.error_bound.choose_line`` over the scope's evidence: 
 audits.py``), bad-hit reports and seeds from ``cachegw calibrate``. The evidence lives in the
 ``hit_audits`` table: it survives restarts, and replicas on one database read each other's rows on
 the sync cycle (each row is applied once, by id).
+
+Per entry: an entry with at least ``min_audits(target)`` audits and reports of its own (59 at a 5%
+target, 149 at 2%, at 95% confidence: the fewest that can pass with no wrong one) gets its own line
+from its own evidence, by the same fixed-sequence test; one with fewer is judged by its scope's line.
+An entry whose own evidence fails the bound serves no semantic hit however good its scope. Each
+entry's line holds for that entry's hits at the stated confidence (a per-entry guarantee, not a joint
+one over all entries); the scope's line keeps holding for the hits it decides.
+
+Evidence ages (``[cache] evidence_max_age_s``, ``evidence_max_audits``: ``policies/evidence_window.py``):
+the same window applies to each scope and each entry.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gateway.config import CacheConfig
 from gateway.evidence_store import EvidenceRow, EvidenceStore
-from policies.error_bound import Choice, Evidence, choose_line, interval
+from policies.error_bound import Choice, Evidence, choose_line, interval, min_audits
+from policies.evidence_window import Ageing, WindowedEvidence
 
 SYNC_OVERLAP_S = 60.0  # each sync re-reads this far back: late commits, replica clocks that differ
+ENTRIES = 20_000  # entries whose own evidence is kept (least recently audited dropped: the scope decides)
 Scope = tuple[str, str]  # (model, tenant name)
+
+
+def _no_entry_line(entry_id: int | None) -> Choice | None:
+    return None
 
 
 @dataclass(frozen=True)
@@ -29,13 +46,16 @@ class ScopeLine:
 
     target: float
     choice: Choice
+    # an entry's own choice when it has enough evidence of its own, else None (the scope's decides)
+    own: Callable[[int | None], Choice | None] = field(default=_no_entry_line, compare=False)
 
     @property
     def line(self) -> float | None:
         return self.choice.line
 
-    def serves(self, score: float) -> bool:
-        return self.choice.line is not None and score >= self.choice.line
+    def serves(self, score: float, entry_id: int | None = None) -> bool:
+        choice = self.own(entry_id) or self.choice
+        return choice.line is not None and score >= choice.line
 
 
 @dataclass(frozen=True)
@@ -71,26 +91,58 @@ def rate_view(
 
 
 class ThresholdProvider:
-    def __init__(self, store: EvidenceStore, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, store: EvidenceStore, clock: Callable[[], float], ageing: Ageing | None = None
+    ) -> None:
         self.store = store
         self.clock = clock
-        self.evidence: dict[Scope, Evidence] = {}
-        self._choices: dict[tuple[Scope, float, float], Choice] = {}
+        self.ageing = ageing or Ageing()
+        self.windows: dict[Scope, WindowedEvidence] = {}
+        self.entries: OrderedDict[int, WindowedEvidence] = OrderedDict()
+        self.entry_scope: dict[int, Scope] = {}
+        self._choices: dict[tuple[Scope | int, float, float], Choice] = {}
         self._seen: dict[int, float] = {}  # row id -> its ts, for the overlap window only
         self.synced_at = 0.0
+
+    @property
+    def evidence(self) -> dict[Scope, Evidence]:
+        return {scope: w.evidence for scope, w in self.windows.items()}
 
     def line(self, model: str, tenant_name: str, config: CacheConfig) -> ScopeLine | None:
         """The semantic tier's one question: which score line holds this scope's target (None: off)."""
         target = config.false_hit_target(model, tenant_name)
         if target <= 0:
             return None
-        return ScopeLine(target, self._choice((model, tenant_name), target, config.false_hit_confidence))
+        conf = config.false_hit_confidence
+        scope = (model, tenant_name)
+        window = self.windows.get(scope)
+        if window is not None and window.expire(self.clock()):
+            self._forget(scope)
+        ev = window.evidence if window is not None else Evidence()
 
-    def _choice(self, scope: Scope, target: float, conf: float) -> Choice:
-        key = (scope, target, conf)
-        if key not in self._choices:
-            self._choices[key] = choose_line(self.evidence.get(scope, Evidence()), target, conf)
-        return self._choices[key]
+        def own(entry_id: int | None) -> Choice | None:
+            return self._entry_choice(entry_id, target, conf)
+
+        return ScopeLine(target, self._choice(scope, ev, target, conf), own)
+
+    def _choice(self, key: Scope | int, ev: Evidence, target: float, conf: float) -> Choice:
+        k = (key, target, conf)
+        if k not in self._choices:
+            self._choices[k] = choose_line(ev, target, conf)
+        return self._choices[k]
+
+    def _entry_choice(self, entry_id: int | None, target: float, conf: float) -> Choice | None:
+        window = self.entries.get(entry_id) if entry_id is not None else None
+        if window is None or entry_id is None:
+            return None
+        if window.expire(self.clock()):
+            self._forget(entry_id)
+        if window.evidence.total < min_audits(target, conf):
+            return None  # too little of its own: the scope's line decides
+        return self._choice(entry_id, window.evidence, target, conf)
+
+    def _forget(self, key: Scope | int) -> None:
+        self._choices = {k: v for k, v in self._choices.items() if k[0] != key}
 
     def apply(self, rows: list[EvidenceRow]) -> int:
         """Count rows not counted yet (by id); returns how many were new."""
@@ -101,15 +153,26 @@ class ThresholdProvider:
                     continue
                 self._seen[r.id] = r.ts
             scope = (r.model, r.tenant)
-            self.evidence.setdefault(scope, Evidence()).add(r.score, r.right)
-            self._choices = {k: v for k, v in self._choices.items() if k[0] != scope}
+            self.windows.setdefault(scope, WindowedEvidence(self.ageing)).add(r.ts, r.score, r.right)
+            self._forget(scope)
+            if r.entry_id is not None:
+                window = self.entries.pop(r.entry_id, None) or WindowedEvidence(self.ageing)
+                self.entries[r.entry_id] = window  # most recently audited last
+                window.add(r.ts, r.score, r.right)
+                self._forget(r.entry_id)
+                self.entry_scope[r.entry_id] = scope
+                if len(self.entries) > ENTRIES:
+                    gone = self.entries.popitem(last=False)[0]
+                    self.entry_scope.pop(gone, None)
+                    self._forget(gone)
             new += 1
         return new
 
     def load(self) -> int:
-        """Everything in the database (at start)."""
+        """Everything in the database still inside the ageing window (at start)."""
         self.synced_at = self.clock()
-        return self.apply(self.store.since(0.0))
+        start = self.synced_at - self.ageing.max_age_s if self.ageing.max_age_s > 0 else 0.0
+        return self.apply(self.store.since(start))
 
     async def sync(self) -> int:
         """Rows other replicas wrote since the last look."""
@@ -127,7 +190,20 @@ class ThresholdProvider:
 
     def view(self, config: CacheConfig) -> dict[str, Any]:
         """``false_hit_rate`` of /admin/api/stats: per scope ("model|tenant") and overall."""
-        return rates(self.evidence, config, self.line)
+        now = self.clock()
+        for scope, window in self.windows.items():
+            if window.expire(now):
+                self._forget(scope)
+        view = rates(self.evidence, config, self.line)
+        own: dict[str, int] = {}
+        for entry_id, window in self.entries.items():
+            model, tenant = self.entry_scope[entry_id]
+            target = config.false_hit_target(model, tenant)
+            if target > 0 and window.evidence.total >= min_audits(target, config.false_hit_confidence):
+                own[f"{model}|{tenant}"] = own.get(f"{model}|{tenant}", 0) + 1
+        for key, shown in view["by_scope"].items():
+            shown["entries_with_own_line"] = own.get(key, 0)
+        return view
 
 
 def rates(
@@ -157,11 +233,14 @@ def rates(
     return {"overall": overall.as_dict(), "by_scope": scopes, "confidence": conf}
 
 
-def evidence_of(rows: list[EvidenceRow]) -> dict[Scope, Evidence]:
-    out: dict[Scope, Evidence] = {}
-    for r in rows:
-        out.setdefault((r.model, r.tenant), Evidence()).add(r.score, r.right)
-    return out
+def evidence_of(rows: list[EvidenceRow], ageing: Ageing, now: float) -> dict[Scope, Evidence]:
+    """Per scope, the evidence the gateway's window holds at ``now`` (``cachegw analyze``'s view)."""
+    out: dict[Scope, WindowedEvidence] = {}
+    for r in sorted(rows, key=lambda r: r.ts):
+        out.setdefault((r.model, r.tenant), WindowedEvidence(ageing)).add(r.ts, r.score, r.right)
+    for window in out.values():
+        window.expire(now)
+    return {scope: w.evidence for scope, w in out.items()}
 
 
 def history(

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from gateway.config import Settings
 
 
 def read_false_hits(url: str, settings: Settings) -> dict[str, Any]:
-    """The bounded false-hit rate per scope from the evidence table (all of it: the bound's own
-    view, not the --since window); empty for a database from before it."""
+    """The bounded false-hit rate per scope from the evidence table (what the gateway's ageing window
+    holds now: the bound's own view, not the --since window); empty for a database from before it."""
     from sqlalchemy import inspect
     from sqlalchemy.orm import sessionmaker
 
@@ -23,7 +24,7 @@ def read_false_hits(url: str, settings: Settings) -> dict[str, Any]:
             return {}
         store = EvidenceStore(sessionmaker(engine))
         return {
-            **rates(evidence_of(store.since(0.0)), settings.cache),
+            **rates(evidence_of(store.since(0.0), settings.cache.ageing, time.time()), settings.cache),
             "audit_backend_tokens": store.backend_tokens(),
         }
     finally:

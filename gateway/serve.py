@@ -71,7 +71,7 @@ async def started_gateway(
         tombstone_ratio=ix.tombstone_ratio,
         snapshot_dir=data_dir / "index" if ix.snapshots else None,
     )
-    lines = ThresholdProvider(EvidenceStore(store.session), clock)
+    lines = ThresholdProvider(EvidenceStore(store.session), clock, c.ageing)
     await asyncio.to_thread(lines.load)  # the false-hit evidence every replica wrote
     cache = ResponseCache(lambda: live.current.cache, store, index, batcher, verifier, lines)
     n = await asyncio.to_thread(cache.rebuild_index, progress)
@@ -86,7 +86,9 @@ async def started_gateway(
     retry_after = max(1, math.ceil(g.probe_interval_s))  # a down backend is re-checked that soon
     backends = Backends(specs, g.connect_timeout_s, g.backend_timeout_s, g.routing, retry_after)
     probes = HealthProbes(backends, g.probe_interval_s, g.probe_timeout_s, g.probe_misses)
-    auditor = Auditor(lines, backends, batcher, lambda: live.current.cache, clock)
+    auditor = Auditor(
+        lines, backends, batcher, lambda: live.current.cache, clock, builtin_backend=builtin is not None
+    )
     gw = Gateway(live, store, cache, backends, admin_token, auditor)
     gw.metrics.watch_audits(
         auditor.counts, lambda: auditor.backend_tokens, lambda: lines.view(gw.settings.cache)

@@ -122,6 +122,7 @@ class GenerationRequest(_Model):
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = False  # extension
     cache_salt: str | None = None  # extension (vLLM's name): isolates this tenant's prefix cache
+    priority: int | None = None  # extension (vLLM's): lower is scheduled first; 0 the default
     user: str | None = None
     response_format: ResponseFormat | None = None  # OpenAI's on chat; vLLM's extension on completions
 

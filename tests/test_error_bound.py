@@ -141,3 +141,22 @@ def test_analyze_reads_and_prints_the_evidence(tmp_path, capsys) -> None:
     assert "m|t: 2.00% [" in out and "line 0.95" in out and "2,000 backend tokens" in out
     points = history(rows, 100.0, 300.0, 100.0, 0.95)
     assert [p["audits"] for p in points] == [100, 200] and points[-1]["estimate"] == 0.02
+
+
+def test_the_audit_re_ask_carries_a_low_priority_where_the_backend_honours_it() -> None:
+    """``audit_send_priority`` "auto": only to the built-in engine (a vLLM without priority scheduling
+    refuses a non-zero priority); "always" and "never" say it for every backend."""
+    from gateway.audits import AuditJob, Auditor
+    from gateway.config import load_settings
+    from gateway.tables import CacheEntry
+
+    base = load_settings(None).cache
+    job = AuditJob("hit", "m", "t", 0.9, CacheEntry(), "r1", "chat", {"messages": [], "stream": True})
+
+    def body(builtin: bool, mode: str) -> dict:
+        c = base.model_copy(update={"audit_send_priority": mode})
+        return Auditor(None, None, None, lambda: c, builtin_backend=builtin).reask_body(job)  # type: ignore[arg-type]
+
+    assert body(True, "auto") == {"messages": [], "priority": base.audit_priority} and base.audit_priority > 0
+    assert "priority" not in body(False, "auto") and "priority" not in body(True, "never")
+    assert body(False, "always")["priority"] == base.audit_priority

@@ -87,3 +87,51 @@ def test_finish_frees_blocks_from_either_queue() -> None:
     assert a.status is b.status is SequenceStatus.FINISHED
     assert not s.has_unfinished()
     assert s.block_manager.num_free_blocks == free_before + 2 == 8
+
+
+def pseq(rid: str, n_prompt: int, priority: int, arrival: float) -> Sequence:
+    return Sequence(rid, list(range(100, 100 + n_prompt)), SamplingParams(priority=priority), None, arrival)
+
+
+def test_a_high_priority_request_is_admitted_before_queued_low_priority_ones() -> None:
+    """vLLM's meaning: lower value first. The later, more urgent request jumps the queue."""
+    s = make(max_seqs=1, budget=100)
+    s.add(pseq("running", 3, 0, 0.0))
+    step(s)
+    s.add(pseq("audit1", 3, 5, 1.0))
+    s.add(pseq("audit2", 3, 5, 1.5))
+    s.add(pseq("client", 3, 0, 2.0))
+    assert [q.request_id for q in s.waiting] == ["client", "audit1", "audit2"]
+    s.finish(s.running[0])
+    assert step(s) == [("client", 3)]
+
+
+def test_ageing_bounds_the_wait_of_a_low_priority_request() -> None:
+    """Priority 5 at 1 s a level: passed by requests arriving less than 5 s after it, never by later ones."""
+    s = make()
+    s.add(pseq("low", 3, 5, 10.0))
+    s.add(pseq("soon", 3, 0, 14.9))
+    s.add(pseq("late", 3, 0, 15.1))
+    assert [q.request_id for q in s.waiting] == ["soon", "low", "late"]
+
+
+def test_the_lowest_priority_running_sequence_is_preempted_first() -> None:
+    s = make(num_blocks=4, budget=64)  # 16 token slots
+    low, high = pseq("low", 8, 3, 0.0), pseq("high", 8, 0, 1.0)
+    s.add(low)
+    s.add(high)
+    assert sorted(step(s)) == [("high", 8), ("low", 8)]  # every block in use
+    batch = s.schedule()  # the next token needs a fifth block: the older but lower-priority one goes
+    assert [q.request_id for q in batch.seqs] == ["high"] and batch.num_preempted == 1
+    assert list(s.waiting) == [low] and s.running == [high]
+
+
+def test_ageing_protects_a_long_running_low_priority_sequence_from_preemption() -> None:
+    """Priority 3 at 1 s a level: a priority-0 request arriving 5 s later is preempted instead."""
+    s = make(num_blocks=4, budget=64)
+    old, new = pseq("old", 8, 3, 0.0), pseq("new", 8, 0, 5.0)
+    s.add(old)
+    s.add(new)
+    step(s)
+    batch = s.schedule()
+    assert [q.request_id for q in batch.seqs] == ["old"] and list(s.waiting) == [new]

@@ -286,6 +286,9 @@ HELLO = [{"role": "user", "content": "hi"}]
         (CHAT, {"messages": HELLO, "n": 0}, "n"),
         (CHAT, {"messages": HELLO, "logit_bias": {"99999999": 1}}, "logit_bias"),  # beyond the vocabulary
         (CHAT, {"messages": HELLO, "logit_bias": {"1": "up"}}, "logit_bias"),
+        (CHAT, {"messages": HELLO, "priority": "low"}, "priority"),
+        (CHAT, {"messages": HELLO, "priority": 1.5}, "priority"),
+        (CHAT, {"messages": HELLO, "priority": 5000}, "priority"),  # bounded: ageing bounds each wait
         ("/v1/completions", {"prompt": "x", "n": 1, "best_of": 2, "stream": True}, "best_of"),
         ("/v1/completions", {"prompt": "x", "n": 2, "best_of": 1}, "best_of"),
         ("/v1/completions", {"prompt": 5}, "prompt"),
@@ -295,6 +298,13 @@ HELLO = [{"role": "user", "content": "hi"}]
 def test_invalid_request(backend: Backend, path: str, body: dict, param: str) -> None:
     err = assert_error(backend.http.post(path, json=body), 400, param=param)
     assert err["type"] == "invalid_request_error"
+
+
+def test_priority_is_accepted(backend: Backend) -> None:
+    """vLLM's ``priority`` extension (lower first): honoured by the scheduler, not refused as unknown."""
+    for path, body in ((CHAT, {"messages": HELLO}), ("/v1/completions", {"prompt": "x"})):
+        r = backend.http.post(path, json={**body, "priority": 7, "max_tokens": 1})
+        assert r.status_code == 200, r.text
 
 
 def test_malformed_json(backend: Backend) -> None:
