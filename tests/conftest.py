@@ -65,7 +65,9 @@ def shared_engine() -> Iterator[Any]:
     from backend.config import load_engine_config
     from backend.engine import LLMEngine
 
-    cfg = load_engine_config(None, device="cpu", dtype="float32", kv_cache_tokens=8192, max_num_seqs=8)
+    cfg = load_engine_config(
+        None, device="cpu", dtype="float32", quantization="auto", kv_cache_tokens=8192, max_num_seqs=8
+    )
     engine = AsyncEngine(LLMEngine(cfg))
     yield engine
     engine.shutdown()
