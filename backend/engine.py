@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.block_manager import BlockManager, cdiv
+from backend.block_manager import BlockManager
 from backend.config import EngineConfig
 from backend.detokenizer import IncrementalDetokenizer
 from backend.model_loader import gguf_source, resolve_model_dir
@@ -73,7 +73,10 @@ class LLMEngine:
             gguf_path=gguf_source(config.model),
         )
         self.block_manager = BlockManager(
-            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+            self.runner.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            window=self.runner.spec.window_everywhere,
         )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_token_ids = self._eos_ids(hf_config, GenerationConfig)
@@ -145,7 +148,8 @@ class LLMEngine:
                 f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} for the "
                 "completion). Please reduce the prompt or max_tokens.",
             )
-        if cdiv(n + params.max_tokens, self.config.block_size) > self.block_manager.num_blocks:
+        chunk = self.config.max_num_batched_tokens
+        if self.block_manager.most_blocks_held(n + params.max_tokens, chunk) > self.block_manager.num_blocks:
             raise ContextLengthExceeded(
                 "max_tokens" if n < self.kv_cache_tokens else "prompt",
                 f"The request needs {n + params.max_tokens} tokens of KV cache but the engine holds "
@@ -230,6 +234,7 @@ class LLMEngine:
                 self.prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
             seq.num_computed_tokens += n
             self.block_manager.cache_computed_blocks(seq)
+            self.block_manager.free_outside_window(seq)
         now = time.time()
         touched: dict[str, SequenceGroup] = {}
         rows, sampled = [], []

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from backend.block_manager import cdiv
+from backend.block_manager import FREED, cdiv
 from backend.config import EngineConfig
 from backend.layers.attention import AttentionMetadata
 from backend.layers.rotary import RotaryEmbedding
@@ -180,7 +180,12 @@ class ModelRunner:
                 sample_rows.append(starts[-1] - 1)
                 sample_seqs.append(i)
         width = max(len(s.block_table) for s in batch.seqs)
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
+        # Entries of blocks freed before a sliding window (FREED, never read) point at block 0.
+        tables = [
+            (s.block_table if s.block_table[0] != FREED else [max(b, 0) for b in s.block_table])
+            + [0] * (width - len(s.block_table))
+            for s in batch.seqs
+        ]
         dev = self.device
 
         def tensor(data, dtype):

@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from backend import LLM, SamplingParams
+from backend.block_manager import FREED, BlockManager
 from backend.models.llama import layer_windows
+from backend.sequence import Sequence
 from tests.test_model_families import COMMON
 
 WINDOW = 16
@@ -108,3 +110,65 @@ def test_prefill_over_a_cached_prefix_past_the_window(windowed):
     choice, logprob = reference(hf, turn, result.outputs[0].token_ids)
     assert result.outputs[0].token_ids == choice.tolist()
     assert (torch.tensor([d["logprob"] for d in result.outputs[0].logprobs]) - logprob).abs().max() < 1e-4
+
+
+def computed(bm: BlockManager, s: Sequence, upto: int) -> None:
+    """Give s blocks for its first ``upto`` tokens, mark them computed, cache and free as the engine does."""
+    if not s.block_table:
+        bm.allocate(s, [], upto)
+    else:
+        bm.append_slots(s, upto - s.num_computed_tokens)
+    s.num_computed_tokens = upto
+    bm.cache_computed_blocks(s)
+    bm.free_outside_window(s)
+
+
+def test_blocks_before_every_window_go_back_to_the_pool():
+    bm = BlockManager(8, 4, window=6)
+    s = Sequence("a", list(range(30)), SamplingParams())
+    computed(bm, s, 12)  # the query at 12 sees 7..12: block 0 (0..3) is out, block 1 (4..7) is not
+    assert s.block_table[0] == FREED and FREED not in s.block_table[1:]
+    assert bm.num_free_blocks == 8 - 2
+    computed(bm, s, 30)  # the query at 30 sees 25..30: blocks 0..5 out, 6 and 7 (24..29) held
+    assert s.block_table[:6] == [FREED] * 6 and bm.num_free_blocks == 8 - 2
+    child = Sequence("a", list(range(30)), SamplingParams())
+    bm.fork(s, child)  # a sample forked past the window shares only the held blocks
+    assert child.block_table[:6] == [FREED] * 6
+    bm.free_blocks(child)
+    bm.free_blocks(s)
+    assert bm.num_free_blocks == 8 and all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_a_freed_block_keeps_its_prefix_findable_until_evicted():
+    """Freed blocks keep their hash (their K/V are right for anyone with the same prefix); once the
+    first is evicted, the lookup stops there, and no later block stands in for the prefix."""
+    bm = BlockManager(8, 4, window=6)
+    s = Sequence("a", list(range(30)), SamplingParams())
+    computed(bm, s, 30)
+    again = Sequence("b", list(range(30)), SamplingParams())
+    assert len(bm.find_cached_prefix(again)) == 7  # the freed blocks 0..5 and the held 6
+    other = Sequence("c", list(range(100, 104)), SamplingParams())
+    bm.allocate(other, [], 4)  # takes the front of the free queue: block 0 of s, the oldest freed
+    assert bm.find_cached_prefix(Sequence("d", list(range(30)), SamplingParams())) == []
+
+
+def test_most_blocks_held_is_bounded_by_the_window():
+    assert BlockManager(8, 4).most_blocks_held(1000, 16) == 250
+    assert BlockManager(8, 4, window=6).most_blocks_held(1000, 16) == 7
+    assert BlockManager(8, 4, window=6).most_blocks_held(10, 16) == 3
+
+
+def test_a_sequence_longer_than_the_pool_runs_within_the_window(windowed):
+    """Mistral slides in every layer: 88 tokens run in a pool of 6 blocks (48 tokens), which the
+    engine refused before blocks were freed, and still match HF."""
+    hf, _, llm = windowed
+    if llm.engine.block_manager.window is None:
+        pytest.skip("Qwen2 here has a full-attention layer: nothing can be freed")
+    small = LLM(model=llm.engine.config.model, dtype="float32", device="cpu", kv_cache_tokens=48,
+                block_size=8, max_num_batched_tokens=16)  # fmt: skip
+    prompt = prompt_of(48, seed=4)
+    out = generate(small, prompt, max_tokens=40).outputs[0]
+    choice, logprob = reference(hf, prompt, out.token_ids)
+    assert out.token_ids == choice.tolist()
+    assert (torch.tensor([d["logprob"] for d in out.logprobs]) - logprob).abs().max() < 1e-4
+    assert small.engine.block_manager.num_free_blocks == 6
