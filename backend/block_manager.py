@@ -13,11 +13,12 @@ worth keeping.
 
 With a sliding window on every layer (``window``), a running sequence gives back each block wholly
 before the window of its next query: no later query reads it. Its table entry becomes ``FREED``
-(positions keep their block index). The block keeps its hash and joins the free queue like a
-finished sequence's block: its K/V are still right for any sequence with the same prefix from
-position 0, which the chained hash guarantees. A lookup still walks from block 0 and stops at the
-first miss, so once a freed early block is evicted, no later block of that prefix is reused
-without it (a later block's hash never stands in for the blocks before it).
+(positions keep their block index); the blocks of attention sinks (StreamingLLM) stay. The block
+keeps its hash and joins the free queue like a finished sequence's block: its K/V are still right
+for any sequence with the same prefix from position 0, which the chained hash guarantees. A lookup
+still walks from block 0 and stops at the first miss, so once a freed early block is evicted, no
+later block of that prefix is reused without it (a later block's hash never stands in for the
+blocks before it).
 """
 
 from __future__ import annotations
@@ -51,12 +52,14 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         window: int | None = None,
+        sinks: int = 0,
     ) -> None:
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.window = window  # every layer's sliding window, or None
+        self.kept_blocks = cdiv(sinks, block_size)  # the blocks of the attention sinks stay
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[bytes, int] = {}  # hash -> block id
@@ -109,7 +112,9 @@ class BlockManager:
         """The most blocks a sequence of ``num_tokens`` holds at once, computed ``chunk`` at a time:
         with a window, the blocks from its window start to the end of its current chunk."""
         whole = cdiv(num_tokens, self.block_size)
-        return whole if self.window is None else min(whole, cdiv(self.window + chunk, self.block_size) + 1)
+        if self.window is None:
+            return whole
+        return min(whole, self.kept_blocks + cdiv(self.window + chunk, self.block_size) + 1)
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         return max(0, cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(seq.block_table))
@@ -185,12 +190,13 @@ class BlockManager:
         table = seq.block_table
         end = min(max(0, seq.num_computed_tokens - self.window + 1) // self.block_size, len(table))
         start = end
-        while start > 0 and table[start - 1] != FREED:  # freed entries are a prefix of the table
+        # Freed entries run from the kept sink blocks on: scan back to the last freed one.
+        while start > self.kept_blocks and table[start - 1] != FREED:
             start -= 1
         for i in range(start, end):
             self._release(table[i])
             table[i] = FREED
-        return end - start
+        return max(0, end - start)
 
     def _release(self, block_id: int) -> None:
         block = self.blocks[block_id]

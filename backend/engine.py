@@ -60,7 +60,9 @@ class LLMEngine:
         self.model_dir = resolve_model_dir(config.model, config.resolved_cache_dir)
         hf_config = AutoConfig.from_pretrained(str(self.model_dir))
         limit = hf_config.max_position_embeddings
-        self.max_model_len = min(config.max_model_len, limit) if config.max_model_len else limit
+        context = min(config.max_model_len, limit) if config.max_model_len else limit
+        # With attention sinks a sequence may run past the context, up to streaming_max_len.
+        self.max_model_len = max(context, config.streaming_max_len) if config.attention_sinks else context
         has_tokenizer = any((self.model_dir / f).exists() for f in ("tokenizer.json", "tokenizer.model"))
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir)) if has_tokenizer else None
         self.runner = ModelRunner(
@@ -71,12 +73,14 @@ class LLMEngine:
             self.dtype,
             self.max_model_len,
             gguf_path=gguf_source(config.model),
+            context=context,
         )
         self.block_manager = BlockManager(
             self.runner.num_blocks,
             config.block_size,
             config.enable_prefix_caching,
-            window=self.runner.spec.window_everywhere,
+            window=self.runner.window_everywhere,
+            sinks=self.runner.sinks,
         )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_token_ids = self._eos_ids(hf_config, GenerationConfig)

@@ -197,12 +197,30 @@ class PagedAttention(torch.nn.Module):
             scale,
         )
         self.sliding_window = sliding_window
+        self.sinks = 0  # StreamingLLM: the first ``sinks`` positions stay visible (torch path only)
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
+    @property
+    def span(self) -> int:
+        """Sinks plus window: the most positions one query sees in streaming mode."""
+        return self.sinks + (self.sliding_window or 0)
+
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        q_sink: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if q_sink is not None and self.sliding_window is not None:
+            from backend.layers.sinks import sink_attention
+
+            store_kv_torch(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            return sink_attention(
+                q, q_sink, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window, self.sinks
+            )
         if self.k_cache.is_cuda if self.use_triton is None else self.use_triton:
             from backend.layers import triton_attention
 

@@ -142,8 +142,10 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
+        # Attention sinks see each query as if at the last position of a full cache: see layers/sinks.py.
+        q_sink = self.rotary.rotate(positions.clamp(max=self.attn.span - 1), q) if self.attn.sinks else None
         q, k = self.rotary(positions, q, k)
-        o = self.attn(q, k, v.view(n, self.num_kv_heads, self.head_dim), meta)
+        o = self.attn(q, k, v.view(n, self.num_kv_heads, self.head_dim), meta, q_sink)
         return self.o_proj(o.view(n, self.q_size))
 
 
