@@ -122,6 +122,14 @@ class LLMEngine:
     def kv_cache_tokens(self) -> int:
         return self.runner.num_blocks * self.config.block_size
 
+    @property
+    def longest_request(self) -> int:
+        """Prompt + completion tokens one request may reach: the context, and the KV pool unless a
+        window on every layer bounds what a sequence holds (``BlockManager.most_blocks_held``)."""
+        if self.block_manager.window is not None:
+            return self.max_model_len
+        return min(self.max_model_len, self.kv_cache_tokens)
+
     def tokenize(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
             raise InvalidParameter("prompt", "this model has no tokenizer: send token ids")
