@@ -115,7 +115,8 @@ class ModelRunner:
         """ "triton" on CUDA when the kernels pass a self-check against the torch path, else "torch"."""
         use = False
         if self.device.type == "cuda" and not self.sinks:  # attention sinks: torch path only
-            from backend.layers.triton_attention import self_check, triton_available
+            from backend.layers.kernel_check import self_check
+            from backend.layers.triton_attention import triton_available
 
             try:
                 use = triton_available() and self_check(self.device, self.dtype, self.spec, self.block_size)
