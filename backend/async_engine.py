@@ -108,6 +108,10 @@ class AsyncEngine:
         return self.engine.kv_cache_tokens
 
     @property
+    def longest_request(self) -> int:
+        return self.engine.longest_request
+
+    @property
     def is_alive(self) -> bool:
         return not self._stopped and self._thread.is_alive()
 

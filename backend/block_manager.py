@@ -10,6 +10,15 @@ findable until it is taken from the front (evicted): freed blocks join the back,
 used first out, and a sequence's blocks join deepest first, so its tail goes before the prefix
 other requests are more likely to share. Blocks without a hash join the front: they hold nothing
 worth keeping.
+
+With a sliding window on every layer (``window``), a running sequence gives back each block wholly
+before the window of its next query: no later query reads it. Its table entry becomes ``FREED``
+(positions keep their block index); the blocks of attention sinks (StreamingLLM) stay. The block
+keeps its hash and joins the free queue like a finished sequence's block: its K/V are still right
+for any sequence with the same prefix from position 0, which the chained hash guarantees. A lookup
+still walks from block 0 and stops at the first miss, so once a freed early block is evicted, no
+later block of that prefix is reused without it (a later block's hash never stands in for the
+blocks before it).
 """
 
 from __future__ import annotations
@@ -19,6 +28,8 @@ from array import array
 from collections import OrderedDict
 
 from backend.sequence import Sequence
+
+FREED = -1  # a block-table entry whose block was given back (before the window)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -35,11 +46,20 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        window: int | None = None,
+        sinks: int = 0,
+    ) -> None:
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.window = window  # every layer's sliding window, or None
+        self.kept_blocks = cdiv(sinks, block_size)  # the blocks of the attention sinks stay
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[bytes, int] = {}  # hash -> block id
@@ -88,6 +108,14 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
+    def most_blocks_held(self, num_tokens: int, chunk: int) -> int:
+        """The most blocks a sequence of ``num_tokens`` holds at once, computed ``chunk`` at a time:
+        with a window, the blocks from its window start to the end of its current chunk."""
+        whole = cdiv(num_tokens, self.block_size)
+        if self.window is None:
+            return whole
+        return min(whole, self.kept_blocks + cdiv(self.window + chunk, self.block_size) + 1)
+
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         return max(0, cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(seq.block_table))
 
@@ -128,7 +156,8 @@ class BlockManager:
         full = parent.num_computed_tokens // self.block_size
         child.block_table = parent.block_table[:full]
         for block_id in child.block_table:
-            self.blocks[block_id].ref_count += 1
+            if block_id != FREED:
+                self.blocks[block_id].ref_count += 1
         child.num_computed_tokens = parent.num_computed_tokens
         if len(parent.block_table) == full:
             return None
@@ -149,22 +178,43 @@ class BlockManager:
     def free_blocks(self, seq: Sequence) -> None:
         """Release the seq's blocks (deepest first) and reset it to nothing computed."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count < 0:
-                raise RuntimeError(f"block {block_id} freed more often than taken")
-            if block.ref_count == 0:
-                self.free[block_id] = None
-                if block.hash is None:
-                    self.free.move_to_end(block_id, last=False)
+            if block_id != FREED:
+                self._release(block_id)
         seq.block_table = []
         seq.num_computed_tokens = 0
+
+    def free_outside_window(self, seq: Sequence) -> int:
+        """Give back the seq's blocks wholly before its next query's window; returns how many."""
+        if self.window is None:
+            return 0
+        table = seq.block_table
+        end = min(max(0, seq.num_computed_tokens - self.window + 1) // self.block_size, len(table))
+        start = end
+        # Freed entries run from the kept sink blocks on: scan back to the last freed one.
+        while start > self.kept_blocks and table[start - 1] != FREED:
+            start -= 1
+        for i in range(start, end):
+            self._release(table[i])
+            table[i] = FREED
+        return max(0, end - start)
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count < 0:
+            raise RuntimeError(f"block {block_id} freed more often than taken")
+        if block.ref_count == 0:
+            self.free[block_id] = None
+            if block.hash is None:
+                self.free.move_to_end(block_id, last=False)
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Make every full block whose K/V are all computed findable, generated tokens included."""
         if not self.enable_prefix_caching:
             return
         for i in range(seq.num_computed_tokens // self.block_size):
+            if seq.block_table[i] == FREED:  # hashed before it was freed (or not worth hashing)
+                continue
             block = self.blocks[seq.block_table[i]]
             if block.hash is not None:
                 continue

@@ -58,6 +58,8 @@ class EngineConfig:
     cache_dir: str
     seed: int
     grammar_cache_size: int
+    attention_sinks: int
+    streaming_max_len: int
 
     def __post_init__(self) -> None:
         checks = {
@@ -74,6 +76,8 @@ class EngineConfig:
             "max_n": self.max_n > 0,
             "max_num_batched_tokens": self.max_num_batched_tokens > 0,
             "grammar_cache_size": self.grammar_cache_size >= 1,
+            "attention_sinks": self.attention_sinks >= 0,
+            "streaming_max_len": self.streaming_max_len > 0,
         }
         bad = [k for k, ok in checks.items() if not ok]
         if bad:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.block_manager import BlockManager, cdiv
+from backend.block_manager import BlockManager
 from backend.config import EngineConfig
 from backend.detokenizer import IncrementalDetokenizer
 from backend.model_loader import gguf_source, resolve_model_dir
@@ -60,7 +60,9 @@ class LLMEngine:
         self.model_dir = resolve_model_dir(config.model, config.resolved_cache_dir)
         hf_config = AutoConfig.from_pretrained(str(self.model_dir))
         limit = hf_config.max_position_embeddings
-        self.max_model_len = min(config.max_model_len, limit) if config.max_model_len else limit
+        context = min(config.max_model_len, limit) if config.max_model_len else limit
+        # With attention sinks a sequence may run past the context, up to streaming_max_len.
+        self.max_model_len = max(context, config.streaming_max_len) if config.attention_sinks else context
         has_tokenizer = any((self.model_dir / f).exists() for f in ("tokenizer.json", "tokenizer.model"))
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir)) if has_tokenizer else None
         self.runner = ModelRunner(
@@ -71,9 +73,14 @@ class LLMEngine:
             self.dtype,
             self.max_model_len,
             gguf_path=gguf_source(config.model),
+            context=context,
         )
         self.block_manager = BlockManager(
-            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+            self.runner.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            window=self.runner.window_everywhere,
+            sinks=self.runner.sinks,
         )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_token_ids = self._eos_ids(hf_config, GenerationConfig)
@@ -115,6 +122,14 @@ class LLMEngine:
     def kv_cache_tokens(self) -> int:
         return self.runner.num_blocks * self.config.block_size
 
+    @property
+    def longest_request(self) -> int:
+        """Prompt + completion tokens one request may reach: the context, and the KV pool unless a
+        window on every layer bounds what a sequence holds (``BlockManager.most_blocks_held``)."""
+        if self.block_manager.window is not None:
+            return self.max_model_len
+        return min(self.max_model_len, self.kv_cache_tokens)
+
     def tokenize(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
             raise InvalidParameter("prompt", "this model has no tokenizer: send token ids")
@@ -145,7 +160,8 @@ class LLMEngine:
                 f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} for the "
                 "completion). Please reduce the prompt or max_tokens.",
             )
-        if cdiv(n + params.max_tokens, self.config.block_size) > self.block_manager.num_blocks:
+        chunk = self.config.max_num_batched_tokens
+        if self.block_manager.most_blocks_held(n + params.max_tokens, chunk) > self.block_manager.num_blocks:
             raise ContextLengthExceeded(
                 "max_tokens" if n < self.kv_cache_tokens else "prompt",
                 f"The request needs {n + params.max_tokens} tokens of KV cache but the engine holds "
@@ -230,6 +246,7 @@ class LLMEngine:
                 self.prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
             seq.num_computed_tokens += n
             self.block_manager.cache_computed_blocks(seq)
+            self.block_manager.free_outside_window(seq)
         now = time.time()
         touched: dict[str, SequenceGroup] = {}
         rows, sampled = [], []

@@ -42,6 +42,8 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         enforce_eager: bool | None = None,
         seed: int | None = None,
+        attention_sinks: int | None = None,
+        streaming_max_len: int | None = None,
         config_path: str | None = None,
     ) -> None:
         overrides: dict[str, Any] = dict(
@@ -60,6 +62,8 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             enforce_eager=enforce_eager,
             seed=seed,
+            attention_sinks=attention_sinks,
+            streaming_max_len=streaming_max_len,
         )
         self.engine = LLMEngine(load_engine_config(config_path, **overrides))
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from backend.block_manager import cdiv
+from backend.block_manager import FREED, cdiv
 from backend.config import EngineConfig
-from backend.layers.attention import AttentionMetadata
+from backend.layers.attention import AttentionMetadata, PagedAttention
 from backend.layers.rotary import RotaryEmbedding
 from backend.model_loader import iter_safetensors
 from backend.models.llama import LlamaForCausalLM, ModelSpec
@@ -53,7 +53,10 @@ class ModelRunner:
         dtype: torch.dtype,
         max_model_len: int,
         gguf_path: Path | None = None,
+        context: int | None = None,
     ) -> None:
+        """``max_model_len``: the longest sequence; ``context``: the most positions one query may
+        span, when attention sinks let sequences run past it (``[engine] attention_sinks``)."""
         self.config, self.device, self.dtype = config, device, dtype
         self.block_size = config.block_size
         self.max_model_len = max_model_len
@@ -79,6 +82,9 @@ class ModelRunner:
         if self.quantization != "none":
             quantize_model(model, self.quantization, gguf_path if config.load_format != "dummy" else None)
         self.model = model.eval()
+        self.window_everywhere, self.sinks = self.spec.window_everywhere, 0
+        if config.attention_sinks:
+            self._use_sinks(config.attention_sinks, context or max_model_len)
         self.attention_backend = self._choose_attention_backend()
         self.num_blocks = self._num_kv_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
@@ -90,11 +96,27 @@ class ModelRunner:
                 log.exception("CUDA graph capture failed: running decode eagerly")
                 self.graphs = {}
 
+    def _use_sinks(self, sinks: int, context: int) -> None:
+        """StreamingLLM: each layer keeps ``sinks`` first positions and a window that fits the rest
+        of the context (or its own window, if smaller): ``layers/sinks.py``."""
+        if sinks >= context:
+            raise ValueError(f"attention_sinks={sinks} leaves no window in a context of {context}")
+        windows = []
+        for layer in self.model.layers:
+            attn = layer.self_attn.attn
+            assert isinstance(attn, PagedAttention)
+            attn.sinks = sinks
+            attn.sliding_window = min(attn.sliding_window or context, context - sinks)
+            windows.append(attn.sliding_window)
+        self.window_everywhere = windows[0] if len(set(windows)) == 1 else None
+        self.sinks = sinks
+
     def _choose_attention_backend(self) -> str:
         """ "triton" on CUDA when the kernels pass a self-check against the torch path, else "torch"."""
         use = False
-        if self.device.type == "cuda":
-            from backend.layers.triton_attention import self_check, triton_available
+        if self.device.type == "cuda" and not self.sinks:  # attention sinks: torch path only
+            from backend.layers.kernel_check import self_check
+            from backend.layers.triton_attention import triton_available
 
             try:
                 use = triton_available() and self_check(self.device, self.dtype, self.spec, self.block_size)
@@ -180,7 +202,12 @@ class ModelRunner:
                 sample_rows.append(starts[-1] - 1)
                 sample_seqs.append(i)
         width = max(len(s.block_table) for s in batch.seqs)
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
+        # Entries of blocks freed before a sliding window (FREED, never read) point at block 0.
+        tables = [
+            (s.block_table if min(s.block_table) != FREED else [max(b, 0) for b in s.block_table])
+            + [0] * (width - len(s.block_table))
+            for s in batch.seqs
+        ]
         dev = self.device
 
         def tensor(data, dtype):

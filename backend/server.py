@@ -215,7 +215,7 @@ class _Server:
         top = req.logprobs_k()
         tools = request_tools(req, self.tokenizer)
         ids = await self.in_tokenizer_thread(self.chat_ids, req, tools)
-        room = min(self.engine.max_model_len, self.engine.kv_cache_tokens) - len(ids)
+        room = self.engine.longest_request - len(ids)
         params = self.sampling_params(req, req.resolved_max_tokens(room), top)
         params.structured = answer_constraint(tools, params.structured)
         params.skip_special_tokens = not (tools and tools.calls_possible and tools.special)

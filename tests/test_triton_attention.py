@@ -132,8 +132,9 @@ def make_case(
     )
 
 
-def dense_attention(case: Case, scale: float) -> torch.Tensor:
-    """Per sequence: dense K/V, explicit causal mask over absolute positions, softmax in float64."""
+def dense_attention(case: Case, scale: float, window: int | None = None) -> torch.Tensor:
+    """Per sequence: dense K/V, explicit causal (and window) mask over absolute positions, softmax
+    in float64."""
     outs = []
     starts = case.meta.query_start_loc.tolist()
     for s, (q_len, ctx) in enumerate(zip(case.meta.query_lens_cpu, case.meta.seq_lens_cpu, strict=True)):
@@ -143,15 +144,19 @@ def dense_attention(case: Case, scale: float) -> torch.Tensor:
         v = case.dense_v[s].double().repeat_interleave(group, dim=1).transpose(0, 1)
         q_pos = torch.arange(ctx - q_len, ctx)
         mask = torch.arange(ctx)[None, :] <= q_pos[:, None]
+        if window is not None:
+            mask &= torch.arange(ctx)[None, :] > q_pos[:, None] - window
         scores = (q @ k.transpose(1, 2) * scale).masked_fill(~mask, float("-inf"))
         outs.append((scores.softmax(-1) @ v).transpose(0, 1))
     return torch.cat(outs)
 
 
-def run_triton(case: Case, scale: float, num_splits: int | None = None) -> torch.Tensor:
+def run_triton(
+    case: Case, scale: float, num_splits: int | None = None, window: int | None = None
+) -> torch.Tensor:
     ta.store_kvcache(case.key, case.value, case.k_cache, case.v_cache, case.meta.slot_mapping)
     out = ta.paged_attention_triton(
-        case.q, case.k_cache, case.v_cache, case.meta, scale, num_splits=num_splits
+        case.q, case.k_cache, case.v_cache, case.meta, scale, num_splits=num_splits, window=window
     )
     return out.double().cpu()
 
@@ -169,6 +174,47 @@ def test_torch_path_matches_dense(scenario: str, heads: str) -> None:
     store_kv_torch(case.key, case.value, case.k_cache, case.v_cache, case.meta.slot_mapping)
     out = paged_attention_torch(case.q, case.k_cache, case.v_cache, case.meta, 0.125, case.key, case.value)
     assert max_err(out.double().cpu(), dense_attention(case, 0.125)) < 1e-4
+
+
+def forget_blocks_before_window(case: Case, window: int, fill: float = float("nan")) -> None:
+    """Fill every block wholly before each sequence's window, as if the engine had freed it and
+    another sequence had written there: such blocks must never be read (the kernels), or only
+    read and masked out (the torch path's padded decode groups: a finite fill there)."""
+    for s, (q_len, ctx) in enumerate(zip(case.meta.query_lens_cpu, case.meta.seq_lens_cpu, strict=True)):
+        for b in range(max(0, ctx - q_len - window + 1) // BLOCK_SIZE):
+            block = case.meta.block_tables[s, b]
+            case.k_cache[block] = fill
+            case.v_cache[block] = fill
+
+
+# A window of 1 sees only the query itself; 16 and 24 fall on and between block edges.
+WINDOWS = [1, 16, 24]
+# Decodes of one padded group whose windows start in different blocks.
+WINDOW_SCENARIOS = {**SCENARIOS, "grouped_decode": ([1, 1, 1], [50, 60, 64])}
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("scenario", list(WINDOW_SCENARIOS))
+def test_torch_path_sliding_window(scenario: str, window: int) -> None:
+    case = make_case(*WINDOW_SCENARIOS[scenario], HEADS["gqa3"], garbage=3.0)
+    forget_blocks_before_window(case, window, fill=1.0e4)
+    store_kv_torch(case.key, case.value, case.k_cache, case.v_cache, case.meta.slot_mapping)
+    args = (case.q, case.k_cache, case.v_cache, case.meta, 0.125)
+    out = paged_attention_torch(*args, case.key, case.value, window=window).double().cpu()
+    assert max_err(out, dense_attention(case, 0.125, window)) < 1e-4
+    if max(case.meta.seq_lens_cpu) > window:  # the window matters here: full attention differs
+        assert (out - dense_attention(case, 0.125)).abs().max() > 1e-2
+
+
+@needs_triton
+@pytest.mark.parametrize("num_splits", [None, 4])
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("scenario", list(WINDOW_SCENARIOS))
+def test_triton_sliding_window(scenario: str, window: int, num_splits: int | None) -> None:
+    case = make_case(*WINDOW_SCENARIOS[scenario], HEADS["gqa3"])  # unused slots are NaN: must never be read
+    forget_blocks_before_window(case, window)
+    out = run_triton(case, 0.125, num_splits=num_splits, window=window)
+    assert max_err(out, dense_attention(case, 0.125, window)) < 1e-4
 
 
 @needs_triton

@@ -4,7 +4,10 @@ One step of the engine carries a flat batch of tokens from several sequences. Se
 ordered decodes first (one query token each), then prefill chunks. For sequence ``s`` the
 query tokens ``q[query_start_loc[s]:query_start_loc[s+1]]`` sit at the last positions of its
 context of ``seq_lens[s]`` tokens, and each attends causally to every cached key at or before
-its own position. The same contract holds for the torch path below (every machine) and the
+its own position, or with a sliding window ``W`` to the last ``W`` of them (keys at positions
+``p`` with ``q_pos - W < p <= q_pos``, as transformers masks Mistral and Qwen2). Blocks wholly
+before a sequence's window are never read, so the engine may free them (their table entries then
+point at block 0). The same contract holds for the torch path below (every machine) and the
 Triton kernels in ``triton_attention.py`` (CUDA).
 """
 
@@ -100,12 +103,14 @@ def paged_attention_torch(
     scale: float,
     new_k: torch.Tensor | None = None,
     new_v: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention for every query token of the step; q is [T, H, D], returns [T, H, D].
 
     Decodes are done in batched calls over their gathered blocks, one call per group of similar
     context length; each prefill chunk is done on its own. A prefill with nothing cached before
-    it uses ``new_k``/``new_v`` directly and skips the gather.
+    it uses ``new_k``/``new_v`` directly and skips the gather. With a ``window``, only the blocks
+    from the earliest window start on are gathered.
     """
     num_tokens, num_heads, head_dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -117,38 +122,54 @@ def paged_attention_torch(
     for lo, hi in meta.decode_groups or []:
         n = hi - lo
         max_blocks = (max(meta.seq_lens_cpu[lo:hi]) + block_size - 1) // block_size
-        tables = meta.block_tables[lo:hi, :max_blocks]
-        length = max_blocks * block_size
+        first = _first_block(min(meta.seq_lens_cpu[lo:hi]) - 1, window, block_size)
+        tables = meta.block_tables[lo:hi, first:max_blocks]
+        length = (max_blocks - first) * block_size
         keys = _gather_blocks(k_cache, tables, "k").view(n, length, kv_heads, head_dim).transpose(1, 2)
         values = _gather_blocks(v_cache, tables, "v").view(n, length, kv_heads, head_dim).transpose(1, 2)
-        positions = torch.arange(length, device=q.device)
-        mask = (positions[None, :] < meta.seq_lens[lo:hi, None]).view(n, 1, 1, length)
+        positions = torch.arange(first * block_size, max_blocks * block_size, device=q.device)
+        ends = meta.seq_lens[lo:hi, None]
+        seen = positions[None, :] < ends
+        if window is not None:
+            seen &= positions[None, :] >= ends - window
         # The query heads of one KV group act as that group's query rows: no K/V repeat needed.
         queries = q[lo:hi].view(n, kv_heads, group, head_dim)
         out[lo:hi] = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=mask, scale=scale
+            queries, keys, values, attn_mask=seen.view(n, 1, 1, length), scale=scale
         ).reshape(n, num_heads, head_dim)
     starts = meta.query_start_loc.tolist() if len(meta.query_lens_cpu) > nd else []
     for s in range(nd, len(meta.query_lens_cpu)):
         q_len, ctx = meta.query_lens_cpu[s], meta.seq_lens_cpu[s]
         lo = starts[s]
         queries = q[lo : lo + q_len].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+        q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
+        mask: torch.Tensor | None = None
         if ctx == q_len and new_k is not None and new_v is not None:
             keys = new_k[lo : lo + q_len].transpose(0, 1).unsqueeze(0)
             values = new_v[lo : lo + q_len].transpose(0, 1).unsqueeze(0)
-            mask = None
+            k_pos = q_pos
         else:
             nblocks = (ctx + block_size - 1) // block_size
-            table = meta.block_tables[s, :nblocks]
-            keys = k_cache[table].view(-1, kv_heads, head_dim)[:ctx].transpose(0, 1).unsqueeze(0)
-            values = v_cache[table].view(-1, kv_heads, head_dim)[:ctx].transpose(0, 1).unsqueeze(0)
-            q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
-            mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
+            first = _first_block(ctx - q_len, window, block_size)
+            table = meta.block_tables[s, first:nblocks]
+            span = ctx - first * block_size
+            keys = k_cache[table].view(-1, kv_heads, head_dim)[:span].transpose(0, 1).unsqueeze(0)
+            values = v_cache[table].view(-1, kv_heads, head_dim)[:span].transpose(0, 1).unsqueeze(0)
+            k_pos = torch.arange(first * block_size, ctx, device=q.device)
+            mask = k_pos[None, :] <= q_pos[:, None]
+        if window is not None and ctx > window:
+            near = k_pos[None, :] > q_pos[:, None] - window
+            mask = near & (k_pos[None, :] <= q_pos[:, None]) if mask is None else mask & near
         res = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=group > 1
         )
         out[lo : lo + q_len] = res[0].transpose(0, 1)
     return out
+
+
+def _first_block(q_pos: int, window: int | None, block_size: int) -> int:
+    """The first block holding a key the query at ``q_pos`` (or any later one) can see."""
+    return 0 if window is None else max(0, q_pos - window + 1) // block_size
 
 
 class PagedAttention(torch.nn.Module):
@@ -160,7 +181,14 @@ class PagedAttention(torch.nn.Module):
 
     use_triton: bool | None = None
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = (
             num_heads,
@@ -168,16 +196,39 @@ class PagedAttention(torch.nn.Module):
             head_dim,
             scale,
         )
+        self.sliding_window = sliding_window
+        self.sinks = 0  # StreamingLLM: the first ``sinks`` positions stay visible (torch path only)
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
+    @property
+    def span(self) -> int:
+        """Sinks plus window: the most positions one query sees in streaming mode."""
+        return self.sinks + (self.sliding_window or 0)
+
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        q_sink: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if q_sink is not None and self.sliding_window is not None:
+            from backend.layers.sinks import sink_attention
+
+            store_kv_torch(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            return sink_attention(
+                q, q_sink, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window, self.sinks
+            )
         if self.k_cache.is_cuda if self.use_triton is None else self.use_triton:
             from backend.layers import triton_attention
 
             triton_attention.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-            return triton_attention.paged_attention_triton(q, self.k_cache, self.v_cache, meta, self.scale)
+            return triton_attention.paged_attention_triton(
+                q, self.k_cache, self.v_cache, meta, self.scale, window=self.sliding_window
+            )
         store_kv_torch(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        return paged_attention_torch(q, self.k_cache, self.v_cache, meta, self.scale, new_k=k, new_v=v)
+        return paged_attention_torch(
+            q, self.k_cache, self.v_cache, meta, self.scale, new_k=k, new_v=v, window=self.sliding_window
+        )

@@ -43,6 +43,10 @@ class RotaryEmbedding(nn.Module):
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """One tensor rotated by position (attention sinks' queries, see ``layers/sinks.py``)."""
+        return _rotate(x, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2

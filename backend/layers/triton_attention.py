@@ -10,7 +10,9 @@ rows are ``BLOCK_Q`` query tokens x the ``GROUP`` query heads that share the KV 
 tile is gathered from the paged cache once per group and fed to a ``tl.dot`` with at least 16
 rows even for a single decode token. Softmax is online (flash-attention style) in fp32. For
 decode-only batches with few (sequence, KV head) pairs the KV range can be split across programs
-(flash-decoding); partial results then go to a workspace and a small kernel merges them.
+(flash-decoding); partial results then go to a workspace and a small kernel merges them. A sliding
+window (``WINDOW``, a compile-time constant per layer; 0 = none) starts the KV loop at the window
+of the block's first query and masks each row to its own window, so blocks before it are never read.
 
 Triton is imported guarded: the module imports without it. ``TRITON_INTERPRET=1``, set before
 triton is first imported (``triton.jit`` reads it when each kernel, triton's own library functions
@@ -112,6 +114,7 @@ if triton is not None:
         NUM_SPLITS: tl.constexpr,
         IEEE_DOT: tl.constexpr,
         UPCAST: tl.constexpr,
+        WINDOW: tl.constexpr,
     ):
         BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
         seq = tl.program_id(0)
@@ -141,14 +144,19 @@ if triton is not None:
         if UPCAST:
             q = q.to(tl.float32)
 
-        # Keys this block of queries can see: up to the position of its last query token.
+        # Keys this block of queries can see: up to the position of its last query token, and with
+        # a window from the window start of its first one.
         kv_end = ctx - q_len + tl.minimum(q_len, (q_block + 1) * BLOCK_Q)
+        if WINDOW > 0:
+            kv_start = tl.maximum(ctx - q_len + q_block * BLOCK_Q - WINDOW + 1, 0)
+        else:
+            kv_start = 0
         if NUM_SPLITS == 1:
-            lo = 0
+            lo = kv_start
             hi = kv_end
         else:
-            per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), NUM_SPLITS) * BLOCK_N
-            lo = split * per_split
+            per_split = tl.cdiv(tl.cdiv(kv_end - kv_start, BLOCK_N), NUM_SPLITS) * BLOCK_N
+            lo = kv_start + split * per_split
             hi = tl.minimum(kv_end, lo + per_split)
 
         # A finite floor (not -inf) keeps fully masked tiles and empty splits free of inf - inf.
@@ -174,6 +182,8 @@ if triton is not None:
             else:
                 s = tl.dot(q, tl.trans(k))
             visible = k_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+            if WINDOW > 0:
+                visible = visible & (pos[None, :] > q_pos[:, None] - WINDOW)
             s = tl.where(visible, s * scale_log2, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
@@ -277,12 +287,13 @@ def paged_attention_triton(
     meta: AttentionMetadata,
     scale: float,
     num_splits: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention for every query token of the step; q is [T, H, D], returns [T, H, D].
 
     ``num_splits`` fixes the number of KV splits (a power of two); by default it is chosen only for
-    decode-only batches. Rows of padding tokens past ``query_start_loc[-1]`` are left unwritten,
-    as in the torch path.
+    decode-only batches. ``window``: each query sees its last ``window`` positions only. Rows of
+    padding tokens past ``query_start_loc[-1]`` are left unwritten, as in the torch path.
     """
     num_tokens, num_heads, head_dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -301,7 +312,7 @@ def paged_attention_triton(
     block_m = max(group_pad, min(cap, max(16, triton.next_power_of_2(meta.max_query_len * group_pad))))
     block_n = 64 if d_pad <= 64 else 32
     if num_splits is None:
-        num_splits = _default_splits(meta, num_seqs * kv_heads, block_n, q.device)
+        num_splits = _default_splits(meta, num_seqs * kv_heads, block_n, q.device, window)
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     if num_splits > 1:
@@ -344,6 +355,7 @@ def paged_attention_triton(
         NUM_SPLITS=num_splits,
         IEEE_DOT=q.dtype == torch.float32 or upcast,
         UPCAST=upcast,
+        WINDOW=window or 0,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
@@ -367,7 +379,9 @@ def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise ValueError("k_cache and v_cache must have equal shapes/strides and a contiguous last dim")
 
 
-def _default_splits(meta: AttentionMetadata, programs: int, block_n: int, device: torch.device) -> int:
+def _default_splits(
+    meta: AttentionMetadata, programs: int, block_n: int, device: torch.device, window: int | None = None
+) -> int:
     """Split the KV range only for decode-only batches too small to fill the GPU.
 
     Uses Python ints only (batch shape, SM count, ``meta.max_seq_len``), so it never syncs. Each
@@ -375,7 +389,8 @@ def _default_splits(meta: AttentionMetadata, programs: int, block_n: int, device
     """
     if meta.max_query_len != 1 or device.type != "cuda":
         return 1
-    want = min(2 * _sm_count(device) // programs, triton.cdiv(meta.max_seq_len, 2 * block_n), 32)
+    span = min(meta.max_seq_len, window or meta.max_seq_len)  # a decode reads at most its window
+    want = min(2 * _sm_count(device) // programs, triton.cdiv(span, 2 * block_n), 32)
     return 1 << (want.bit_length() - 1) if want > 1 else 1
 
 
@@ -383,53 +398,3 @@ def _default_splits(meta: AttentionMetadata, programs: int, block_n: int, device
 def _sm_count(device: torch.device) -> int:
     index = device.index if device.index is not None else torch.cuda.current_device()
     return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def self_check(device: torch.device, dtype: torch.dtype, spec, block_size: int) -> bool:
-    """Run the kernels once on a small mixed batch of the model's head shape and compare with the torch
-    path on the same device. The engine calls this at start-up on CUDA and falls back to the torch path
-    if it fails, so a kernel that does not compile or misbehaves on some GPU cannot serve wrong tokens."""
-    from backend.layers.attention import paged_attention_torch, store_kv_torch
-
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    query_lens, seq_lens = [1, 1, 20], [5, 40, 37]  # two decodes, then a prefill over a cached prefix
-    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 1
-    perm = torch.randperm(num_blocks - 1, generator=gen) + 1
-    tables, at = [], 0
-    for n in seq_lens:
-        k = -(-n // block_size)
-        tables.append(perm[at : at + k].tolist())
-        at += k
-    width = max(len(t) for t in tables)
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(device, dtype)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(device, dtype)
-    slots = [
-        t[p // block_size] * block_size + p % block_size
-        for t, q, n in zip(tables, query_lens, seq_lens, strict=True)
-        for p in range(n - q, n)
-    ]
-    total = sum(query_lens)
-    q = torch.randn(total, heads, dim, generator=gen).to(device, dtype)
-    new_k = torch.randn(total, kv_heads, dim, generator=gen).to(device, dtype)
-    new_v = torch.randn(total, kv_heads, dim, generator=gen).to(device, dtype)
-    starts = [0]
-    for n in query_lens:
-        starts.append(starts[-1] + n)
-    padded = [t + [0] * (width - len(t)) for t in tables]
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, device=device),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
-        max_query_len=max(query_lens), max_seq_len=max(seq_lens), num_decodes=2,
-        query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
-    )  # fmt: skip
-    ref_k, ref_v = k_cache.clone(), v_cache.clone()
-    store_kv_torch(new_k, new_v, ref_k, ref_v, meta.slot_mapping)
-    expected = paged_attention_torch(q.float(), ref_k.float(), ref_v.float(), meta, dim**-0.5)
-    store_kvcache(new_k, new_v, k_cache, v_cache, meta.slot_mapping)
-    got = paged_attention_triton(q, k_cache, v_cache, meta, dim**-0.5).float()
-    tol = 1e-3 if dtype == torch.float32 else 5e-2
-    stored = torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
-    return bool(stored and torch.allclose(got, expected, atol=tol, rtol=tol))

@@ -39,6 +39,14 @@ class ModelSpec:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
+    # Per layer: how many positions (itself included) a query sees, or None for the whole context.
+    sliding_windows: tuple[int | None, ...] = ()
+
+    @property
+    def window_everywhere(self) -> int | None:
+        """The window when every layer has the same one: only then can old KV blocks be freed."""
+        windows = set(self.sliding_windows)
+        return windows.pop() if len(windows) == 1 and None not in windows else None
 
     @classmethod
     def from_hf_config(cls, config) -> ModelSpec:
@@ -65,11 +73,34 @@ class ModelSpec:
             qkv_bias=attention_bias or arch == "Qwen2ForCausalLM",
             o_bias=attention_bias and arch != "Qwen2ForCausalLM",
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            sliding_windows=layer_windows(config, arch),
         )
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """K and V, every layer: 2 x layers x kv_heads x head_dim x element size."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(dtype).bits // 8
+
+
+def layer_windows(config, arch: str) -> tuple[int | None, ...]:
+    """Each layer's sliding window, as transformers' own model of ``arch`` applies it.
+
+    Llama ignores ``sliding_window``; Mistral applies it to every layer (its model ignores
+    ``layer_types``); Qwen2 follows ``layer_types``, which its config derives from
+    ``use_sliding_window`` and ``max_window_layers`` (layers from that index on slide).
+    """
+    layers = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    if arch == "LlamaForCausalLM" or not window:
+        return (None,) * layers
+    if arch == "MistralForCausalLM":
+        return (int(window),) * layers
+    if not getattr(config, "use_sliding_window", True):
+        return (None,) * layers
+    types = getattr(config, "layer_types", None) or [
+        "sliding_attention" if i >= getattr(config, "max_window_layers", layers) else "full_attention"
+        for i in range(layers)
+    ]
+    return tuple(int(window) if t == "sliding_attention" else None for t in types)
 
 
 class RMSNorm(nn.Module):
@@ -94,7 +125,7 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding) -> None:
+    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, window: int | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size = spec.num_heads * spec.head_dim
@@ -102,15 +133,19 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
         self.rotary = rotary
-        self.attn = PagedAttention(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5)
+        self.attn = PagedAttention(
+            spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5, sliding_window=window
+        )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
+        # Attention sinks see each query as if at the last position of a full cache: see layers/sinks.py.
+        q_sink = self.rotary.rotate(positions.clamp(max=self.attn.span - 1), q) if self.attn.sinks else None
         q, k = self.rotary(positions, q, k)
-        o = self.attn(q, k, v.view(n, self.num_kv_heads, self.head_dim), meta)
+        o = self.attn(q, k, v.view(n, self.num_kv_heads, self.head_dim), meta, q_sink)
         return self.o_proj(o.view(n, self.q_size))
 
 
@@ -126,9 +161,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding) -> None:
+    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, window: int | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(spec, rotary)
+        self.self_attn = LlamaAttention(spec, rotary, window)
         self.mlp = LlamaMLP(spec)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
@@ -160,7 +195,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, rotary) for _ in range(spec.num_layers))
+        windows = spec.sliding_windows or (None,) * spec.num_layers
+        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, rotary, w) for w in windows)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         # an nn.Linear, or a weight-only quantized layer (backend/quantization.py)
         self.lm_head: nn.Module = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
