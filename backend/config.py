@@ -58,6 +58,9 @@ class EngineConfig:
     cache_dir: str
     seed: int
     grammar_cache_size: int
+    kv_offload_bytes: int
+    kv_offload_dir: str
+    kv_offload_disk_bytes: int
 
     def __post_init__(self) -> None:
         checks = {
@@ -74,6 +77,8 @@ class EngineConfig:
             "max_n": self.max_n > 0,
             "max_num_batched_tokens": self.max_num_batched_tokens > 0,
             "grammar_cache_size": self.grammar_cache_size >= 1,
+            "kv_offload_bytes": self.kv_offload_bytes >= 0,
+            "kv_offload_disk_bytes": self.kv_offload_disk_bytes >= 0,
         }
         bad = [k for k, ok in checks.items() if not ok]
         if bad:

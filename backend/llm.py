@@ -42,6 +42,9 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         enforce_eager: bool | None = None,
         seed: int | None = None,
+        kv_offload_bytes: int | None = None,
+        kv_offload_dir: str | None = None,
+        kv_offload_disk_bytes: int | None = None,
         config_path: str | None = None,
     ) -> None:
         overrides: dict[str, Any] = dict(
@@ -60,6 +63,9 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             enforce_eager=enforce_eager,
             seed=seed,
+            kv_offload_bytes=kv_offload_bytes,
+            kv_offload_dir=kv_offload_dir,
+            kv_offload_disk_bytes=kv_offload_disk_bytes,
         )
         self.engine = LLMEngine(load_engine_config(config_path, **overrides))
 
