@@ -79,6 +79,7 @@ class KVOffload:
         self.ram_budget = ram_bytes
         self.ram: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # oldest first
         self._pending: dict[bytes, torch.Tensor] = {}  # left RAM, not yet on disk
+        self._prefetched: set[bytes] = set()  # in RAM because prefetch read them from disk
         self._lock = threading.Lock()
         self.disk = DiskTier(disk_dir, disk_bytes, fmt) if disk_dir else None
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="kv-tier") if self.disk else None
@@ -99,8 +100,10 @@ class KVOffload:
         with self._lock:
             self.ram[block_hash] = data
             self.ram.move_to_end(block_hash)
+            self._prefetched.discard(block_hash)
             while self.ram and len(self.ram) * self.block_bytes > self.ram_budget:
                 spilled.append(self.ram.popitem(last=False))
+                self._prefetched.discard(spilled[-1][0])
             if self.disk is not None:
                 self._pending.update(spilled)
         if self._worker is not None:
@@ -125,12 +128,16 @@ class KVOffload:
         return None
 
     def load(self, block_hash: bytes, block_id: int) -> str | None:
-        """Copy a block's K/V into pool block ``block_id``; the tier it came from, or None when it
-        is gone or its file failed the checks (the caller then computes it)."""
+        """Copy a block's K/V into pool block ``block_id``; the tier it was found in ("disk" for a
+        block prefetch read ahead), or None when it is gone or its file failed the checks (the caller
+        then computes it)."""
         start = time.perf_counter()
         tier = "ram"
         with self._lock:
             data = self.ram.pop(block_hash, None)
+            if block_hash in self._prefetched:
+                tier = "disk"
+                self._prefetched.discard(block_hash)
             if data is None:
                 data = self._pending.get(block_hash)
         if data is None and self.disk is not None:
@@ -157,6 +164,9 @@ class KVOffload:
             data = self.disk.read(block_hash)
             if data is not None:
                 self._put_ram(block_hash, data)
+                with self._lock:
+                    if block_hash in self.ram:
+                        self._prefetched.add(block_hash)
 
     def persist(self, pool_blocks: Iterable[tuple[bytes, int]]) -> None:
         """At shutdown, what would otherwise be lost goes to disk: RAM (oldest first), then the pool's
