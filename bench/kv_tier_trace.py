@@ -42,14 +42,16 @@ class Request:
 
 
 def load_trace(
-    path, conversations: int, per_id: int, max_ids: int, vocab: int
+    path, conversations: int, per_id: int, max_ids: int, vocab: int, multi_turn: bool = False
 ) -> tuple[list[Request], list[Request]]:
     """A random sample of the trace's conversations (a conversation = requests sharing their first two hash
     ids), every request of each in arrival order: the replay; and each multi-turn conversation's last
-    turn, held out: the turns that return after the restart."""
+    turn, held out: the turns that return after the restart. ``multi_turn``: draw among conversations of
+    two turns or more only (the returning ones, which exercise the tiers)."""
     with open(path) as f:
         rows = sorted((json.loads(line) for line in f), key=lambda r: r["timestamp"])
-    keys = sorted({tuple(r["hash_ids"][:2]) for r in rows})
+    sizes = collections.Counter(tuple(r["hash_ids"][:2]) for r in rows)
+    keys = sorted(k for k, n in sizes.items() if n > 1 or not multi_turn)
     picked = set(random.Random(0).sample(keys, conversations))
     reqs: list[tuple[tuple[int, ...], Request]] = []
     for row in rows:
@@ -100,6 +102,11 @@ def summary(ttfts: list[float], cached: int, prompt: int, stats) -> dict:
         "ttft_p99_ms": round(pct(ttfts, 99) * 1e3, 1),
         "ttft_mean_ms": round(sum(ttfts) / len(ttfts) * 1e3, 1),
         "tier_blocks": stats.kv_tier.blocks,
+        "load_ms_per_block": {
+            tier: round(stats.kv_tier.load_seconds_sum[tier] / n * 1e3, 3)
+            for tier, buckets in stats.kv_tier.load_seconds.items()
+            if (n := buckets[-1][1])
+        },
     }
 
 
@@ -107,6 +114,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", default=str(SHARED_DATA / "mooncake_conversation_trace.jsonl"))
     ap.add_argument("--conversations", type=int, default=40)
+    ap.add_argument("--multi-turn", action="store_true", help="sample multi-turn conversations only")
     ap.add_argument("--tokens-per-id", type=int, default=BLOCK)
     ap.add_argument("--max-ids", type=int, default=48)
     ap.add_argument("--pool-tokens", type=int, default=768)
@@ -128,7 +136,9 @@ def main() -> None:
         ),
     }  # fmt: skip
     vocab = engines["pool"].engine.runner.spec.vocab_size
-    trace, returning = load_trace(args.trace, args.conversations, args.tokens_per_id, args.max_ids, vocab)
+    trace, returning = load_trace(
+        args.trace, args.conversations, args.tokens_per_id, args.max_ids, vocab, args.multi_turn
+    )
     for llm in engines.values():  # warm-up (kernels, allocator), under a salt of its own: no hits
         llm.generate([list(range(200, 500))], cache_salt="warm-up")
     before = {name: llm.engine.stats() for name, llm in engines.items()}
@@ -184,7 +194,7 @@ def main() -> None:
     restarted.engine.close()
     shutil.rmtree(disk_dir, ignore_errors=True)
     save(
-        "kvtier",
+        "kvtier_multi_turn" if args.multi_turn else "kvtier",
         {
             "command": "python -m bench.kv_tier_trace "
             + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "trace"),
