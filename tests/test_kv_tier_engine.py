@@ -127,3 +127,29 @@ def test_metrics_show_hits_bytes_blocks_per_tier_and_load_latency(model_dir):
     assert 'cachegw:prefix_cache_hits_total{tier="pool"} 8.0' in text
     assert 'cachegw:kv_tier_blocks{tier="ram"}' in text and 'cachegw:kv_tier_bytes{tier="disk"} 0.0' in text
     assert 'cachegw:kv_tier_load_seconds_count{tier="ram"} 5.0' in text
+
+
+def test_usage_cached_tokens_count_the_disk_tier_through_the_server(model_dir, tmp_path):
+    """The engine's HTTP server with the real openai SDK: a shutdown (AsyncEngine.shutdown) writes the pool
+    to disk, and after a restart usage.prompt_tokens_details.cached_tokens counts the disk tier's tokens."""
+    import openai
+
+    from backend.async_engine import AsyncEngine
+    from backend.config import load_engine_config
+    from backend.engine import LLMEngine
+    from backend.server import build_app
+    from tests.servers import serve_in_thread
+
+    cfg = load_engine_config(
+        None, model=model_dir, device="cpu", dtype="float32", block_size=BS, kv_cache_tokens=64,
+        kv_offload_bytes=1 << 20, kv_offload_dir=str(tmp_path),
+    )  # fmt: skip
+    cached = []
+    for _ in range(2):  # first start, then a restart on the same directory
+        engine = AsyncEngine(LLMEngine(cfg))
+        with serve_in_thread(build_app(engine, "tiny", 1 << 20)) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+            out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, temperature=0)
+            cached.append(out.usage.prompt_tokens_details.cached_tokens)
+        engine.shutdown()
+    assert cached == [0, 48]
