@@ -16,8 +16,7 @@ import torch
 from backend.block_manager import BlockManager, cdiv
 from backend.config import EngineConfig
 from backend.detokenizer import IncrementalDetokenizer
-from backend.kv_disk import BlockFormat
-from backend.kv_tier import KVOffload, TierStats
+from backend.kv_tier import TierStats, offload_for
 from backend.model_loader import gguf_source, resolve_model_dir
 from backend.model_runner import ModelRunner
 from backend.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -76,7 +75,7 @@ class LLMEngine:
             self.max_model_len,
             gguf_path=gguf_source(config.model),
         )
-        self.kv_tier = self._make_kv_tier()
+        self.kv_tier = offload_for(config, self.runner, self.model_dir, self.dtype)
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching, self.kv_tier
         )
@@ -98,26 +97,6 @@ class LLMEngine:
             self.runner.num_blocks,
             config.block_size,
             self.kv_cache_bytes / 2**20,
-        )
-
-    def _make_kv_tier(self) -> KVOffload | None:
-        """The RAM/disk tier behind the pool, when [engine] asks for one."""
-        cfg = self.config
-        if not cfg.enable_prefix_caching or not (cfg.kv_offload_bytes or cfg.kv_offload_dir):
-            return None
-        spec = self.runner.spec
-        # Whatever changes the K/V of a token: the weights (where they are, how quantized) and dtype.
-        identity = f"{self.model_dir.resolve()}|{cfg.load_format}|{self.runner.quantization}"
-        if cfg.load_format == "dummy":
-            identity += f"|seed={cfg.seed}"
-        shape = (spec.num_layers, 2, cfg.block_size, spec.num_kv_heads, spec.head_dim)
-        return KVOffload(
-            BlockFormat(identity, self.dtype, shape),
-            self.runner.read_block,
-            self.runner.write_block,
-            cfg.kv_offload_bytes,
-            cfg.kv_offload_dir,
-            cfg.kv_offload_disk_bytes,
         )
 
     def close(self) -> None:

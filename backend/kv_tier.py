@@ -20,10 +20,16 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+from backend.config import EngineConfig
 from backend.kv_disk import BlockFormat, DiskTier
+
+if TYPE_CHECKING:
+    from backend.model_runner import ModelRunner
 
 TIERS = ("pool", "ram", "disk")
 LOAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
@@ -201,3 +207,25 @@ class KVOffload:
             load_seconds={t: h.cumulative() for t, h in self.load_latency.items()},
             load_seconds_sum={t: h.total for t, h in self.load_latency.items()},
         )
+
+
+def offload_for(
+    cfg: EngineConfig, runner: ModelRunner, model_dir: Path, dtype: torch.dtype
+) -> KVOffload | None:
+    """The RAM/disk tier behind the runner's pool, when [engine] asks for one."""
+    if not cfg.enable_prefix_caching or not (cfg.kv_offload_bytes or cfg.kv_offload_dir):
+        return None
+    spec = runner.spec
+    # Whatever changes the K/V of a token: the weights (where they are, how quantized) and the dtype.
+    identity = f"{model_dir.resolve()}|{cfg.load_format}|{runner.quantization}"
+    if cfg.load_format == "dummy":
+        identity += f"|seed={cfg.seed}"
+    shape = (spec.num_layers, 2, cfg.block_size, spec.num_kv_heads, spec.head_dim)
+    return KVOffload(
+        BlockFormat(identity, dtype, shape),
+        runner.read_block,
+        runner.write_block,
+        cfg.kv_offload_bytes,
+        cfg.kv_offload_dir,
+        cfg.kv_offload_disk_bytes,
+    )
