@@ -191,6 +191,7 @@ class AsyncEngine:
             stream.put(EngineDeadError("the engine was shut down"))
         self._streams.clear()
         self._stats = self.engine.stats()
+        self.engine.close()
 
     def _apply_commands(self) -> None:
         while True:

@@ -19,6 +19,10 @@ for any sequence with the same prefix from position 0, which the chained hash gu
 still walks from block 0 and stops at the first miss, so once a freed early block is evicted, no
 later block of that prefix is reused without it (a later block's hash never stands in for the
 blocks before it).
+With a second tier (``backend/kv_tier.py``), an evicted hashed block is handed to it instead of
+dropped, and a prefix lookup that misses the pool goes on into the tier: each block found there is
+loaded into a free pool block (taken like any other, so it may evict in turn) and reused as if it had
+never left. Hits are counted per tier when a request is first admitted.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
+from backend.kv_tier import TIERS, KVOffload
 from backend.sequence import Sequence
 
 FREED = -1  # a block-table entry whose block was given back (before the window)
@@ -37,12 +42,13 @@ def cdiv(a: int, b: int) -> int:
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash")
+    __slots__ = ("block_id", "ref_count", "hash", "origin")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.hash: bytes | None = None
+        self.origin = "pool"  # the tier its K/V came from, until a request first reuses it
 
 
 class BlockManager:
@@ -53,6 +59,7 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         window: int | None = None,
         sinks: int = 0,
+        tier: KVOffload | None = None,
     ) -> None:
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
@@ -65,6 +72,8 @@ class BlockManager:
         self.cached: dict[bytes, int] = {}  # hash -> block id
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of those, tokens found in the cache
+        self.tier = tier if enable_prefix_caching else None
+        self.hits_by_tier = dict.fromkeys(TIERS, 0)  # tokens of prefix_hits, by where they were found
 
     @property
     def num_blocks(self) -> int:
@@ -102,9 +111,12 @@ class BlockManager:
             return []  # prompt logprobs need every prompt position computed
         hits: list[int] = []
         for i in range((seq.num_tokens - 1) // self.block_size):
-            block_id = self.cached.get(self.block_hash(seq, i))
+            h = self.block_hash(seq, i)
+            block_id = self.cached.get(h)
             if block_id is None:
-                break
+                block_id = self._load_from_tier(h, hits)
+                if block_id is None:
+                    break
             hits.append(block_id)
         return hits
 
@@ -115,6 +127,34 @@ class BlockManager:
         if self.window is None:
             return whole
         return min(whole, self.kept_blocks + cdiv(self.window + chunk, self.block_size) + 1)
+
+    def _load_from_tier(self, block_hash: bytes, hits: list[int]) -> int | None:
+        """A free pool block holding the tier's copy of ``block_hash`` (findable, unreferenced), or
+        None: not in the tier, its copy failed to load, or no free block outside ``hits`` is left."""
+        if self.tier is None or self.tier.where(block_hash) is None:
+            return None
+        taken = set(hits)
+        block_id = next((b for b in self.free if b not in taken), None)
+        if block_id is None:
+            return None
+        self._evict(block_id)
+        origin = self.tier.load(block_hash, block_id)
+        block = self.blocks[block_id]
+        self.free.move_to_end(block_id)  # most recently used: the request about to run wants it
+        if origin is None:
+            self.free.move_to_end(block_id, last=False)  # holds nothing
+            return None
+        block.hash, block.origin = block_hash, origin
+        self.cached[block_hash] = block_id
+        return block_id
+
+    def prefetch(self, seq: Sequence) -> None:
+        """Ask the tier to bring the seq's prompt blocks the pool lacks closer (disk to RAM) while it
+        waits for admission."""
+        if self.tier is None or not self.enable_prefix_caching or seq.needs_prompt_logprobs:
+            return
+        n = (seq.num_tokens - 1) // self.block_size
+        self.tier.prefetch(h for i in range(n) if (h := self.block_hash(seq, i)) not in self.cached)
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         return max(0, cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(seq.block_table))
@@ -127,13 +167,20 @@ class BlockManager:
 
     def allocate(self, seq: Sequence, cached: list[int], num_new_tokens: int) -> None:
         assert not seq.block_table, "allocate is for sequences without blocks"
+        first = seq.num_cached_tokens < 0  # the request's first admission: its prefix-cache hit
         for block_id in cached:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self.free[block_id]
             block.ref_count += 1
             seq.block_table.append(block_id)
+            if first:
+                self.hits_by_tier[block.origin] += self.block_size
+            block.origin = "pool"
         seq.num_computed_tokens = len(cached) * self.block_size
+        if first:
+            self.prefix_queries += seq.num_prompt_tokens
+            self.prefix_hits += seq.num_computed_tokens
         self.append_slots(seq, num_new_tokens)
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -166,14 +213,22 @@ class BlockManager:
         return parent.block_table[full], copy
 
     def _take_free_block(self) -> int:
-        block_id, _ = self.free.popitem(last=False)
-        block = self.blocks[block_id]
-        if block.hash is not None:  # evict: its prefix can no longer be found
-            if self.cached.get(block.hash) == block_id:
-                del self.cached[block.hash]
-            block.hash = None
-        block.ref_count = 1
+        block_id = next(iter(self.free))
+        self._evict(block_id)
+        del self.free[block_id]
+        self.blocks[block_id].ref_count = 1
         return block_id
+
+    def _evict(self, block_id: int) -> None:
+        """Empty a free block: its prefix goes to the tier (if any) and can no longer be found here."""
+        block = self.blocks[block_id]
+        if block.hash is None:
+            return
+        if self.cached.get(block.hash) == block_id:
+            del self.cached[block.hash]
+            if self.tier is not None:
+                self.tier.save(block.hash, block_id)
+        block.hash, block.origin = None, "pool"
 
     def free_blocks(self, seq: Sequence) -> None:
         """Release the seq's blocks (deepest first) and reset it to nothing computed."""

@@ -60,6 +60,9 @@ class EngineConfig:
     grammar_cache_size: int
     attention_sinks: int
     streaming_max_len: int
+    kv_offload_bytes: int
+    kv_offload_dir: str
+    kv_offload_disk_bytes: int
 
     def __post_init__(self) -> None:
         checks = {
@@ -78,6 +81,8 @@ class EngineConfig:
             "grammar_cache_size": self.grammar_cache_size >= 1,
             "attention_sinks": self.attention_sinks >= 0,
             "streaming_max_len": self.streaming_max_len > 0,
+            "kv_offload_bytes": self.kv_offload_bytes >= 0,
+            "kv_offload_disk_bytes": self.kv_offload_disk_bytes >= 0,
         }
         bad = [k for k, ok in checks.items() if not ok]
         if bad:

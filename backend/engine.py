@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from backend.block_manager import BlockManager
 from backend.config import EngineConfig
 from backend.detokenizer import IncrementalDetokenizer
+from backend.kv_tier import TierStats, offload_for
 from backend.model_loader import gguf_source, resolve_model_dir
 from backend.model_runner import ModelRunner
 from backend.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -47,6 +48,8 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int
     generation_tokens: int
+    prefix_cache_hits_by_tier: dict[str, int] = field(default_factory=dict)  # tokens: pool, ram, disk
+    kv_tier: TierStats = field(default_factory=lambda: TierStats({}, {}, {}, {}))
 
 
 class LLMEngine:
@@ -75,12 +78,14 @@ class LLMEngine:
             gguf_path=gguf_source(config.model),
             context=context,
         )
+        self.kv_tier = offload_for(config, self.runner, self.model_dir, self.dtype)
         self.block_manager = BlockManager(
             self.runner.num_blocks,
             config.block_size,
             config.enable_prefix_caching,
             window=self.runner.window_everywhere,
             sinks=self.runner.sinks,
+            tier=self.kv_tier,
         )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_token_ids = self._eos_ids(hf_config, GenerationConfig)
@@ -101,6 +106,13 @@ class LLMEngine:
             config.block_size,
             self.kv_cache_bytes / 2**20,
         )
+
+    def close(self) -> None:
+        """Write the pool's and the RAM tier's blocks to the disk tier (if any) and wait for the writes,
+        so a restart finds them. A killed engine keeps only what had already left RAM."""
+        if self.kv_tier is not None:
+            self.kv_tier.persist(list(self.block_manager.cached.items()))
+            self.kv_tier.close()
 
     def _eos_ids(self, hf_config, generation_config_cls) -> set[int]:
         ids: set[int] = set()
@@ -178,6 +190,7 @@ class LLMEngine:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         self.requests[request_id] = SequenceGroup(seq)
         self.scheduler.add(seq)
+        self.block_manager.prefetch(seq)
         return seq
 
     def _check_samples(self, params: SamplingParams, vocab: int) -> None:
@@ -341,6 +354,17 @@ class LLMEngine:
             num_generated_tokens=sum(s.num_output_tokens for s in group.seqs),
         )
 
+    def _tier_stats(self) -> TierStats:
+        """Blocks and bytes per tier: the pool's findable (hashed) blocks, then the offload tiers'."""
+        pooled = len(self.block_manager.cached)
+        per_block = self.config.block_size * self.runner.kv_bytes_per_token
+        tiers = self.kv_tier.stats() if self.kv_tier is not None else TierStats({}, {}, {}, {})
+        return replace(
+            tiers,
+            blocks={"pool": pooled, **tiers.blocks},
+            bytes={"pool": pooled * per_block, **tiers.bytes},
+        )
+
     def stats(self) -> EngineStats:
         bm = self.block_manager
         return EngineStats(
@@ -353,4 +377,6 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
+            prefix_cache_hits_by_tier=dict(bm.hits_by_tier),
+            kv_tier=self._tier_stats(),
         )

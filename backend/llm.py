@@ -44,6 +44,9 @@ class LLM:
         seed: int | None = None,
         attention_sinks: int | None = None,
         streaming_max_len: int | None = None,
+        kv_offload_bytes: int | None = None,
+        kv_offload_dir: str | None = None,
+        kv_offload_disk_bytes: int | None = None,
         config_path: str | None = None,
     ) -> None:
         overrides: dict[str, Any] = dict(
@@ -64,6 +67,9 @@ class LLM:
             seed=seed,
             attention_sinks=attention_sinks,
             streaming_max_len=streaming_max_len,
+            kv_offload_bytes=kv_offload_bytes,
+            kv_offload_dir=kv_offload_dir,
+            kv_offload_disk_bytes=kv_offload_disk_bytes,
         )
         self.engine = LLMEngine(load_engine_config(config_path, **overrides))
 

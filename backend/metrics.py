@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from backend.engine import EngineStats
@@ -25,7 +25,6 @@ _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.
 # (name without the _total that prometheus-client appends, help, EngineStats field)
 _COUNTERS = (
     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
-    ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
     ("num_preemptions", "Sequences preempted for lack of KV blocks.", "num_preemptions"),
     ("prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).", "prompt_tokens"),
     ("generation_tokens", "Tokens generated.", "generation_tokens"),
@@ -49,6 +48,7 @@ class EngineStatsCollector(Collector):
             yield CounterMetricFamily(PREFIX + name, doc, value=getattr(s, field))
         for name, doc, field in _GAUGES:
             yield GaugeMetricFamily(PREFIX + name, doc, value=getattr(s, field))
+        yield from _tier_metrics(s)
 
     def describe(self) -> Iterator[Metric]:
         # Lets the registry check names at registration without reading the engine.
@@ -56,6 +56,29 @@ class EngineStatsCollector(Collector):
             yield CounterMetricFamily(PREFIX + name, doc)
         for name, doc, _ in _GAUGES:
             yield GaugeMetricFamily(PREFIX + name, doc)
+        yield from _tier_metrics(None)
+
+
+_HITS_DOC = "Prompt tokens found in the prefix cache, by the tier they came from (pool, ram, disk)."
+_LOAD_DOC = "Time to load one KV block from the ram or disk tier into the pool."
+
+
+def _tier_metrics(s: EngineStats | None) -> Iterator[Metric]:
+    """Prefix-cache hits, blocks and bytes per KV tier and the tiers' load latency (``s`` None: the
+    families alone, for ``describe``)."""
+    hits = CounterMetricFamily(PREFIX + "prefix_cache_hits", _HITS_DOC, labels=["tier"])
+    blocks = GaugeMetricFamily(PREFIX + "kv_tier_blocks", "Findable KV blocks per tier.", labels=["tier"])
+    size = GaugeMetricFamily(PREFIX + "kv_tier_bytes", "Bytes of KV blocks held per tier.", labels=["tier"])
+    load = HistogramMetricFamily(PREFIX + "kv_tier_load_seconds", _LOAD_DOC, labels=["tier"])
+    if s is not None:
+        for tier, tokens in s.prefix_cache_hits_by_tier.items():
+            hits.add_metric([tier], tokens)
+        for tier, n in s.kv_tier.blocks.items():
+            blocks.add_metric([tier], n)
+            size.add_metric([tier], s.kv_tier.bytes[tier])
+        for tier, buckets in s.kv_tier.load_seconds.items():
+            load.add_metric([tier], buckets, s.kv_tier.load_seconds_sum[tier])
+    yield from (hits, blocks, size, load)
 
 
 class ServerMetrics:

@@ -267,6 +267,19 @@ class ModelRunner:
             k[dst].copy_(k[src])
             v[dst].copy_(v[src])
 
+    @torch.inference_mode()
+    def read_block(self, block_id: int) -> torch.Tensor:
+        """One block's K/V in every layer, on the host: [layers, 2, block_size, kv_heads, head_dim]."""
+        return torch.stack([torch.stack((k[block_id], v[block_id])) for k, v in self.kv_caches]).cpu()
+
+    @torch.inference_mode()
+    def write_block(self, block_id: int, data: torch.Tensor) -> None:
+        """Put a block read by ``read_block`` (here or in an earlier run) back into block ``block_id``."""
+        data = data.to(self.device, non_blocking=True)
+        for (k, v), layer in zip(self.kv_caches, data, strict=True):
+            k[block_id].copy_(layer[0])
+            v[block_id].copy_(layer[1])
+
     # CUDA graphs: decode steps are captured once per batch size and replayed with new inputs.
 
     def _graph_sizes(self) -> list[int]:

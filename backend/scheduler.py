@@ -118,12 +118,10 @@ class Scheduler:
             n = min(seq.num_tokens - len(cached) * bm.block_size, budget)
             if not bm.can_allocate(seq, cached, n):
                 break
-            bm.allocate(seq, cached, n)
+            bm.allocate(seq, cached, n)  # counts the prefix-cache hit (per tier) on first admission
             if seq.num_cached_tokens < 0:  # first time: this is the request's prefix-cache hit
                 seq.num_cached_tokens = seq.num_computed_tokens
                 seq.first_scheduled_time = time.time()
-                bm.prefix_queries += seq.num_prompt_tokens
-                bm.prefix_hits += seq.num_computed_tokens
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

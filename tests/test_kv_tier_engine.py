@@ -1,0 +1,155 @@
+"""The KV tier inside the real engine, on a tiny random Llama saved with transformers (2 layers, loads in
+well under a second) rather than SmolLM2: what is tested is that K/V leave the pool and come back bit for
+bit, across an engine restart and between two engines sharing a directory."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from backend import LLM, SamplingParams
+from backend.metrics import ServerMetrics
+from backend.sequence import Sequence
+
+BS = 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+PROMPT = list(range(10, 60))  # 6 full blocks + 2 tokens
+OTHER = list(range(100, 150))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+    )  # fmt: skip
+    path = tmp_path_factory.mktemp("tiny-llama")
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(str(path))
+    return str(path)
+
+
+def engine(model_dir: str, **tier) -> LLM:
+    """A pool of 8 blocks: two 50-token prompts cannot both stay in it."""
+    return LLM(model=model_dir, dtype="float32", device="cpu", block_size=BS, kv_cache_tokens=64, **tier)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir) -> list[int]:
+    """The prompt's greedy continuation computed from scratch, with no tier."""
+    llm = engine(model_dir)
+    out = llm.generate(PROMPT, GREEDY)[0].outputs[0].token_ids
+    del llm
+    gc.collect()
+    return out
+
+
+def pool_kv(llm: LLM, block_ids: list[int]) -> list[torch.Tensor]:
+    return [llm.engine.runner.read_block(b) for b in block_ids]
+
+
+def prefix_blocks(llm: LLM) -> list[int]:
+    """The pool blocks holding PROMPT's full blocks (loading them from a tier if need be)."""
+    return llm.engine.block_manager.find_cached_prefix(Sequence("probe", PROMPT, SamplingParams()))
+
+
+def test_an_evicted_prefix_comes_back_from_ram_with_the_same_output(model_dir, reference):
+    llm = engine(model_dir, kv_offload_bytes=1 << 20)
+    llm.generate(PROMPT, GREEDY)
+    before = pool_kv(llm, prefix_blocks(llm))
+    llm.generate(OTHER, GREEDY)  # evicts the prompt's blocks into RAM
+    out = llm.generate(PROMPT, GREEDY)[0]
+    assert out.num_cached_tokens == 48 and out.outputs[0].token_ids == reference
+    stats = llm.engine.stats()
+    assert stats.prefix_cache_hits_by_tier["ram"] > 0
+    assert all(torch.equal(a, b) for a, b in zip(before, pool_kv(llm, prefix_blocks(llm)), strict=True))
+
+
+def test_restart_and_a_second_engine_reuse_the_prefix_from_disk(model_dir, reference, tmp_path):
+    tier = dict(kv_offload_bytes=0, kv_offload_dir=str(tmp_path))
+    first = engine(model_dir, **tier)
+    first.generate(PROMPT, GREEDY)
+    written = pool_kv(first, prefix_blocks(first))
+    first.engine.close()  # shutdown: the pool's blocks go to disk
+    restarted = engine(model_dir, **tier)
+    out = restarted.generate(PROMPT, GREEDY)[0]
+    assert out.num_cached_tokens == 48 and out.outputs[0].token_ids == reference
+    assert restarted.engine.stats().prefix_cache_hits_by_tier["disk"] == 48
+    loaded = pool_kv(restarted, prefix_blocks(restarted))
+    assert all(torch.equal(a, b) for a, b in zip(written, loaded, strict=True))
+    # The other way: a block the restarted engine evicts is found by the first one, still running.
+    restarted.generate(OTHER, GREEDY)
+    restarted.generate([list(range(150, 200)), list(range(200, 250))], GREEDY)  # OTHER leaves the pool
+    restarted.engine.kv_tier.flush()
+    again = first.generate(OTHER, GREEDY)[0]
+    assert again.num_cached_tokens > 0 and first.engine.stats().prefix_cache_hits_by_tier["disk"] > 0
+
+
+def test_a_corrupted_file_is_recomputed_not_loaded(model_dir, reference, tmp_path):
+    tier = dict(kv_offload_bytes=0, kv_offload_dir=str(tmp_path))
+    first = engine(model_dir, **tier)
+    first.generate(PROMPT, GREEDY)
+    first.engine.close()
+    files = sorted(tmp_path.rglob("*.kv"))
+    assert len(files) == 6
+    for f in files:  # every block's file damaged: torn, or one flipped byte
+        raw = bytearray(f.read_bytes())
+        raw[-1] ^= 0xFF
+        f.write_bytes(bytes(raw[:-7]) if f == files[0] else bytes(raw))
+    restarted = engine(model_dir, **tier)
+    out = restarted.generate(PROMPT, GREEDY)[0]
+    assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == reference
+    assert restarted.engine.kv_tier.disk.rejected == 1  # the walk stops at the first bad block
+
+
+def test_tenants_do_not_share_tiered_blocks(model_dir, tmp_path):
+    tier = dict(kv_offload_bytes=1 << 20, kv_offload_dir=str(tmp_path))
+    first = engine(model_dir, **tier)
+    first.generate(PROMPT, GREEDY, cache_salt="tenant-a")
+    first.engine.close()
+    restarted = engine(model_dir, **tier)
+    assert restarted.generate(PROMPT, GREEDY, cache_salt="tenant-b")[0].num_cached_tokens == 0
+    assert restarted.generate(PROMPT, GREEDY, cache_salt="tenant-a")[0].num_cached_tokens == 48
+
+
+def test_metrics_show_hits_bytes_blocks_per_tier_and_load_latency(model_dir):
+    llm = engine(model_dir, kv_offload_bytes=1 << 20)
+    llm.generate(PROMPT, GREEDY)
+    llm.generate(OTHER, GREEDY)
+    llm.generate(PROMPT, GREEDY)
+    text = ServerMetrics(llm.engine.stats).render()[0].decode()
+    # OTHER took 5 of the prompt's 6 blocks (deepest first); the root block stayed in the pool
+    assert 'cachegw:prefix_cache_hits_total{tier="ram"} 40.0' in text
+    assert 'cachegw:prefix_cache_hits_total{tier="pool"} 8.0' in text
+    assert 'cachegw:kv_tier_blocks{tier="ram"}' in text and 'cachegw:kv_tier_bytes{tier="disk"} 0.0' in text
+    assert 'cachegw:kv_tier_load_seconds_count{tier="ram"} 5.0' in text
+
+
+def test_usage_cached_tokens_count_the_disk_tier_through_the_server(model_dir, tmp_path):
+    """The engine's HTTP server with the real openai SDK: a shutdown (AsyncEngine.shutdown) writes the pool
+    to disk, and after a restart usage.prompt_tokens_details.cached_tokens counts the disk tier's tokens."""
+    import openai
+
+    from backend.async_engine import AsyncEngine
+    from backend.config import load_engine_config
+    from backend.engine import LLMEngine
+    from backend.server import build_app
+    from tests.servers import serve_in_thread
+
+    cfg = load_engine_config(
+        None, model=model_dir, device="cpu", dtype="float32", block_size=BS, kv_cache_tokens=64,
+        kv_offload_bytes=1 << 20, kv_offload_dir=str(tmp_path),
+    )  # fmt: skip
+    cached = []
+    for _ in range(2):  # first start, then a restart on the same directory
+        engine = AsyncEngine(LLMEngine(cfg))
+        with serve_in_thread(build_app(engine, "tiny", 1 << 20)) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+            out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, temperature=0)
+            cached.append(out.usage.prompt_tokens_details.cached_tokens)
+        engine.shutdown()
+    assert cached == [0, 48]
