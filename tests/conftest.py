@@ -60,7 +60,9 @@ def smol_tokenizer() -> Any:
 @pytest.fixture(scope="session")
 def shared_engine() -> Iterator[Any]:
     """The built-in engine (an AsyncEngine on SmolLM2), one for the session: every server a test
-    puts in front of it shares its weights and KV cache."""
+    puts in front of it shares its weights and KV cache. It runs the GGUF's own 4-bit weights
+    (`quantization = "auto"`: Q4_1 as int4), which decode 2.5-4x faster here than float32: the
+    gateway tests need a real engine, not float32 numbers (the parity tests keep float32 in `llm`)."""
     from backend.async_engine import AsyncEngine
     from backend.config import load_engine_config
     from backend.engine import LLMEngine

@@ -80,16 +80,27 @@ def test_preempted_and_chunked_requests_match_hf(reference):
     assert not small.engine.scheduler.running and not small.engine.scheduler.waiting
 
 
-def test_echo_prompt_logprobs_match_an_hf_forward_pass(llm, hf_model, shared_backend_url) -> None:
+def test_echo_prompt_logprobs_match_an_hf_forward_pass(llm, hf_model) -> None:
     """Prompt logprobs through the server (the openai SDK, echo + logprobs + max_tokens 0, as
-    evaluation harnesses score loglikelihood) equal log_softmax of HF's logits on the same weights."""
+    evaluation harnesses score loglikelihood) equal log_softmax of HF's logits on the same weights:
+    the module's float32 engine behind its own HTTP server for this test (the session's shared one
+    runs int4)."""
     import openai
 
+    from backend.async_engine import AsyncEngine
+    from backend.server import build_app
+    from tests.servers import serve_in_thread
+
     ids = prompts_for(llm)[5]  # the long document: several blocks, every position scored
-    client = openai.OpenAI(base_url=shared_backend_url, api_key="unused", max_retries=0, timeout=600)
-    out = client.completions.create(
-        model="SmolLM2-135M-Instruct", prompt=ids, echo=True, logprobs=1, max_tokens=0
-    )
+    engine = AsyncEngine(llm.engine)
+    try:
+        with serve_in_thread(build_app(engine, "SmolLM2-135M-Instruct", 1 << 20)) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+            out = client.completions.create(
+                model="SmolLM2-135M-Instruct", prompt=ids, echo=True, logprobs=1, max_tokens=0
+            )
+    finally:
+        engine.shutdown()
     got = out.choices[0].logprobs.token_logprobs
     with torch.inference_mode():
         lp = hf_model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
