@@ -85,12 +85,21 @@ def _fix_digit_splitting(tokenizer, pre: str | None) -> None:
     )
 
 
+def _content_key(path: Path, edge: int = 1 << 20) -> str:
+    """The file's identity by content, not by where it lies: its size, its first and last MiB (a GGUF's
+    header holds its metadata and tensor table). The same model in another venv or clone is the same
+    key, so it is converted once per machine; an edited or different file is another key."""
+    digest = hashlib.sha256(str(path.stat().st_size).encode())
+    with path.open("rb") as f:
+        digest.update(f.read(edge))
+        f.seek(max(0, path.stat().st_size - edge))
+        digest.update(f.read(edge))
+    return digest.hexdigest()[:12]
+
+
 def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
     """Convert once to <cache_dir>/models/<name>-<key>/ and return that folder."""
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[
-        :12
-    ]
+    key = _content_key(gguf_path)
     target = cache_dir / "models" / f"{gguf_path.stem}-{key}"
     if (target / _DONE_MARKER).is_file():
         return target

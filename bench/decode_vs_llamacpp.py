@@ -20,8 +20,16 @@ import resource
 import statistics
 import time
 from multiprocessing.connection import Connection
+from typing import NamedTuple
 
 from bench.common import RESULTS, save, say
+
+
+class Speed(NamedTuple):
+    """One run: the prompt's tokens per second of prefill (to the first token), then decode's."""
+
+    prefill: float
+    decode: float
 
 
 def _ours(mode: str, prompt: list[int], new: int, threads: int, conn: Connection) -> None:
@@ -39,6 +47,7 @@ def _ours(mode: str, prompt: list[int], new: int, threads: int, conn: Connection
     conn.send("ready")
     while conn.recv() == "run":
         n += 1
+        start = time.perf_counter()
         engine.add_request(f"r{n}", prompt, params)
         first = 0.0
         done = False
@@ -47,7 +56,7 @@ def _ours(mode: str, prompt: list[int], new: int, threads: int, conn: Connection
             if not first and outs:
                 first = time.perf_counter()
             done = any(o.finished for o in outs)
-        conn.send((new - 1) / (time.perf_counter() - first))
+        conn.send(Speed(len(prompt) / (first - start), (new - 1) / (time.perf_counter() - first)))
     conn.send(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
 
@@ -60,13 +69,14 @@ def _llamacpp(path: str, prompt: list[int], new: int, threads: int, conn: Connec
     conn.send("ready")
     while conn.recv() == "run":
         llm.reset()
+        start = time.perf_counter()
         llm.eval(prompt)
         token = llm.sample(temp=0.0)
-        start = time.perf_counter()
+        first = time.perf_counter()
         for _ in range(new - 1):
             llm.eval([token])
             token = llm.sample(temp=0.0)
-        conn.send((new - 1) / (time.perf_counter() - start))
+        conn.send(Speed(len(prompt) / (first - start), (new - 1) / (time.perf_counter() - first)))
     conn.send(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
 
@@ -106,7 +116,7 @@ def main() -> None:
     for r in range(args.runs):
         for name, (_, conn) in workers.items():
             conn.send("run")
-            runs[name].append(round(conn.recv(), 1))
+            runs[name].append(round(conn.recv().decode, 1))
             say(f"round {r + 1} {name}: {runs[name][-1]} tok/s")
         load.append(os.getloadavg()[0])
     rss = {}
