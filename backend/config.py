@@ -58,6 +58,10 @@ class EngineConfig:
     cache_dir: str
     seed: int
     grammar_cache_size: int
+    speculative: str
+    num_speculative_tokens: int
+    speculative_ngram_min: int
+    speculative_ngram_max: int
 
     def __post_init__(self) -> None:
         checks = {
@@ -74,6 +78,10 @@ class EngineConfig:
             "max_n": self.max_n > 0,
             "max_num_batched_tokens": self.max_num_batched_tokens > 0,
             "grammar_cache_size": self.grammar_cache_size >= 1,
+            "speculative": self.speculative in ("off", "ngram"),
+            "num_speculative_tokens": self.num_speculative_tokens >= 1,
+            "speculative_ngram_min": self.speculative_ngram_min >= 1,
+            "speculative_ngram_max": self.speculative_ngram_max >= self.speculative_ngram_min,
         }
         bad = [k for k, ok in checks.items() if not ok]
         if bad:

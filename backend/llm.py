@@ -42,6 +42,8 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         enforce_eager: bool | None = None,
         seed: int | None = None,
+        speculative: str | None = None,
+        num_speculative_tokens: int | None = None,
         config_path: str | None = None,
     ) -> None:
         overrides: dict[str, Any] = dict(
@@ -60,6 +62,8 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             enforce_eager=enforce_eager,
             seed=seed,
+            speculative=speculative,
+            num_speculative_tokens=num_speculative_tokens,
         )
         self.engine = LLMEngine(load_engine_config(config_path, **overrides))
 

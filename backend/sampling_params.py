@@ -71,6 +71,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's logprob plus the top k
     echo: bool = False  # the prompt is part of the answer, so max_tokens 0 (scoring only) is valid
     structured: StructuredOutput | None = None  # response_format json_object / json_schema
+    # A guess at the output (``cachegw_draft``): speculative decoding's first proposal source. It
+    # can only make decoding faster or slower, never change what is generated.
+    draft: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -92,6 +95,7 @@ class SamplingParams:
                 isinstance(self.top_k, int) and -1 <= self.top_k <= MAX_TOP_K,
                 f"must be -1 (off) or between 0 and {MAX_TOP_K}",
             ),
+            ("draft", self.draft is None or isinstance(self.draft, str), "must be a string"),
             ("seed", self.seed is None or isinstance(self.seed, int), "must be an integer"),
             (
                 "stop",

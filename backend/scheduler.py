@@ -1,7 +1,8 @@
 """Continuous batching: which sequences run in the next step, and how many tokens each.
 
 Every step has a token budget (``max_num_batched_tokens``). Running sequences go first, in
-arrival order: a decode takes one token, an unfinished prompt takes the next chunk. When blocks
+arrival order: a decode takes one token (plus its draft tokens with speculative decoding), an
+unfinished prompt takes the next chunk. When blocks
 run out, the newest running sequence is preempted (its blocks freed, to be recomputed later,
 likely from the prefix cache) until the older one fits. Waiting sequences then join in arrival
 order while budget, ``max_num_seqs`` and blocks allow. A sequence is always in exactly one of
@@ -65,13 +66,19 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.block_manager.can_append(seq, n):
+            draft = self._draft(seq, n, budget)
+            while not self.block_manager.can_append(seq, n + len(draft)):
+                if draft:  # drafts are a guess: drop them before preempting anyone
+                    draft = []
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted += 1
                 if victim is seq:
                     break
             else:
+                seq.draft = draft
+                n += len(draft)
                 self.block_manager.append_slots(seq, n)
                 picked.append((seq, n))
                 budget -= n
@@ -84,6 +91,15 @@ class Scheduler:
         # to its longest context, so neighbours of similar length waste the least.
         picked.sort(key=lambda p: (p[1] != 1, p[0].num_computed_tokens if p[1] == 1 else 0))
         return ScheduledBatch([s for s, _ in picked], [n for _, n in picked], preempted)
+
+    @staticmethod
+    def _draft(seq: Sequence, n: int, budget: int) -> list[int]:
+        """Draft tokens to verify with a decode (``backend/speculative.py``): never more than the
+        step's budget or the request's max_tokens leave room for beside the model's own token."""
+        if seq.spec is None or n != 1 or not seq.num_output_tokens:
+            return []
+        room = min(budget, seq.params.max_tokens - seq.num_output_tokens) - 1
+        return seq.spec.propose(seq.token_ids, seq.num_prompt_tokens, room)
 
     def _admit_waiting(self, picked: list[tuple[Sequence, int]], budget: int) -> None:
         bm = self.block_manager
@@ -107,6 +123,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free_blocks(seq)
+        seq.draft = []
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
