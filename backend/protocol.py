@@ -42,6 +42,7 @@ def sampling_params(req: GenerationRequest, max_tokens: int, logprobs: int | Non
         echo=echo,
         prompt_logprobs=logprobs if echo else None,
         structured=structured_output(req.response_format),
+        draft=req.cachegw_draft,
     )
 
 

@@ -41,6 +41,7 @@ _NOT_OUTPUT = frozenset(
         "max_tokens",
         "max_completion_tokens",
         "service_tier",
+        "cachegw_draft",  # a speculative-decoding hint: the answer is the same with or without it
     }
 )
 

@@ -1,6 +1,7 @@
 """Speculative decoding on the real SmolLM2 engine: output token for token the same as plain decoding
 (greedy) where drafts are accepted and where they are not, with penalties, logit_bias, stop strings,
-max_tokens, a preemption in the middle, and prefix hits on the blocks verified steps wrote.
+max_tokens, a preemption in the middle, a request's own draft, and prefix hits on the blocks verified
+steps wrote.
 
 One engine (the module's ``llm``) runs both ways: its speculator is switched on per call."""
 
@@ -68,6 +69,9 @@ def run(llm: LLM, batch: dict[str, tuple[list[int], SamplingParams]], preempt: s
 def outputs(llm: LLM, prompts) -> tuple[dict, dict]:
     batch = cases(llm, prompts)
     expected = run(llm, batch)
+    # The gateway's draft: here the very answer plain decoding gave (a near miss's would be close to it).
+    draft = SamplingParams(temperature=0.0, max_tokens=32, draft=text(expected["open"]))
+    batch["drafted"] = (prompts["open"], draft)
     llm.engine.speculator = SPEC
     try:
         got = run(llm, batch, preempt="preempted")
@@ -84,6 +88,13 @@ def test_greedy_output_is_plain_decodings_where_drafts_are_accepted_and_where_no
     assert got["repeat"].spec.accepted >= 16  # the copy is mostly drafted: half of 32 tokens or more
     assert got["open"].spec.accepted <= got["open"].spec.drafted // 2  # few or no drafts hold
     assert got["preempted"].num_preemptions == 1 and got["preempted"].spec.accepted >= 8
+
+
+def test_a_request_draft_is_proposed_before_prompt_lookup(outputs) -> None:
+    expected, got = outputs
+    assert got["drafted"].output_token_ids == expected["open"].output_token_ids
+    assert got["drafted"].spec.accepted >= 24  # nearly every token after the first came from the draft
+    assert got["drafted"].spec.accepted > 2 * got["open"].spec.accepted
 
 
 def test_penalties_logit_bias_stop_strings_and_max_tokens_hold_with_drafts(outputs) -> None:

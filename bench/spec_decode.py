@@ -1,0 +1,284 @@
+"""Speculative decoding with n-gram (prompt-lookup) drafts vs plain decoding, batch 1, one engine.
+
+Prompts come from ShareGPT conversations (``../shared/data/sharegpt_dev.jsonl``): input-grounded
+tasks built from first turns that carry a long text (summarize it; rewrite code it contains; quote
+the sentence of a document that answers a question) and open chat (short first turns as asked).
+Each prompt runs plain and with drafts back to back in one process, the order alternating, greedy,
+so the outputs must be identical (checked) and machine load hits both alike: the figures are
+ratios. Then end to end through the gateway: a question stored, a paraphrase its number guard
+refuses (a near miss) asked with the stored answer as the engine's draft and without (two
+gateways in front of one engine, alternating).
+
+    .venv/bin/python -m bench.spec_decode [--per-task 2] [--max-tokens 64] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import time
+from dataclasses import dataclass
+
+from bench.common import SHARED_DATA, save, say
+
+TASKS = ("summarize", "edit code", "answer from a document", "open chat")
+DOC_CHARS = (800, 2200)  # a first turn carrying a text: long enough to ground, short to prefill
+
+
+@dataclass
+class Case:
+    task: str
+    prompt: str
+
+
+def _is_code(text: str) -> bool:
+    return "```" in text or bool(
+        re.search(r"^\s*(def |class |function |import |#include|public )", text, re.M)
+    )
+
+
+def cases(path: str, per_task: int) -> list[Case]:
+    """``per_task`` prompts per task, from the first turns in file order (deterministic)."""
+    picked: dict[str, list[Case]] = {t: [] for t in TASKS}
+    with open(path) as f:
+        for line in f:
+            turns = json.loads(line).get("conversations") or []
+            if not turns or turns[0].get("from") != "human":
+                continue
+            text = turns[0]["value"].strip()
+            if DOC_CHARS[0] <= len(text) <= DOC_CHARS[1]:
+                if _is_code(text):
+                    task, prompt = (
+                        "edit code",
+                        f"{text}\n\nRewrite the code above with clearer names. Output the code.",
+                    )
+                elif len(picked["summarize"]) <= len(picked["answer from a document"]):
+                    task, prompt = "summarize", f"{text}\n\nSummarize the text above."
+                else:
+                    first = re.split(r"(?<=[.!?])\s", text)[0][:120]
+                    task = "answer from a document"
+                    prompt = f"{text}\n\nQuote the sentence of the text above that begins with: {first!r}"
+            elif 20 <= len(text) <= 200 and not _is_code(text):
+                task, prompt = "open chat", text
+            else:
+                continue
+            if len(picked[task]) < per_task:
+                picked[task].append(Case(task, prompt))
+            if all(len(v) >= per_task for v in picked.values()):
+                break
+    return [c for t in TASKS for c in picked[t]]
+
+
+def run_one(engine, rid: str, ids: list[int], params) -> tuple[list[int], float, float, int, int]:
+    """(output ids, seconds to the first token, seconds after it, drafted, accepted)."""
+    t0 = time.perf_counter()
+    seq = engine.add_request(rid, ids, params)
+    first = 0.0
+    while engine.has_unfinished_requests():
+        engine.step()
+        if not first and seq.num_output_tokens:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    drafted = seq.spec.drafted if seq.spec else 0
+    accepted = seq.spec.accepted if seq.spec else 0
+    return seq.output_token_ids, first - t0, end - first, drafted, accepted
+
+
+def engine_part(args: argparse.Namespace) -> list[dict]:
+    from backend import LLM, SamplingParams
+    from backend.speculative import Speculator
+
+    llm = LLM(kv_cache_tokens=16384, max_num_seqs=4, enable_prefix_caching=False)
+    engine = llm.engine
+    spec = Speculator(args.k, args.ngram_min, args.ngram_max)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    rows = []
+    for i, case in enumerate(cases(str(args.data / "sharegpt_dev.jsonl"), args.per_task)):
+        ids = llm.chat_prompt_ids([{"role": "user", "content": case.prompt}])
+        got = {}
+        for mode in ("off", "ngram") if i % 2 == 0 else ("ngram", "off"):
+            engine.speculator = spec if mode == "ngram" else None
+            got[mode] = run_one(engine, f"{mode}-{i}", ids, params)
+        engine.speculator = None
+        (out_off, _, dec_off, _, _), (out_on, _, dec_on, drafted, accepted) = got["off"], got["ngram"]
+        n = len(out_off) - 1
+        row = {
+            "task": case.task,
+            "prompt_tokens": len(ids),
+            "tokens": len(out_off),
+            "identical": out_off == out_on,
+            "decode_s_off": round(dec_off, 3),
+            "decode_s_ngram": round(dec_on, 3),
+            "tok_s_off": round(n / dec_off, 2) if n > 0 else None,
+            "tok_s_ngram": round(n / dec_on, 2) if n > 0 else None,
+            "speedup": round(dec_off / dec_on, 3) if dec_on > 0 else None,
+            "drafted": drafted,
+            "accepted": accepted,
+        }
+        rows.append(row)
+        say(f"{case.task:24s} {row['tokens']:3d} tokens  x{row['speedup']}  accepted {accepted}/{drafted}")
+    del llm, engine
+    return rows
+
+
+PAIRS = [  # stored question, then a paraphrase its number guard refuses: the same answer but one figure
+    (
+        "Explain in three sentences what a hash table is, for a class of 20 students.",
+        "Explain in three sentences what a hash table is, for a class of 30 students.",
+    ),
+    (
+        "List 5 tips for writing clean Python code.",
+        "List 6 tips for writing clean Python code.",
+    ),
+    (
+        "Write a short story about a cat in 80 words.",
+        "Write a short story about a cat in 90 words.",
+    ),
+]
+
+
+def gateway_part(args: argparse.Namespace) -> list[dict]:
+    """Two gateways (drafts on / off for the same engine), each storing the first question; the
+    paraphrase asked through both, alternating. Latency of the paraphrase's fresh answer."""
+    import tempfile
+
+    import openai
+
+    from backend.async_engine import AsyncEngine
+    from backend.config import load_engine_config
+    from backend.engine import LLMEngine
+    from backend.server import build_app as backend_app
+    from gateway.app import build_app
+    from gateway.config import load_settings
+    from gateway.serve import started_gateway
+    from tests.servers import serve_in_thread
+
+    cfg = load_engine_config(None, kv_cache_tokens=8192, max_num_seqs=4, speculative="ngram")
+    engine = AsyncEngine(LLMEngine(cfg))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, serve_in_thread(backend_app(engine, "m", 1 << 20)) as b:
+        gws = {}
+        for drafts in (True, False):
+            s = load_settings(
+                None,
+                data_dir=os.path.join(tmp, str(drafts)),
+                backends=({"url": f"{b}/v1", "drafts": drafts},),
+            )
+            gws[drafts] = serve_in_thread(
+                build_app(lambda s=s: started_gateway(s, progress=False)), lifespan="on"
+            )
+        with gws[True] as on, gws[False] as off:
+            urls = {True: on, False: off}
+
+            def ask(url: str, q: str) -> tuple[str, str, float]:
+                c = openai.OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0, timeout=600)
+                t = time.perf_counter()
+                raw = c.chat.completions.with_raw_response.create(
+                    model="m",
+                    messages=[{"role": "user", "content": q}],
+                    temperature=0,
+                    max_tokens=args.max_tokens,
+                )
+                return (
+                    raw.parse().choices[0].message.content or "",
+                    raw.headers["x-cache-reason"],
+                    time.perf_counter() - t,
+                )
+
+            for i, (stored, near) in enumerate(PAIRS):
+                for url in urls.values():
+                    ask(url, stored)
+                got = {}
+                for drafts in (True, False) if i % 2 == 0 else (False, True):
+                    d0, a0 = (
+                        engine.stats().spec_decode_draft_tokens,
+                        engine.stats().spec_decode_accepted_tokens,
+                    )
+                    text, reason, secs = ask(urls[drafts], near)
+                    st = engine.stats()
+                    got[drafts] = (
+                        text,
+                        reason,
+                        secs,
+                        st.spec_decode_draft_tokens - d0,
+                        st.spec_decode_accepted_tokens - a0,
+                    )
+                on_r, off_r = got[True], got[False]
+                rows.append(
+                    {
+                        "pair": i,
+                        "reason": on_r[1],
+                        "identical": on_r[0] == off_r[0],
+                        "seconds_with_draft": round(on_r[2], 3),
+                        "seconds_without": round(off_r[2], 3),
+                        "speedup": round(off_r[2] / on_r[2], 3),
+                        "accepted_with_draft": f"{on_r[4]}/{on_r[3]}",
+                        "accepted_without": f"{off_r[4]}/{off_r[3]}",
+                    }
+                )
+                r = rows[-1]
+                say(f"near miss {i} ({r['reason']}): x{r['speedup']}, accepted {r['accepted_with_draft']}")
+    engine.shutdown()
+    return rows
+
+
+def summary(rows: list[dict]) -> dict:
+    out = {}
+    for task in TASKS:
+        r = [x for x in rows if x["task"] == task]
+        if not r:
+            continue
+        drafted, accepted = sum(x["drafted"] for x in r), sum(x["accepted"] for x in r)
+        off, on = sum(x["decode_s_off"] for x in r), sum(x["decode_s_ngram"] for x in r)
+        out[task] = {
+            "prompts": len(r),
+            "decode_speedup": round(off / on, 3),
+            "median_speedup": round(statistics.median(x["speedup"] for x in r), 3),
+            "acceptance": round(accepted / drafted, 3) if drafted else None,
+            "all_identical": all(x["identical"] for x in r),
+        }
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", type=lambda p: __import__("pathlib").Path(p), default=SHARED_DATA)
+    ap.add_argument("--per-task", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--ngram-min", type=int, default=2)
+    ap.add_argument("--ngram-max", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--skip-gateway", action="store_true")
+    args = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
+    start = time.perf_counter()
+    rows = engine_part(args)
+    gateway_rows = [] if args.skip_gateway else gateway_part(args)
+    result = {
+        "command": "python -m bench.spec_decode "
+        + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("data", "skip_gateway")
+        ),
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        "seconds": round(time.perf_counter() - start, 1),
+        "summary": summary(rows),
+        "prompts": rows,
+        "gateway_near_miss": gateway_rows,
+    }
+    for task, s in result["summary"].items():
+        say(
+            f"{task}: decode x{s['decode_speedup']} (median {s['median_speedup']}), acc. {s['acceptance']}"
+        )
+    save("spec", result)
+
+
+if __name__ == "__main__":
+    main()
