@@ -2,9 +2,9 @@
 
 Every step has a token budget (``max_num_batched_tokens``). Running sequences go first, in
 arrival order: a decode takes one token (plus its draft tokens with speculative decoding), an
-unfinished prompt takes the next chunk. When blocks
-run out, the newest running sequence is preempted (its blocks freed, to be recomputed later,
-likely from the prefix cache) until the older one fits. Waiting sequences then join in arrival
+unfinished prompt takes the next chunk. When blocks run out, drafts are dropped first, then the
+newest running sequence is preempted (its blocks freed, to be recomputed later, likely from the
+prefix cache) until the older one fits. Waiting sequences then join in arrival
 order while budget, ``max_num_seqs`` and blocks allow. A sequence is always in exactly one of
 ``waiting`` or ``running`` until it finishes, so none is lost or run twice.
 """

@@ -30,14 +30,14 @@ class NgramIndex:
                 self._last[tuple(tokens[end - n : end])] = end
         self._indexed = max(self._indexed, upto)
 
-    def follow(self, source: list[int], suffix: list[int], k: int) -> list[int]:
-        """Up to ``k`` tokens of ``source`` after the latest indexed occurrence of the longest tail
-        of ``suffix`` (n_max tokens down to n_min) found in it; [] when none is."""
+    def find(self, suffix: list[int]) -> int | None:
+        """Where the latest indexed occurrence of the longest tail of ``suffix`` (n_max tokens down to
+        n_min) that occurs at all ends; None when none does."""
         for n in range(min(self.n_max, len(suffix)), self.n_min - 1, -1):
             end = self._last.get(tuple(suffix[len(suffix) - n :]))
-            if end is not None and end < len(source):
-                return source[end : end + k]
-        return []
+            if end is not None:
+                return end
+        return None
 
 
 class DraftSource:
@@ -65,12 +65,17 @@ class DraftSource:
             out = tokens[num_prompt:]
             if self.draft[: len(out)] == out and len(out) < len(self.draft):
                 return self.draft[len(out) : len(out) + k]
-            guess = self.in_draft.follow(self.draft, out, k)
-            if guess:
-                return guess
+            end = self.in_draft.find(out)
+            if end is not None and end < len(self.draft):
+                return self.draft[end : end + k]
         # Every n-gram ending before the last token: the suffix's own occurrence never matches.
         self.own.extend(tokens, len(tokens) - 1)
-        return self.own.follow(tokens, tokens, k)
+        end = self.own.find(tokens)
+        if end is None:
+            return []
+        # What followed, continued with the same period where it runs into the end ("a b a b a b").
+        period = len(tokens) - end
+        return [tokens[end + j % period] for j in range(k)]
 
 
 @dataclass(frozen=True)

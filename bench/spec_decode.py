@@ -6,10 +6,10 @@ the sentence of a document that answers a question) and open chat (short first t
 Each prompt runs plain and with drafts back to back in one process, the order alternating, greedy,
 so the outputs must be identical (checked) and machine load hits both alike: the figures are
 ratios. Then end to end through the gateway: a question stored, a paraphrase its number guard
-refuses (a near miss) asked with the stored answer as the engine's draft and without (two
-gateways in front of one engine, alternating).
+refuses (a near miss) asked with the stored answer as the engine's draft, and with
+``Cache-Control: no-store`` (no lookup, so no draft), alternating; the engine speculates in both.
 
-    .venv/bin/python -m bench.spec_decode [--per-task 2] [--max-tokens 64] [--threads 2]
+    .venv/bin/python -m bench.spec_decode [--per-task 2] [--max-tokens 48] [--pairs 3] [--threads 2]
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ import json
 import os
 import re
 import statistics
+import textwrap
 import time
 from dataclasses import dataclass
 
-from bench.common import SHARED_DATA, save, say
+from bench.common import RESULTS, SHARED_DATA, save, say
 
 TASKS = ("summarize", "edit code", "answer from a document", "open chat")
 DOC_CHARS = (800, 2200)  # a first turn carrying a text: long enough to ground, short to prefill
@@ -141,8 +142,9 @@ PAIRS = [  # stored question, then a paraphrase its number guard refuses: the sa
 
 
 def gateway_part(args: argparse.Namespace) -> list[dict]:
-    """Two gateways (drafts on / off for the same engine), each storing the first question; the
-    paraphrase asked through both, alternating. Latency of the paraphrase's fresh answer."""
+    """One gateway in front of an engine with drafts on. Per pair: the first question stored, then its
+    paraphrase asked as is (a refused near miss: the stored answer goes as the draft) and with
+    ``Cache-Control: no-store`` (no lookup, so no draft), the order alternating."""
     import tempfile
 
     import openai
@@ -160,63 +162,43 @@ def gateway_part(args: argparse.Namespace) -> list[dict]:
     engine = AsyncEngine(LLMEngine(cfg))
     rows = []
     with tempfile.TemporaryDirectory() as tmp, serve_in_thread(backend_app(engine, "m", 1 << 20)) as b:
-        gws = {}
-        for drafts in (True, False):
-            s = load_settings(
-                None,
-                data_dir=os.path.join(tmp, str(drafts)),
-                backends=({"url": f"{b}/v1", "drafts": drafts},),
-            )
-            gws[drafts] = serve_in_thread(
-                build_app(lambda s=s: started_gateway(s, progress=False)), lifespan="on"
-            )
-        with gws[True] as on, gws[False] as off:
-            urls = {True: on, False: off}
+        s = load_settings(None, data_dir=tmp, backends=({"url": f"{b}/v1", "drafts": True},))
+        app = build_app(lambda: started_gateway(s, progress=False))
+        with serve_in_thread(app, lifespan="on") as url:
+            c = openai.OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0, timeout=600)
 
-            def ask(url: str, q: str) -> tuple[str, str, float]:
-                c = openai.OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0, timeout=600)
+            def ask(q: str, headers: dict[str, str] | None = None) -> tuple[str, str, float, int, int]:
+                d0, a0 = engine.stats().spec_decode_draft_tokens, engine.stats().spec_decode_accepted_tokens
                 t = time.perf_counter()
                 raw = c.chat.completions.with_raw_response.create(
                     model="m",
                     messages=[{"role": "user", "content": q}],
                     temperature=0,
                     max_tokens=args.max_tokens,
+                    extra_headers=headers,
                 )
-                return (
-                    raw.parse().choices[0].message.content or "",
-                    raw.headers["x-cache-reason"],
-                    time.perf_counter() - t,
-                )
+                secs = time.perf_counter() - t
+                st = engine.stats()
+                text = raw.parse().choices[0].message.content or ""
+                drafted, accepted = st.spec_decode_draft_tokens - d0, st.spec_decode_accepted_tokens - a0
+                return text, raw.headers["x-cache-reason"], secs, drafted, accepted
 
-            for i, (stored, near) in enumerate(PAIRS):
-                for url in urls.values():
-                    ask(url, stored)
+            for i, (stored, near) in enumerate(PAIRS[: args.pairs]):
+                ask(stored)
                 got = {}
-                for drafts in (True, False) if i % 2 == 0 else (False, True):
-                    d0, a0 = (
-                        engine.stats().spec_decode_draft_tokens,
-                        engine.stats().spec_decode_accepted_tokens,
-                    )
-                    text, reason, secs = ask(urls[drafts], near)
-                    st = engine.stats()
-                    got[drafts] = (
-                        text,
-                        reason,
-                        secs,
-                        st.spec_decode_draft_tokens - d0,
-                        st.spec_decode_accepted_tokens - a0,
-                    )
-                on_r, off_r = got[True], got[False]
+                for drafted in (True, False) if i % 2 == 0 else (False, True):
+                    got[drafted] = ask(near, None if drafted else {"cache-control": "no-store"})
+                on, off = got[True], got[False]
                 rows.append(
                     {
                         "pair": i,
-                        "reason": on_r[1],
-                        "identical": on_r[0] == off_r[0],
-                        "seconds_with_draft": round(on_r[2], 3),
-                        "seconds_without": round(off_r[2], 3),
-                        "speedup": round(off_r[2] / on_r[2], 3),
-                        "accepted_with_draft": f"{on_r[4]}/{on_r[3]}",
-                        "accepted_without": f"{off_r[4]}/{off_r[3]}",
+                        "reason": on[1],
+                        "identical": on[0] == off[0],
+                        "seconds_with_draft": round(on[2], 3),
+                        "seconds_without": round(off[2], 3),
+                        "speedup": round(off[2] / on[2], 3),
+                        "accepted_with_draft": f"{on[4]}/{on[3]}",
+                        "accepted_without": f"{off[4]}/{off[3]}",
                     }
                 )
                 r = rows[-1]
@@ -243,17 +225,55 @@ def summary(rows: list[dict]) -> dict:
     return out
 
 
+def plot(result: dict) -> None:
+    """Decode speedup and acceptance per task (and the gateway's near misses), one bar each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result["summary"])
+    speedups = [result["summary"][t]["decode_speedup"] for t in names]
+    accepted = [result["summary"][t]["acceptance"] or 0 for t in names]
+    near = result.get("gateway_near_miss") or []
+    if near:
+        names.append("near miss (gateway draft, end to end)")
+        speedups.append(sum(r["seconds_without"] for r in near) / sum(r["seconds_with_draft"] for r in near))
+        drafted = sum(int(r["accepted_with_draft"].split("/")[1]) for r in near)
+        accepted.append(sum(int(r["accepted_with_draft"].split("/")[0]) for r in near) / max(drafted, 1))
+    names = [textwrap.fill(n, 12) for n in names]
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    axes[0].bar(names, speedups, color="tab:blue")
+    axes[0].axhline(1.0, color="black", linewidth=0.8)
+    axes[0].set(ylabel="time without drafts / with")
+    axes[1].bar(names, accepted, color="tab:gray")
+    axes[1].set(ylabel="draft tokens accepted", ylim=(0, 1))
+    for ax in axes:
+        ax.tick_params(axis="x", labelsize=7)
+    fig.suptitle(
+        "Speculative decoding, batch 1, SmolLM2-135M float32 (ratios from interleaved runs)", fontsize=10
+    )
+    fig.tight_layout()
+    fig.savefig(RESULTS / "spec.png", dpi=120)
+    say("wrote bench/results/spec.png")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=lambda p: __import__("pathlib").Path(p), default=SHARED_DATA)
     ap.add_argument("--per-task", type=int, default=2)
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--ngram-min", type=int, default=2)
     ap.add_argument("--ngram-max", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--pairs", type=int, default=len(PAIRS), help="near-miss pairs through the gateway")
     ap.add_argument("--skip-gateway", action="store_true")
+    ap.add_argument("--plot-only", action="store_true", help="redraw the plot from bench/results/spec.json")
     args = ap.parse_args()
+    if args.plot_only:
+        plot(json.loads((RESULTS / "spec.json").read_text()))
+        return
     import torch
 
     torch.set_num_threads(args.threads)
@@ -264,7 +284,9 @@ def main() -> None:
     result = {
         "command": "python -m bench.spec_decode "
         + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("data", "skip_gateway")
+            f"--{k.replace('_', '-')} {v}"
+            for k, v in vars(args).items()
+            if k not in ("data", "skip_gateway", "plot_only")
         ),
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
@@ -274,10 +296,9 @@ def main() -> None:
         "gateway_near_miss": gateway_rows,
     }
     for task, s in result["summary"].items():
-        say(
-            f"{task}: decode x{s['decode_speedup']} (median {s['median_speedup']}), acc. {s['acceptance']}"
-        )
+        say(f"{task}: decode x{s['decode_speedup']} (median {s['median_speedup']}), acc. {s['acceptance']}")
     save("spec", result)
+    plot(result)
 
 
 if __name__ == "__main__":

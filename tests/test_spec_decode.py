@@ -31,7 +31,7 @@ def prompts(llm: LLM) -> dict[str, list[int]]:
 
 def cases(llm: LLM, prompts: dict[str, list[int]]) -> dict[str, tuple[list[int], SamplingParams]]:
     fox = llm.tokenizer.encode(" fox", add_special_tokens=False)[0]
-    greedy = {"temperature": 0.0, "max_tokens": 32}
+    greedy = {"temperature": 0.0, "max_tokens": 24}
     return {
         "repeat": (prompts["repeat"], SamplingParams(**greedy)),
         "open": (prompts["open"], SamplingParams(**greedy)),
@@ -51,14 +51,14 @@ def text(seq: Sequence) -> str:
 
 
 def run(llm: LLM, batch: dict[str, tuple[list[int], SamplingParams]], preempt: str | None = None) -> dict:
-    """Every case as one batch; the ``preempt`` one is preempted after 10 tokens, as the scheduler
+    """Every case as one batch; the ``preempt`` one is preempted after 8 tokens, as the scheduler
     does when blocks run out. Returns each case's first sequence."""
     engine = llm.engine
     seqs = {k: engine.add_request(f"spec-{k}", p, params) for k, (p, params) in batch.items()}
     while engine.has_unfinished_requests():
         engine.step()
         victim = seqs.get(preempt or "")
-        if victim is not None and victim.num_output_tokens >= 10 and not victim.num_preemptions:
+        if victim is not None and victim.num_output_tokens >= 8 and not victim.num_preemptions:
             engine.scheduler.running.remove(victim)
             engine.scheduler._preempt(victim)
             assert victim.num_computed_tokens == 0 and not victim.block_table
@@ -70,7 +70,7 @@ def outputs(llm: LLM, prompts) -> tuple[dict, dict]:
     batch = cases(llm, prompts)
     expected = run(llm, batch)
     # The gateway's draft: here the very answer plain decoding gave (a near miss's would be close to it).
-    draft = SamplingParams(temperature=0.0, max_tokens=32, draft=text(expected["open"]))
+    draft = SamplingParams(temperature=0.0, max_tokens=24, draft=text(expected["open"]))
     batch["drafted"] = (prompts["open"], draft)
     llm.engine.speculator = SPEC
     try:
@@ -85,15 +85,15 @@ def test_greedy_output_is_plain_decodings_where_drafts_are_accepted_and_where_no
     for k in ("repeat", "open", "preempted"):
         assert got[k].output_token_ids == expected[k].output_token_ids, k
         assert got[k].finish_reason == expected[k].finish_reason
-    assert got["repeat"].spec.accepted >= 16  # the copy is mostly drafted: half of 32 tokens or more
+    assert got["repeat"].spec.accepted >= 12  # the copy is mostly drafted: half of 24 tokens or more
     assert got["open"].spec.accepted <= got["open"].spec.drafted // 2  # few or no drafts hold
-    assert got["preempted"].num_preemptions == 1 and got["preempted"].spec.accepted >= 8
+    assert got["preempted"].num_preemptions == 1 and got["preempted"].spec.accepted >= 6
 
 
 def test_a_request_draft_is_proposed_before_prompt_lookup(outputs) -> None:
     expected, got = outputs
     assert got["drafted"].output_token_ids == expected["open"].output_token_ids
-    assert got["drafted"].spec.accepted >= 24  # nearly every token after the first came from the draft
+    assert got["drafted"].spec.accepted >= 16  # most tokens after the first came from the draft
     assert got["drafted"].spec.accepted > 2 * got["open"].spec.accepted
 
 

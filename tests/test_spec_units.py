@@ -9,7 +9,8 @@ import torch
 from backend.block_manager import BlockManager
 from backend.sampler import sample
 from backend.sampling_params import SamplingParams
-from backend.sequence import Sequence
+from backend.scheduler import Scheduler
+from backend.sequence import Sequence, SequenceStatus
 from backend.spec_verify import _rejection_sample, verify
 from backend.speculative import DraftSource
 
@@ -30,6 +31,11 @@ def test_the_longest_matching_tail_is_tried_first() -> None:
     # The 1-gram "3" last occurred before 9, but the 2-gram "2 3" before 4.
     tokens = [2, 3, 4, 4, 4, 3, 9, 2, 3]
     assert source().propose(tokens, 0, 2) == [4, 4]
+
+
+def test_a_repeating_tail_is_continued_with_its_period() -> None:
+    assert source(k=4).propose([9, 7, 7, 7], 1, 4) == [7, 7, 7, 7]
+    assert source(k=5).propose([5, 1, 2, 1, 2, 1], 1, 5) == [2, 1, 2, 1, 2]
 
 
 def test_the_index_follows_a_growing_sequence() -> None:
@@ -153,3 +159,29 @@ def test_the_engine_metrics_expose_draft_and_accepted_tokens() -> None:
     text = ServerMetrics(lambda: stats).render()[0].decode()
     assert "cachegw:spec_decode_draft_tokens_total 20.0" in text
     assert "cachegw:spec_decode_accepted_tokens_total 9.0" in text
+
+
+def running(bm: BlockManager) -> tuple[Scheduler, Sequence]:
+    """A sequence decoding its 8th token (7 computed, 2 blocks of 4) whose text repeats: it drafts."""
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    s = Sequence("r", [1, 2, 3, 1, 2, 3, 1], SamplingParams(max_tokens=9))
+    bm.allocate(s, [], 7)
+    s.num_computed_tokens = 7
+    s.token_ids.append(2)
+    s.spec = DraftSource(4, 1, 3)
+    s.status = SequenceStatus.RUNNING
+    sched.running.append(s)
+    return sched, s
+
+
+def test_a_decode_takes_its_drafts_when_blocks_allow() -> None:
+    sched, s = running(BlockManager(4, 4))
+    batch = sched.schedule()
+    # "3 1 2" last ended at 5: what followed, then the same period on: 3 1 2 3
+    assert batch.num_tokens == [5] and s.draft == [3, 1, 2, 3] and len(s.block_table) == 3
+
+
+def test_drafts_are_dropped_before_anyone_is_preempted() -> None:
+    sched, s = running(BlockManager(2, 4))  # no block free: the drafts' positions 8-11 do not fit
+    batch = sched.schedule()
+    assert batch.num_tokens == [1] and s.draft == [] and batch.num_preempted == 0
