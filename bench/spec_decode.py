@@ -1,15 +1,17 @@
 """Speculative decoding with n-gram (prompt-lookup) drafts vs plain decoding, batch 1, one engine.
 
 Prompts come from ShareGPT conversations (``../shared/data/sharegpt_dev.jsonl``): input-grounded
-tasks built from first turns that carry a long text (summarize it; rewrite code it contains; quote
-the sentence of a document that answers a question) and open chat (short first turns as asked).
-Each prompt runs plain and with drafts back to back in one process, the order alternating, greedy,
-so the outputs must be identical (checked) and machine load hits both alike: the figures are
-ratios. Then end to end through the gateway: a question stored, a paraphrase its number guard
+tasks built from first turns that carry a long text (summarize it; rewrite the code it contains;
+quote one of its sentences, named by how it begins) and open chat (short first turns as asked).
+Each prompt runs plain and with drafts back to back in one process, ``--repeats`` pairs, the order
+alternating, greedy, so the outputs must be identical (checked); decode times are each mode's
+median, and the figures are ratios of them (the machine's load moves within seconds). Then end
+to end through the gateway: a question stored, a paraphrase its number guard
 refuses (a near miss) asked with the stored answer as the engine's draft, and with
 ``Cache-Control: no-store`` (no lookup, so no draft), alternating; the engine speculates in both.
 
-    .venv/bin/python -m bench.spec_decode [--per-task 2] [--max-tokens 48] [--pairs 3] [--threads 2]
+    .venv/bin/python -m bench.spec_decode [--per-task 2] [--repeats 3] [--max-tokens 48] [--pairs 3]
+        [--threads 2]
 """
 
 from __future__ import annotations
@@ -99,18 +101,26 @@ def engine_part(args: argparse.Namespace) -> list[dict]:
     rows = []
     for i, case in enumerate(cases(str(args.data / "sharegpt_dev.jsonl"), args.per_task)):
         ids = llm.chat_prompt_ids([{"role": "user", "content": case.prompt}])
-        got = {}
-        for mode in ("off", "ngram") if i % 2 == 0 else ("ngram", "off"):
-            engine.speculator = spec if mode == "ngram" else None
-            got[mode] = run_one(engine, f"{mode}-{i}", ids, params)
+        outs: dict[str, list[int]] = {}
+        secs: dict[str, list[float]] = {"off": [], "ngram": []}
+        drafted = accepted = 0
+        identical = True
+        for r in range(args.repeats):  # off/ngram pairs back to back, the order alternating
+            for mode in ("off", "ngram") if (i + r) % 2 == 0 else ("ngram", "off"):
+                engine.speculator = spec if mode == "ngram" else None
+                out, _, dec, d, a = run_one(engine, f"{mode}-{i}-{r}", ids, params)
+                identical &= outs.setdefault(mode, out) == out
+                secs[mode].append(dec)
+                drafted, accepted = (d, a) if mode == "ngram" else (drafted, accepted)
         engine.speculator = None
-        (out_off, _, dec_off, _, _), (out_on, _, dec_on, drafted, accepted) = got["off"], got["ngram"]
+        out_off, out_on = outs["off"], outs["ngram"]
+        dec_off, dec_on = statistics.median(secs["off"]), statistics.median(secs["ngram"])
         n = len(out_off) - 1
         row = {
             "task": case.task,
             "prompt_tokens": len(ids),
             "tokens": len(out_off),
-            "identical": out_off == out_on,
+            "identical": identical and out_off == out_on,
             "decode_s_off": round(dec_off, 3),
             "decode_s_ngram": round(dec_on, 3),
             "tok_s_off": round(n / dec_off, 2) if n > 0 else None,
@@ -263,6 +273,7 @@ def main() -> None:
     ap.add_argument("--data", type=lambda p: __import__("pathlib").Path(p), default=SHARED_DATA)
     ap.add_argument("--per-task", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--repeats", type=int, default=3, help="off/ngram pairs per prompt (medians)")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--ngram-min", type=int, default=2)
     ap.add_argument("--ngram-max", type=int, default=4)
