@@ -62,6 +62,7 @@ class EngineConfig:
     num_speculative_tokens: int
     speculative_ngram_min: int
     speculative_ngram_max: int
+    speculative_max_seqs: int
 
     def __post_init__(self) -> None:
         checks = {
@@ -82,6 +83,7 @@ class EngineConfig:
             "num_speculative_tokens": self.num_speculative_tokens >= 1,
             "speculative_ngram_min": self.speculative_ngram_min >= 1,
             "speculative_ngram_max": self.speculative_ngram_max >= self.speculative_ngram_min,
+            "speculative_max_seqs": self.speculative_max_seqs >= 1,
         }
         bad = [k for k, ok in checks.items() if not ok]
         if bad:

@@ -79,20 +79,19 @@ class LLMEngine:
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.speculative_max_seqs,
+        )
         self.eos_token_ids = self._eos_ids(hf_config, GenerationConfig)
         self.grammars = GrammarCompiler(
             self.tokenizer, self.runner.spec.vocab_size, self.eos_token_ids, config.grammar_cache_size
         )
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.requests: dict[str, SequenceGroup] = {}
-        self.speculator = (
-            Speculator(
-                config.num_speculative_tokens, config.speculative_ngram_min, config.speculative_ngram_max
-            )
-            if config.speculative == "ngram"
-            else None
-        )
+        self.speculator = Speculator.configured(config)
         self.spec_draft_tokens = 0  # draft tokens scored
         self.spec_accepted_tokens = 0  # of those, accepted
         self.prompt_tokens = 0

@@ -36,10 +36,17 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        speculative_max_seqs: int = 1,
+    ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.speculative_max_seqs = speculative_max_seqs  # drafts only while at most this many run
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -92,11 +99,14 @@ class Scheduler:
         picked.sort(key=lambda p: (p[1] != 1, p[0].num_computed_tokens if p[1] == 1 else 0))
         return ScheduledBatch([s for s, _ in picked], [n for _, n in picked], preempted)
 
-    @staticmethod
-    def _draft(seq: Sequence, n: int, budget: int) -> list[int]:
+    def _draft(self, seq: Sequence, n: int, budget: int) -> list[int]:
         """Draft tokens to verify with a decode (``backend/speculative.py``): never more than the
-        step's budget or the request's max_tokens leave room for beside the model's own token."""
+        step's budget or the request's max_tokens leave room for beside the model's own token, and
+        none in a larger batch (it already reads each weight once for many tokens, and a drafted
+        sequence leaves the batched decode attention)."""
         if seq.spec is None or n != 1 or not seq.num_output_tokens:
+            return []
+        if len(self.running) > self.speculative_max_seqs:
             return []
         room = min(budget, seq.params.max_tokens - seq.num_output_tokens) - 1
         return seq.spec.propose(seq.token_ids, seq.num_prompt_tokens, room)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from backend.config import EngineConfig
+
 
 class NgramIndex:
     """Where each n-gram (n_min..n_max tokens) of a growing token list last ended, updated
@@ -85,6 +87,12 @@ class Speculator:
     num_tokens: int
     ngram_min: int
     ngram_max: int
+
+    @classmethod
+    def configured(cls, config: EngineConfig) -> Speculator | None:
+        if config.speculative == "off":
+            return None
+        return cls(config.num_speculative_tokens, config.speculative_ngram_min, config.speculative_ngram_max)
 
     def source(self, draft: list[int] | None = None) -> DraftSource:
         return DraftSource(self.num_tokens, self.ngram_min, self.ngram_max, draft)

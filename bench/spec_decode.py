@@ -135,6 +135,43 @@ def engine_part(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def batch_part(args: argparse.Namespace) -> list[dict]:
+    """Several summaries at once (``--batch-sizes``): does speculation still pay once a batch
+    already reads each weight once for many tokens? Wall time of the whole batch, off vs ngram,
+    the best of ``--repeats`` interleaved pairs, every sequence allowed to speculate."""
+    from backend import LLM, SamplingParams
+    from backend.speculative import Speculator
+
+    llm = LLM(kv_cache_tokens=16384, max_num_seqs=16, enable_prefix_caching=False)
+    engine = llm.engine
+    engine.scheduler.speculative_max_seqs = 64
+    grounded = [c for c in cases(str(args.data / "sharegpt_dev.jsonl"), 8) if c.task == "summarize"]
+    prompts = [llm.chat_prompt_ids([{"role": "user", "content": c.prompt}]) for c in grounded]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    spec = Speculator(args.k, args.ngram_min, args.ngram_max)
+    rows = []
+    for size in args.batch_sizes:
+        secs: dict[bool, list[float]] = {True: [], False: []}
+        for r in range(args.repeats):
+            for on in (False, True) if r % 2 == 0 else (True, False):
+                engine.speculator = spec if on else None
+                t = time.perf_counter()
+                llm.generate(prompts[:size], params)
+                secs[on].append(time.perf_counter() - t)
+        engine.speculator = None
+        off, on_s = min(secs[False]), min(secs[True])
+        rows.append(
+            {
+                "batch": size,
+                "seconds_off": round(off, 3),
+                "seconds_ngram": round(on_s, 3),
+                "speedup": round(off / on_s, 3),
+            }
+        )
+        say(f"batch {size}: x{rows[-1]['speedup']}")
+    return rows
+
+
 PAIRS = [  # stored question, then a paraphrase its number guard refuses: the same answer but one figure
     (
         "Explain in three sentences what a hash table is, for a class of 20 students.",
@@ -280,6 +317,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--pairs", type=int, default=len(PAIRS), help="near-miss pairs through the gateway")
     ap.add_argument("--skip-gateway", action="store_true")
+    ap.add_argument(
+        "--batch-sizes",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=[],
+        help="only: summaries in batches of these sizes (e.g. 1,2,4,8), saved to spec_batches.json",
+    )
     ap.add_argument("--plot-only", action="store_true", help="redraw the plot from bench/results/spec.json")
     args = ap.parse_args()
     if args.plot_only:
@@ -290,6 +333,17 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     start = time.perf_counter()
+    if args.batch_sizes:
+        rows = batch_part(args)
+        save("spec_batches", {
+            "command": f"python -m bench.spec_decode --batch-sizes {','.join(map(str, args.batch_sizes))} "
+            f"--repeats {args.repeats} --max-tokens {args.max_tokens}",
+            "load_average_before": [round(x, 2) for x in load_before],
+            "load_average_after": [round(x, 2) for x in os.getloadavg()],
+            "seconds": round(time.perf_counter() - start, 1),
+            "batches": rows,
+        })  # fmt: skip
+        return
     rows = engine_part(args)
     gateway_rows = [] if args.skip_gateway else gateway_part(args)
     result = {
@@ -297,7 +351,7 @@ def main() -> None:
         + " ".join(
             f"--{k.replace('_', '-')} {v}"
             for k, v in vars(args).items()
-            if k not in ("data", "skip_gateway", "plot_only")
+            if k not in ("data", "skip_gateway", "plot_only", "batch_sizes")
         ),
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],

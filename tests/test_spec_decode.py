@@ -73,10 +73,12 @@ def outputs(llm: LLM, prompts) -> tuple[dict, dict]:
     draft = SamplingParams(temperature=0.0, max_tokens=24, draft=text(expected["open"]))
     batch["drafted"] = (prompts["open"], draft)
     llm.engine.speculator = SPEC
+    llm.engine.scheduler.speculative_max_seqs = len(batch) + 1  # the whole batch speculates
     try:
         got = run(llm, batch, preempt="preempted")
     finally:
         llm.engine.speculator = None
+        llm.engine.scheduler.speculative_max_seqs = 1
     return expected, got
 
 

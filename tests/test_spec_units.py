@@ -163,7 +163,7 @@ def test_the_engine_metrics_expose_draft_and_accepted_tokens() -> None:
 
 def running(bm: BlockManager) -> tuple[Scheduler, Sequence]:
     """A sequence decoding its 8th token (7 computed, 2 blocks of 4) whose text repeats: it drafts."""
-    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, speculative_max_seqs=1)
     s = Sequence("r", [1, 2, 3, 1, 2, 3, 1], SamplingParams(max_tokens=9))
     bm.allocate(s, [], 7)
     s.num_computed_tokens = 7
@@ -185,3 +185,14 @@ def test_drafts_are_dropped_before_anyone_is_preempted() -> None:
     sched, s = running(BlockManager(2, 4))  # no block free: the drafts' positions 8-11 do not fit
     batch = sched.schedule()
     assert batch.num_tokens == [1] and s.draft == [] and batch.num_preempted == 0
+
+
+def test_a_larger_batch_decodes_without_drafts() -> None:
+    bm = BlockManager(8, 4)
+    sched, s = running(bm)
+    other = Sequence("o", [7, 8, 9], SamplingParams(max_tokens=9))
+    bm.allocate(other, [], 3)
+    other.status = SequenceStatus.RUNNING
+    sched.running.append(other)  # two running, speculative_max_seqs 1
+    batch = sched.schedule()
+    assert batch.num_tokens == [1, 3] and s.draft == []
