@@ -263,6 +263,18 @@ class BlockManager:
             if block.hash is None:
                 self.free.move_to_end(block_id, last=False)
 
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks past the seq's tokens: those only rejected draft tokens used. They
+        were never hashed (only blocks of computed, accepted tokens are), so they join the front."""
+        keep = cdiv(seq.num_tokens, self.block_size)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                assert block.hash is None, "a block of draft tokens was hashed"
+                self.free[block.block_id] = None
+                self.free.move_to_end(block.block_id, last=False)
+
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Make every full block whose K/V are all computed findable, generated tokens included."""
         if not self.enable_prefix_caching:

@@ -63,6 +63,11 @@ class EngineConfig:
     kv_offload_bytes: int
     kv_offload_dir: str
     kv_offload_disk_bytes: int
+    speculative: str
+    num_speculative_tokens: int
+    speculative_ngram_min: int
+    speculative_ngram_max: int
+    speculative_max_seqs: int
 
     def __post_init__(self) -> None:
         checks = {
@@ -83,6 +88,11 @@ class EngineConfig:
             "streaming_max_len": self.streaming_max_len > 0,
             "kv_offload_bytes": self.kv_offload_bytes >= 0,
             "kv_offload_disk_bytes": self.kv_offload_disk_bytes >= 0,
+            "speculative": self.speculative in ("off", "ngram"),
+            "num_speculative_tokens": self.num_speculative_tokens >= 1,
+            "speculative_ngram_min": self.speculative_ngram_min >= 1,
+            "speculative_ngram_max": self.speculative_ngram_max >= self.speculative_ngram_min,
+            "speculative_max_seqs": self.speculative_max_seqs >= 1,
         }
         bad = [k for k, ok in checks.items() if not ok]
         if bad:

@@ -26,6 +26,8 @@ from backend.sampler import sample
 from backend.sampling_params import InvalidParameter, SamplingParams
 from backend.scheduler import Scheduler
 from backend.sequence import Sequence, SequenceGroup
+from backend.spec_verify import verify
+from backend.speculative import DraftSource, Speculator
 from backend.structured import GrammarCompiler
 
 log = logging.getLogger("cachegw.backend")
@@ -48,6 +50,8 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int
     generation_tokens: int
+    spec_decode_draft_tokens: int
+    spec_decode_accepted_tokens: int
     prefix_cache_hits_by_tier: dict[str, int] = field(default_factory=dict)  # tokens: pool, ram, disk
     kv_tier: TierStats = field(default_factory=lambda: TierStats({}, {}, {}, {}))
 
@@ -87,13 +91,21 @@ class LLMEngine:
             sinks=self.runner.sinks,
             tier=self.kv_tier,
         )
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            speculative_max_seqs=config.speculative_max_seqs,
+        )
         self.eos_token_ids = self._eos_ids(hf_config, GenerationConfig)
         self.grammars = GrammarCompiler(
             self.tokenizer, self.runner.spec.vocab_size, self.eos_token_ids, config.grammar_cache_size
         )
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.requests: dict[str, SequenceGroup] = {}
+        self.speculator = Speculator.configured(config)
+        self.spec_draft_tokens = 0  # draft tokens scored
+        self.spec_accepted_tokens = 0  # of those, accepted
         self.prompt_tokens = 0
         self.generation_tokens = 0
         log.info(
@@ -186,12 +198,21 @@ class LLMEngine:
         )
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
         seq.grammar = grammar
+        seq.spec = self._draft_source(params)
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         self.requests[request_id] = SequenceGroup(seq)
         self.scheduler.add(seq)
         self.block_manager.prefetch(seq)
         return seq
+
+    def _draft_source(self, params: SamplingParams) -> DraftSource | None:
+        """Speculative decoding's proposer for a new sequence; none with a grammar (its matcher
+        cannot take back a rejected token), so structured output and tool calls decode plainly."""
+        if self.speculator is None or params.structured is not None:
+            return None
+        draft = self.tokenize(params.draft) if params.draft and self.tokenizer is not None else None
+        return self.speculator.source(draft)
 
     def _check_samples(self, params: SamplingParams, vocab: int) -> None:
         """The limits only the engine knows: [engine] max_n, and the vocabulary for logit_bias."""
@@ -218,6 +239,7 @@ class LLMEngine:
             child = parent.fork(i)
             child.detokenizer = IncrementalDetokenizer(self.tokenizer, p.stop, p.skip_special_tokens)
             child.grammar = parent.grammar.copy() if parent.grammar is not None else None
+            child.spec = self._draft_source(p)
             if p.seed is not None:
                 child.generator = torch.Generator(device=self.device).manual_seed(p.seed + i)
             if self.scheduler.has_room() and self.block_manager.can_fork(parent):
@@ -255,6 +277,7 @@ class LLMEngine:
         for i, (first, hidden) in step.prompt_hidden.items():
             record_prompt_logprobs(batch.seqs[i], first, hidden, self.runner.logits)
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
+            n -= len(seq.draft)  # draft tokens count as computed only once accepted
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
             seq.num_computed_tokens += n
@@ -263,16 +286,23 @@ class LLMEngine:
         now = time.time()
         touched: dict[str, SequenceGroup] = {}
         rows, sampled = [], []
-        for row, i in enumerate(step.rows):
-            seq = batch.seqs[i]
+        row = 0
+        while row < len(step.rows):
+            seq = batch.seqs[step.rows[row]]
             group = touched[seq.request_id] = self.requests[seq.request_id]
+            if seq.draft:
+                span = 1 + len(seq.draft)
+                self._verify(seq, step.logits[row : row + span], now)
+                row += span
+                continue
             if seq.params.max_tokens == 0:  # echo scoring: the prompt alone
                 seq.finish_reason = "length"
                 self._finish(seq, group, now)
-                continue
-            siblings = [seq] if group.forked else self._fork(group, seq)
-            rows += [row] * len(siblings)
-            sampled += siblings
+            else:
+                siblings = [seq] if group.forked else self._fork(group, seq)
+                rows += [row] * len(siblings)
+                sampled += siblings
+            row += 1
         if sampled:
             self._sample(
                 step.logits[rows] if rows != list(range(len(step.rows))) else step.logits, sampled, now
@@ -282,20 +312,50 @@ class LLMEngine:
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], now: float) -> None:
         result = sample(logits, seqs, self.generator)
         for seq, token, logprob in zip(seqs, result.token_ids, result.logprobs, strict=True):
-            seq.token_ids.append(token)
-            self.generation_tokens += 1
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            if logprob is not None:
-                seq.cumulative_logprob += logprob["logprob"]
-                if seq.params.logprobs is not None:
-                    seq.logprobs.append(logprob)
-            self._check_stop(seq, token)
-            if seq.finish_reason is not None:
+            if self._append(seq, token, logprob, now):
                 self._finish(seq, self.requests[seq.request_id], now)
+
+    def _verify(self, seq: Sequence, logits: torch.Tensor, now: float) -> None:
+        """Keep the draft tokens the model agrees with and its own next token (``spec_verify``);
+        the rejected ones' KV slots are overwritten later, and blocks beyond the kept tokens go back."""
+        draft, seq.draft = seq.draft, []
+        result = verify(logits, seq, draft, self.generator)
+        self.spec_draft_tokens += len(draft)
+        self.spec_accepted_tokens += result.accepted
+        seq.spec.record(len(draft), result.accepted)  # type: ignore[union-attr]  # drafts come from it
+        kept = 0
+        for token, logprob in zip(result.token_ids, result.logprobs, strict=True):
+            kept += 1
+            if self._append(seq, token, logprob, now):
+                break
+        seq.num_computed_tokens += min(kept, result.accepted)
+        self.block_manager.cache_computed_blocks(seq)
+        if seq.finish_reason is not None:
+            self._finish(seq, self.requests[seq.request_id], now)
+        else:
+            self.block_manager.trim(seq)
+
+    def _append(self, seq: Sequence, token: int, logprob: dict | None, now: float) -> bool:
+        """Add one generated token; True when it ends the sequence."""
+        seq.token_ids.append(token)
+        self.generation_tokens += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        if logprob is not None:
+            seq.cumulative_logprob += logprob["logprob"]
+            if seq.params.logprobs is not None:
+                seq.logprobs.append(logprob)
+        self._check_stop(seq, token)
+        return seq.finish_reason is not None
 
     def _finish(self, seq: Sequence, group: SequenceGroup, now: float) -> None:
         seq.finish_time = now
+        if seq.spec is not None and seq.spec.drafted:
+            log.info(
+                "%s: %d of %d draft tokens accepted (%.0f%%), %d tokens generated",
+                seq.request_id, seq.spec.accepted, seq.spec.drafted,
+                100 * seq.spec.accepted / seq.spec.drafted, seq.num_output_tokens,
+            )  # fmt: skip
         seq.detokenizer.flush()
         self.scheduler.finish(seq)
         if group.finished:
@@ -379,4 +439,6 @@ class LLMEngine:
             generation_tokens=self.generation_tokens,
             prefix_cache_hits_by_tier=dict(bm.hits_by_tier),
             kv_tier=self._tier_stats(),
+            spec_decode_draft_tokens=self.spec_draft_tokens,
+            spec_decode_accepted_tokens=self.spec_accepted_tokens,
         )

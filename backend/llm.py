@@ -47,6 +47,8 @@ class LLM:
         kv_offload_bytes: int | None = None,
         kv_offload_dir: str | None = None,
         kv_offload_disk_bytes: int | None = None,
+        speculative: str | None = None,
+        num_speculative_tokens: int | None = None,
         config_path: str | None = None,
     ) -> None:
         overrides: dict[str, Any] = dict(
@@ -70,6 +72,8 @@ class LLM:
             kv_offload_bytes=kv_offload_bytes,
             kv_offload_dir=kv_offload_dir,
             kv_offload_disk_bytes=kv_offload_disk_bytes,
+            speculative=speculative,
+            num_speculative_tokens=num_speculative_tokens,
         )
         self.engine = LLMEngine(load_engine_config(config_path, **overrides))
 

@@ -28,6 +28,12 @@ _COUNTERS = (
     ("num_preemptions", "Sequences preempted for lack of KV blocks.", "num_preemptions"),
     ("prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).", "prompt_tokens"),
     ("generation_tokens", "Tokens generated.", "generation_tokens"),
+    ("spec_decode_draft_tokens", "Draft tokens verified (speculative decoding).", "spec_decode_draft_tokens"),
+    (
+        "spec_decode_accepted_tokens",
+        "Draft tokens accepted (speculative decoding).",
+        "spec_decode_accepted_tokens",
+    ),
 )
 _GAUGES = (
     ("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", "kv_cache_usage"),

@@ -30,7 +30,7 @@ class StepInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     sample_indices: torch.Tensor  # rows of the flat batch whose logits are sampled
-    sample_seq_indices: list[int]  # which batch entries those rows belong to
+    sample_seq_indices: list[int]  # which batch entries those rows belong to (1 + its drafts each)
     # batch entry -> (flat rows, first position): prompt positions whose logits score the next prompt token
     prompt_rows: dict[int, tuple[torch.Tensor, int]]
 
@@ -38,7 +38,7 @@ class StepInputs:
 @dataclass
 class StepOutput:
     logits: torch.Tensor  # float32 [rows, vocab] of the sampled positions
-    rows: list[int]  # the batch entries they belong to
+    rows: list[int]  # the batch entries they belong to (consecutive rows for a sequence's drafts)
     # batch entry -> (first position, hidden states of its prompt positions): see ModelRunner.logits
     prompt_hidden: dict[int, tuple[int, torch.Tensor]]
 
@@ -184,11 +184,12 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         starts, seq_lens, query_lens = [0], [], []
-        sample_rows, sample_seqs = [], []
+        sample_rows: list[int] = []
+        sample_seqs: list[int] = []
         prompt_rows: dict[int, tuple[list[int], int]] = {}
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens, strict=True)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            ids.extend(seq.token_ids[start:end])
+            ids.extend((seq.token_ids + seq.draft if seq.draft else seq.token_ids)[start:end])
             positions.extend(range(start, end))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
@@ -198,9 +199,9 @@ class ModelRunner:
             scored_end = min(end, seq.num_prompt_tokens - 1)
             if seq.needs_prompt_logprobs and scored_end > start:
                 prompt_rows[i] = (list(range(starts[-1] - n, starts[-1] - n + scored_end - start)), start)
-            if end == seq.num_tokens:
-                sample_rows.append(starts[-1] - 1)
-                sample_seqs.append(i)
+            if end == seq.num_tokens + len(seq.draft):  # the last token, and each draft token
+                sample_rows.extend(range(starts[-1] - 1 - len(seq.draft), starts[-1]))
+                sample_seqs.extend([i] * (1 + len(seq.draft)))
         width = max(len(s.block_table) for s in batch.seqs)
         # Entries of blocks freed before a sliding window (FREED, never read) point at block 0.
         tables = [

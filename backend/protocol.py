@@ -43,6 +43,7 @@ def sampling_params(req: GenerationRequest, max_tokens: int, logprobs: int | Non
         prompt_logprobs=logprobs if echo else None,
         structured=structured_output(req.response_format),
         priority=req.priority or 0,
+        draft=req.cachegw_draft,
     )
 
 

@@ -11,10 +11,13 @@ penalties, temperature and the grammar's mask), as OpenAI reports them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
+from backend.sampling_params import SamplingParams
 from backend.sequence import Sequence
 from backend.structured import apply_grammar_masks
 
@@ -40,8 +43,21 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+class Generated(Protocol):
+    """What the penalties read of a sequence (``Sequence``, or a view of it with draft tokens added)."""
+
+    @property
+    def params(self) -> SamplingParams: ...
+
+    @property
+    def output_token_ids(self) -> list[int]: ...
+
+    @property
+    def num_output_tokens(self) -> int: ...
+
+
 @torch.inference_mode()
-def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+def apply_penalties(logits: torch.Tensor, seqs: Seq[Generated]) -> None:
     """OpenAI's penalties and logit_bias, in place, on the rows that ask for them:
     ``logit[j] -= count[j] * frequency_penalty + (count[j] > 0) * presence_penalty`` over the
     tokens this sample generated so far, then ``logit[j] += logit_bias[j]``."""
@@ -75,16 +91,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if random_rows:
-        rows = torch.tensor(random_rows, device=logits.device)
-        sub = (
-            logits[rows]
-            / torch.tensor([seqs[i].params.temperature for i in random_rows], device=logits.device)[:, None]
-        )
-        top_k = torch.tensor([seqs[i].params.top_k for i in random_rows], device=logits.device)
-        top_p = torch.tensor([seqs[i].params.top_p for i in random_rows], device=logits.device)
-        if bool((top_k > 0).any()) or bool((top_p < 1).any()):
-            sub = _filter_top_k_top_p(sub, top_k, top_p)
-        probs = sub.softmax(dim=-1)
+        probs = probabilities(logits[random_rows], [seqs[i].params for i in random_rows])
         for j, i in enumerate(random_rows):
             gen = seqs[i].generator or default_generator
             tokens[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
@@ -92,10 +99,25 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.
     logprobs: list[dict | None] = [None] * len(seqs)
     if lp is not None:
         for j, i in enumerate(want):
-            k = seqs[i].params.logprobs or 0
-            entry: dict = {"token_id": token_list[i], "logprob": float(lp[j, token_list[i]]), "top": []}
-            if k:
-                values, ids = lp[j].topk(k)
-                entry["top"] = list(zip(ids.tolist(), values.tolist(), strict=True))
-            logprobs[i] = entry
+            logprobs[i] = logprob_entry(lp[j], token_list[i], seqs[i].params.logprobs or 0)
     return SampleResult(token_list, logprobs)
+
+
+def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each (non-greedy) row draws from: temperature, then top-k and top-p."""
+    dev = logits.device
+    sub = logits / torch.tensor([p.temperature for p in params], device=dev)[:, None]
+    top_k = torch.tensor([p.top_k for p in params], device=dev)
+    top_p = torch.tensor([p.top_p for p in params], device=dev)
+    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+        sub = _filter_top_k_top_p(sub, top_k, top_p)
+    return sub.softmax(dim=-1)
+
+
+def logprob_entry(lp: torch.Tensor, token: int, k: int) -> dict:
+    """The chosen token's logprob and the ``k`` most likely, from one row of log-softmaxed logits."""
+    entry: dict = {"token_id": token, "logprob": float(lp[token]), "top": []}
+    if k:
+        values, ids = lp.topk(k)
+        entry["top"] = list(zip(ids.tolist(), values.tolist(), strict=True))
+    return entry

@@ -77,6 +77,9 @@ class SamplingParams:
     # Scheduling, not sampling (vLLM's `priority`): lower is scheduled first, 0 the default. Carried
     # here because these are the request's parameters every sample (Sequence) holds.
     priority: int = 0
+    # A guess at the output (``cachegw_draft``): speculative decoding's first proposal source. It
+    # can only make decoding faster or slower, never change what is generated.
+    draft: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -98,6 +101,7 @@ class SamplingParams:
                 isinstance(self.top_k, int) and -1 <= self.top_k <= MAX_TOP_K,
                 f"must be -1 (off) or between 0 and {MAX_TOP_K}",
             ),
+            ("draft", self.draft is None or isinstance(self.draft, str), "must be a string"),
             ("seed", self.seed is None or isinstance(self.seed, int), "must be an integer"),
             (
                 "stop",

@@ -1,11 +1,12 @@
 """Continuous batching: which sequences run in the next step, and how many tokens each.
 
-Every step has a token budget (``max_num_batched_tokens``). Running sequences go first: a decode
-takes one token, an unfinished prompt takes the next chunk. When blocks run out, the running
-sequence that is last in the order below is preempted (its blocks freed, to be recomputed later,
-likely from the prefix cache) until the earlier one fits. Waiting sequences then join in that order
-while budget, ``max_num_seqs`` and blocks allow. A sequence is always in exactly one of ``waiting``
-or ``running`` until it finishes, so none is lost or run twice.
+Every step has a token budget (``max_num_batched_tokens``). Running sequences go first: a
+decode takes one token (plus its draft tokens with speculative decoding), an unfinished prompt
+takes the next chunk. When blocks run out, drafts are dropped first, then the running sequence
+that is last in the order below is preempted (its blocks freed, to be recomputed later, likely
+from the prefix cache) until the earlier one fits. Waiting sequences then join in that order
+while budget, ``max_num_seqs`` and blocks allow. A sequence is always in exactly one of
+``waiting`` or ``running`` until it finishes, so none is lost or run twice.
 
 The order: vLLM's ``priority`` (lower first, 0 by default; the gateway's audits ask for a higher
 value), aged by arrival: ``priority * aging + arrival``, so each ``aging`` seconds of waiting is worth
@@ -54,11 +55,13 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         priority_aging_s: float = PRIORITY_AGING_S,
+        speculative_max_seqs: int = 1,
     ) -> None:
         self.block_manager = block_manager
         self.priority_aging_s = priority_aging_s
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.speculative_max_seqs = speculative_max_seqs  # drafts only while at most this many run
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -90,13 +93,19 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.block_manager.can_append(seq, n):
+            draft = self._draft(seq, n, budget)
+            while not self.block_manager.can_append(seq, n + len(draft)):
+                if draft:  # drafts are a guess: drop them before preempting anyone
+                    draft = []
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted += 1
                 if victim is seq:
                     break
             else:
+                seq.draft = draft
+                n += len(draft)
                 self.block_manager.append_slots(seq, n)
                 picked.append((seq, n))
                 budget -= n
@@ -109,6 +118,18 @@ class Scheduler:
         # to its longest context, so neighbours of similar length waste the least.
         picked.sort(key=lambda p: (p[1] != 1, p[0].num_computed_tokens if p[1] == 1 else 0))
         return ScheduledBatch([s for s, _ in picked], [n for _, n in picked], preempted)
+
+    def _draft(self, seq: Sequence, n: int, budget: int) -> list[int]:
+        """Draft tokens to verify with a decode (``backend/speculative.py``): never more than the
+        step's budget or the request's max_tokens leave room for beside the model's own token, and
+        none in a larger batch (it already reads each weight once for many tokens, and a drafted
+        sequence leaves the batched decode attention)."""
+        if seq.spec is None or n != 1 or not seq.num_output_tokens:
+            return []
+        if len(self.running) > self.speculative_max_seqs:
+            return []
+        room = min(budget, seq.params.max_tokens - seq.num_output_tokens) - 1
+        return seq.spec.propose(seq.token_ids, seq.num_prompt_tokens, room)
 
     def _admit_waiting(self, picked: list[tuple[Sequence, int]], budget: int) -> None:
         bm = self.block_manager
@@ -130,6 +151,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free_blocks(seq)
+        seq.draft = []
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

@@ -8,6 +8,7 @@ from enum import Enum, auto
 import torch
 
 from backend.sampling_params import SamplingParams
+from backend.speculative import DraftSource
 from backend.structured import Grammar
 
 
@@ -62,6 +63,8 @@ class Sequence:
         self.finish_time: float | None = None
         self.generator: torch.Generator | None = None
         self.grammar: Grammar | None = None  # response_format's matcher, advanced by each output token
+        self.spec: DraftSource | None = None  # proposes draft tokens when speculative decoding is on
+        self.draft: list[int] = []  # this step's draft tokens, scored after the last token
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -42,6 +42,7 @@ _NOT_OUTPUT = frozenset(
         "max_completion_tokens",
         "service_tier",
         "priority",
+        "cachegw_draft",  # a speculative-decoding hint: the answer is the same with or without it
     }
 )
 

@@ -53,4 +53,7 @@ class Lookup:
     reason: str = "no-candidate"
     score: float | None = None
     near: CacheEntry | None = None
+    # the nearest candidate over the threshold that was refused, for whatever reason: its answer is
+    # the backend's speculative-decoding draft (``gateway/drafts.py``)
+    refused: CacheEntry | None = None
     scope_line: ScopeLine | None = None

@@ -92,6 +92,7 @@ class SemanticTier:
             if entry is None or entry.scope != keys.scope:
                 refused.append("not-servable")
                 continue
+            result.refused = result.refused or entry
             why_not = unservable(entry, keys.max_tokens, now, fresh)
             if why_not is not None:
                 refused.append(why_not)

@@ -40,6 +40,7 @@ class BackendSpec(_Strict):
     api_key: SecretStr | None = None
     api_key_env: str | None = None
     headers: dict[str, SecretStr] = Field(default_factory=dict)
+    drafts: bool = False  # it takes `cachegw_draft` (a cachegw engine): a refused near miss's answer
     _key: str = PrivateAttr("")
 
     @field_validator("url")

@@ -24,6 +24,7 @@ from gateway.cache import ResponseCache
 from gateway.cache_keys import request_keys
 from gateway.cache_result import CacheResult
 from gateway.config import Settings
+from gateway.drafts import draft_for
 from gateway.entry_ids import EntryIds
 from gateway.feedback import BadHitReports
 from gateway.flow import Flow
@@ -184,7 +185,7 @@ class Gateway:
         record = flow.record
         try:
             status, data, record.backend_ms, record.backend = await self.backends.post_json(
-                urls, path, body, flow.cache_salt
+                urls, path, body, flow.cache_salt, draft_for(flow.lookup)
             )
         except ApiError as exc:  # down, timed out, garbled: the log must show it too
             await self._record_failure(flow, exc, start)
@@ -208,7 +209,9 @@ class Gateway:
         start = time.perf_counter()
         record = flow.record
         try:
-            record.backend, response = await self.backends.open_stream(urls, path, upstream, flow.cache_salt)
+            record.backend, response = await self.backends.open_stream(
+                urls, path, upstream, flow.cache_salt, draft_for(flow.lookup)
+            )
         except ApiError as exc:
             await self._record_failure(flow, exc, start)
             raise

@@ -67,6 +67,7 @@ class Backends:
         specs = [b if isinstance(b, BackendSpec) else BackendSpec(url=b) for b in backends]
         self.urls = [s.url for s in specs]
         self._headers = {s.url: s.upstream_headers() for s in specs}
+        self.takes_drafts = {s.url for s in specs if s.drafts}
         timeout = httpx.Timeout(read_timeout, connect=connect_timeout)
         limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
         self.client = httpx.AsyncClient(timeout=timeout, limits=limits)
@@ -172,15 +173,30 @@ class Backends:
         refusing = set(self.refusing())
         return sorted(self.router.order(up, endpoint, body), key=lambda u: u in refusing)  # stable sort
 
+    def _drafted(self, url: str, body: dict[str, Any], draft: str | None) -> dict[str, Any]:
+        """The body with ``cachegw_draft`` for a backend that takes drafts (the gateway's draft over
+        the client's own); without it for any other, which may not know the field."""
+        if url in self.takes_drafts:
+            return {**body, "cachegw_draft": draft} if draft else body
+        return {k: v for k, v in body.items() if k != "cachegw_draft"} if "cachegw_draft" in body else body
+
     async def _send(
-        self, urls: list[str], path: str, body: dict[str, Any], cache_salt: str | None = None
+        self,
+        urls: list[str],
+        path: str,
+        body: dict[str, Any],
+        cache_salt: str | None = None,
+        draft: str | None = None,
     ) -> tuple[str, httpx.Response]:
         """POST to the first backend that takes the connection; (its url, the response, body unread).
 
         ``cache_salt`` replaces the body's own for backends that take it; one that answers a 400
-        naming ``cache_salt`` is remembered and sent the client's body as it came from then on."""
+        naming ``cache_salt`` is remembered and sent the client's body as it came from then on.
+        ``draft`` goes to the backends that take drafts (``_drafted``)."""
         last: Exception | None = None
+        original = body
         for url in urls:
+            body = self._drafted(url, original, draft)
             salted = cache_salt is not None and url not in self.no_salt
             gone = self.gone(url)
             try:
@@ -212,11 +228,16 @@ class Backends:
         return await self.client.send(request, stream=True)
 
     async def post_json(
-        self, urls: list[str], path: str, body: dict[str, Any], cache_salt: str | None = None
+        self,
+        urls: list[str],
+        path: str,
+        body: dict[str, Any],
+        cache_salt: str | None = None,
+        draft: str | None = None,
     ) -> tuple[int, dict[str, Any], float, str]:
         """(status, JSON body, ms, the backend that answered)."""
         start = time.perf_counter()
-        url, r = await self._send(urls, path, body, cache_salt)
+        url, r = await self._send(urls, path, body, cache_salt, draft)
         try:
             await unless_gone(self.gone(url), r.aread())
         except MarkedDown:
@@ -237,7 +258,12 @@ class Backends:
         return r.status_code, data, (time.perf_counter() - start) * 1e3, url
 
     async def open_stream(
-        self, urls: list[str], path: str, body: dict[str, Any], cache_salt: str | None = None
+        self,
+        urls: list[str],
+        path: str,
+        body: dict[str, Any],
+        cache_salt: str | None = None,
+        draft: str | None = None,
     ) -> tuple[str, httpx.Response]:
         """Send the request and return the backend that took it and its response, body not yet read."""
-        return await self._send(urls, path, body, cache_salt)
+        return await self._send(urls, path, body, cache_salt, draft)

@@ -81,7 +81,7 @@ async def started_gateway(
     if not specs:
         builtin = BuiltinBackend("127.0.0.1", settings.gateway.builtin_backend_port, settings.config_path)
         await builtin.start()
-        specs = [builtin.url]
+        specs = [BackendSpec(url=builtin.url, drafts=True)]
     g = settings.gateway
     retry_after = max(1, math.ceil(g.probe_interval_s))  # a down backend is re-checked that soon
     backends = Backends(specs, g.connect_timeout_s, g.backend_timeout_s, g.routing, retry_after)

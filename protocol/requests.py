@@ -123,6 +123,9 @@ class GenerationRequest(_Model):
     ignore_eos: bool | None = False  # extension
     cache_salt: str | None = None  # extension (vLLM's name): isolates this tenant's prefix cache
     priority: int | None = None  # extension (vLLM's): lower is scheduled first; 0 the default
+    # extension: a guess at the answer, the built-in engine's first source of speculative-decoding
+    # drafts; it can make decoding faster or slower, never change the answer
+    cachegw_draft: str | None = None
     user: str | None = None
     response_format: ResponseFormat | None = None  # OpenAI's on chat; vLLM's extension on completions
 
