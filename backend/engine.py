@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
@@ -19,7 +19,7 @@ from backend.detokenizer import IncrementalDetokenizer
 from backend.kv_tier import TierStats, offload_for
 from backend.model_loader import gguf_source, resolve_model_dir
 from backend.model_runner import ModelRunner
-from backend.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from backend.outputs import EngineStats, RequestOutput, request_output
 from backend.platform import resolve_device, resolve_dtype
 from backend.prompt_logprobs import record as record_prompt_logprobs
 from backend.sampler import sample
@@ -37,23 +37,6 @@ class ContextLengthExceeded(InvalidParameter):
     """The prompt (plus max_tokens) does not fit the model's context or the KV cache."""
 
     code = "context_length_exceeded"
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_blocks: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    prompt_tokens: int
-    generation_tokens: int
-    spec_decode_draft_tokens: int
-    spec_decode_accepted_tokens: int
-    prefix_cache_hits_by_tier: dict[str, int] = field(default_factory=dict)  # tokens: pool, ram, disk
-    kv_tier: TierStats = field(default_factory=lambda: TierStats({}, {}, {}, {}))
 
 
 class LLMEngine:
@@ -307,7 +290,7 @@ class LLMEngine:
             self._sample(
                 step.logits[rows] if rows != list(range(len(step.rows))) else step.logits, sampled, now
             )
-        return [self.make_output(g) for g in touched.values()]
+        return [request_output(g) for g in touched.values()]
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], now: float) -> None:
         result = sample(logits, seqs, self.generator)
@@ -375,44 +358,6 @@ class LLMEngine:
             seq.finish_reason, seq.stop_reason = "stop", stop
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
-
-    def make_output(self, group: SequenceGroup) -> RequestOutput:
-        """The request's state: one completion per returned sample, indexed as OpenAI does."""
-        seq, finished = group.first, group.finished
-        shown = group.returned()
-        if seq.params.max_tokens == 0:  # nothing was sampled, so nothing forked: n equal answers
-            shown = [seq] * seq.params.n
-        completions = [
-            CompletionOutput(
-                index=k,
-                text=s.detokenizer.visible_text(s.finish_reason is not None),
-                token_ids=s.output_token_ids,
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
-                logprobs=list(s.logprobs) if s.params.logprobs is not None else None,
-                cumulative_logprob=s.cumulative_logprob,
-            )
-            for k, s in enumerate(shown)
-        ]
-        finish_times = [s.finish_time for s in group.seqs if s.finish_time is not None]
-        metrics = RequestMetrics(
-            seq.arrival_time,
-            seq.first_scheduled_time,
-            seq.first_token_time,
-            max(finish_times) if finished and finish_times else None,
-            sum(s.num_preemptions for s in group.seqs),
-        )
-        return RequestOutput(
-            seq.request_id,
-            seq.prompt,
-            seq.token_ids[: seq.num_prompt_tokens],
-            max(seq.num_cached_tokens, 0),
-            completions,
-            finished,
-            metrics,
-            prompt_logprobs=list(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None,
-            num_generated_tokens=sum(s.num_output_tokens for s in group.seqs),
-        )
 
     def _tier_stats(self) -> TierStats:
         """Blocks and bytes per tier: the pool's findable (hashed) blocks, then the offload tiers'."""

@@ -13,8 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from backend.engine import EngineStats
-from backend.outputs import RequestOutput
+from backend.outputs import EngineStats, RequestOutput
 
 PREFIX = "cachegw:"
 

@@ -1,8 +1,15 @@
-"""What the engine returns for a request: the vLLM-shaped RequestOutput."""
+"""What the engine hands out: a request's state (the vLLM-shaped RequestOutput, built from its
+samples by ``request_output``) and a snapshot of the engine's counters (``EngineStats``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from backend.kv_tier import TierStats
+
+if TYPE_CHECKING:
+    from backend.sequence import SequenceGroup
 
 
 @dataclass
@@ -41,3 +48,59 @@ class RequestOutput:
     # Per prompt token (the first is None), when the request asked for prompt logprobs.
     prompt_logprobs: list[dict | None] | None = None
     num_generated_tokens: int = 0  # every sample's tokens, best_of's discarded ones included
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+    spec_decode_draft_tokens: int
+    spec_decode_accepted_tokens: int
+    prefix_cache_hits_by_tier: dict[str, int] = field(default_factory=dict)  # tokens: pool, ram, disk
+    kv_tier: TierStats = field(default_factory=lambda: TierStats({}, {}, {}, {}))
+
+
+def request_output(group: SequenceGroup) -> RequestOutput:
+    """The request's state: one completion per returned sample, indexed as OpenAI does."""
+    seq, finished = group.first, group.finished
+    shown = group.returned()
+    if seq.params.max_tokens == 0:  # nothing was sampled, so nothing forked: n equal answers
+        shown = [seq] * seq.params.n
+    completions = [
+        CompletionOutput(
+            index=k,
+            text=s.detokenizer.visible_text(s.finish_reason is not None),
+            token_ids=s.output_token_ids,
+            finish_reason=s.finish_reason,
+            stop_reason=s.stop_reason,
+            logprobs=list(s.logprobs) if s.params.logprobs is not None else None,
+            cumulative_logprob=s.cumulative_logprob,
+        )
+        for k, s in enumerate(shown)
+    ]
+    finish_times = [s.finish_time for s in group.seqs if s.finish_time is not None]
+    metrics = RequestMetrics(
+        seq.arrival_time,
+        seq.first_scheduled_time,
+        seq.first_token_time,
+        max(finish_times) if finished and finish_times else None,
+        sum(s.num_preemptions for s in group.seqs),
+    )
+    return RequestOutput(
+        seq.request_id,
+        seq.prompt,
+        seq.token_ids[: seq.num_prompt_tokens],
+        max(seq.num_cached_tokens, 0),
+        completions,
+        finished,
+        metrics,
+        prompt_logprobs=list(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None,
+        num_generated_tokens=sum(s.num_output_tokens for s in group.seqs),
+    )

@@ -7,6 +7,7 @@ from enum import Enum, auto
 
 import torch
 
+from backend.detokenizer import IncrementalDetokenizer
 from backend.sampling_params import SamplingParams
 from backend.speculative import DraftSource
 from backend.structured import Grammar
@@ -24,6 +25,8 @@ class Sequence:
     ``num_computed_tokens`` counts tokens whose K/V are in the cache. After a preemption it drops
     to 0 and the sequence (prompt and generated tokens alike) is computed again.
     """
+
+    detokenizer: IncrementalDetokenizer  # set by the engine when it adds or forks the sequence
 
     def __init__(
         self,
