@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from configtools import typed_section
+from configtools.cpus import parse_cpus
 
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config.toml"
 
@@ -68,6 +69,9 @@ class EngineConfig:
     speculative_ngram_min: int
     speculative_ngram_max: int
     speculative_max_seqs: int
+    threads: int
+    cpus: str
+    omp_wait_policy: str
 
     def __post_init__(self) -> None:
         checks = {
@@ -93,6 +97,9 @@ class EngineConfig:
             "speculative_ngram_min": self.speculative_ngram_min >= 1,
             "speculative_ngram_max": self.speculative_ngram_max >= self.speculative_ngram_min,
             "speculative_max_seqs": self.speculative_max_seqs >= 1,
+            "threads": self.threads >= 0,
+            "cpus": self._cpus_ok(),
+            "omp_wait_policy": self.omp_wait_policy in ("auto", "active", "passive", "runtime"),
         }
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
@@ -100,6 +107,12 @@ class EngineConfig:
                 f"invalid engine config value(s): {', '.join(f'{k}={getattr(self, k)!r}' for k in bad)}"
                 + ("; quantization is one of auto, none, int8, int4" if "quantization" in bad else "")
             )
+
+    def _cpus_ok(self) -> bool:
+        try:
+            return not self.cpus or bool(parse_cpus(self.cpus))
+        except ValueError:
+            return False
 
     @property
     def resolved_cache_dir(self) -> Path:

@@ -26,7 +26,8 @@ from starlette.types import Receive, Scope, Send
 
 from backend.async_engine import AsyncEngine, EngineDeadError, EngineError, RequestStream
 from backend.choices import CompletionShaper, Cursors, Echo, Shaper
-from backend.config import load_backend_server_config, load_engine_config
+from backend.config import EngineConfig, load_backend_server_config
+from backend.cpu_threads import ThreadPlan
 from backend.metrics import ServerMetrics
 from backend.model_loader import EMBEDDED_GGUF
 from backend.outputs import CompletionOutput, RequestOutput
@@ -344,14 +345,20 @@ def _url(host: str, port: int) -> str:
 
 
 def run_backend(
-    config_path: str | None = None, host: str | None = None, port: int | None = None, model: str | None = None
+    engine_cfg: EngineConfig,
+    config_path: str | None = None,
+    host: str | None = None,
+    port: int | None = None,
+    threads: ThreadPlan | None = None,
 ) -> None:
-    """Load the config and the engine, then serve until interrupted (the `cachegw backend` command)."""
+    """Load the engine, then serve until interrupted (the `cachegw backend` command, which has read
+    the config and settled the threads already)."""
+    from backend.cpu_threads import set_threads
     from backend.engine import LLMEngine
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server_cfg = load_backend_server_config(config_path)
-    engine_cfg = load_engine_config(config_path, model=model)
+    if threads is not None:
+        set_threads(threads)
     engine = AsyncEngine(LLMEngine(engine_cfg))
     name = server_cfg.served_model_name or default_served_name(engine_cfg.model)
     app = build_app(engine, name, server_cfg.max_request_bytes)

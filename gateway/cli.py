@@ -17,12 +17,15 @@ def _add_backend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="a .gguf file or a local Hugging Face folder (default: embedded SmolLM2)")
     p.add_argument("--host", help="address to listen on (default from config)")
     p.add_argument("--port", type=int, help="port to listen on (default from config)")
+    p.add_argument(
+        "--cpus", help="cores the engine may use, a CPU list such as 1 or 2-7 (default from config)"
+    )
 
 
 def _cmd_backend(args: argparse.Namespace) -> int:
-    from backend.server import run_backend
+    from backend.command import main
 
-    run_backend(args.config, args.host, args.port, args.model)
+    main(args.config, args.host, args.port, args.model, args.cpus)
     return 0
 
 

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, field
 
 from backend.config import BackendServerConfig, EngineConfig, load_toml
 from configtools import typed_section
+from configtools.cpus import parse_cpus
 from policies.canonicalize_config import CanonicalizeConfig
 from policies.evidence_window import Ageing
 from policies.routing import RoutingMode
@@ -91,6 +92,7 @@ class GatewayConfig(_Strict):
     backends: tuple[BackendSpec, ...]
     routing: RoutingMode
     builtin_backend_port: int = Field(ge=0, le=65535)
+    builtin_backend_cpus: str
     log_query_text: bool
     probe_interval_s: float = Field(gt=0)
     probe_timeout_s: float = Field(gt=0)
@@ -115,6 +117,13 @@ class GatewayConfig(_Strict):
         if len(set(urls)) != len(urls):
             raise ValueError(f"a backend is listed twice: {sorted({u for u in urls if urls.count(u) > 1})}")
         return specs
+
+    @field_validator("builtin_backend_cpus")
+    @classmethod
+    def _cpu_setting(cls, value: str) -> str:
+        if value not in ("auto", "all"):
+            parse_cpus(value)  # ValueError: not a CPU list
+        return value
 
     def resolved_database_url(self, data_dir: Path) -> str:
         return self.database_url or f"sqlite:///{data_dir / 'cachegw.db'}"

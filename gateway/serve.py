@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable
 import uvicorn
 from fastapi import FastAPI
 
+from configtools.cpus import format_cpus
 from embeddings.batcher import EmbeddingBatcher
 from embeddings.encoder import make_encoder
 from embeddings.index import ScopedIndex
@@ -31,7 +32,7 @@ from gateway.metrics_http import metrics_app
 from gateway.pipeline import Gateway
 from gateway.proxy import Backends
 from gateway.store import Store
-from gateway.supervisor import BuiltinBackend
+from gateway.supervisor import BuiltinBackend, CoreSplit, split_cores
 from gateway.verifier_loader import load_verifier
 
 log = logging.getLogger("cachegw.gateway")
@@ -42,10 +43,14 @@ DISCOVER_EVERY_S = 30.0  # how soon a backend that was down at start (or added a
 
 @contextlib.asynccontextmanager
 async def started_gateway(
-    settings: Settings, progress: bool = True, clock: Callable[[], float] = time.time
+    settings: Settings,
+    progress: bool = True,
+    clock: Callable[[], float] = time.time,
+    engine_cpus: frozenset[int] | None = None,
 ) -> AsyncIterator[Gateway]:
     """Everything a request needs, started in order and stopped in reverse; ``clock`` is the cache's
-    wall clock (expiry, freshness), which tests move instead of sleeping."""
+    wall clock (expiry, freshness), which tests move instead of sleeping; ``engine_cpus`` the built-in
+    engine's cores (``split_cores``)."""
     data_dir = settings.data_dir
     data_dir.mkdir(parents=True, exist_ok=True)
     store = Store(settings.gateway.resolved_database_url(data_dir), clock)
@@ -79,7 +84,8 @@ async def started_gateway(
     builtin = None
     specs: list[BackendSpec | str] = list(settings.gateway.backends)
     if not specs:
-        builtin = BuiltinBackend("127.0.0.1", settings.gateway.builtin_backend_port, settings.config_path)
+        port = settings.gateway.builtin_backend_port
+        builtin = BuiltinBackend("127.0.0.1", port, settings.config_path, engine_cpus)
         await builtin.start()
         specs = [BackendSpec(url=builtin.url, drafts=True)]
     g = settings.gateway
@@ -142,9 +148,17 @@ def run_gateway(settings: Settings) -> None:
     # One-query embeddings are tiny: extra OpenMP threads only spin against the event loop (a
     # single-sentence encode took 80-260 ms with 2 threads on a busy 2-core machine, 13 ms with 1).
     torch.set_num_threads(settings.cache.embed_threads)
+    cores = CoreSplit(None, None)
+    if not settings.gateway.backends:  # the gateway and its engine share this machine: split its cores
+        cores = split_cores(settings.gateway.builtin_backend_cpus, frozenset(os.sched_getaffinity(0)))
+    if cores.gateway is not None:  # before any worker thread starts: they inherit it
+        os.sched_setaffinity(0, cores.gateway)
+        log.info(
+            "gateway on cores %s, the built-in engine on %s", *map(format_cpus, (cores.gateway, cores.engine))
+        )
     # a database that cannot be opened stops the start with one line, not a lifespan traceback
     Store(settings.gateway.resolved_database_url(settings.data_dir)).close()
-    app = build_app(lambda: started_gateway(settings))
+    app = build_app(lambda: started_gateway(settings, engine_cpus=cores.engine))
     g = settings.gateway
     log.info("gateway on http://%s:%d/v1 (data in %s)", g.host, g.port, settings.data_dir)
     log.info("dashboard on http://%s:%d/admin (admin token: see docs/admin.md)", g.host, g.port)

@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import httpx
+
+from configtools.cpus import format_cpus, parse_cpus
 
 log = logging.getLogger("cachegw.gateway")
 
@@ -40,12 +44,40 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class CoreSplit:
+    """The cores of the gateway's process and of its built-in engine (None: no change)."""
+
+    gateway: frozenset[int] | None
+    engine: frozenset[int] | None
+
+
+def split_cores(setting: str, available: frozenset[int]) -> CoreSplit:
+    """``[gateway] builtin_backend_cpus``: "auto" gives the engine every core but the first and keeps
+    that one for the gateway (HTTP, embeddings, verifier, SQL), when there are at least two, so the
+    two never stall each other's threads; "all" shares every core; a CPU list gives the engine those
+    cores and the gateway the rest (all of them if none is left)."""
+    if setting == "all" or (setting == "auto" and len(available) < 2):
+        return CoreSplit(None, None)
+    if setting == "auto":
+        first = min(available)
+        return CoreSplit(frozenset({first}), available - {first})
+    engine = parse_cpus(setting) & available
+    if not engine:
+        raise ValueError(
+            f"[gateway] builtin_backend_cpus = {setting!r} names none of the cores this process may use "
+            f"({format_cpus(available)})"
+        )
+    return CoreSplit(available - engine or None, engine)
+
+
 class BuiltinBackend:
     def __init__(
         self,
         host: str,
         port: int,
         config_path: str | None,
+        cpus: frozenset[int] | None = None,
         start_timeout_s: float = 600.0,
         *,
         probe_interval_s: float = 5.0,
@@ -55,6 +87,7 @@ class BuiltinBackend:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.host, self.port, self.config_path = host, port, config_path
+        self.cpus = cpus  # the child's cores (it settles its threads on them), or the gateway's own
         self.start_timeout_s = start_timeout_s
         self.probe_interval_s, self.probe_timeout_s = probe_interval_s, probe_timeout_s
         self.hung_after_probes, self.healthy_reset_s = hung_after_probes, healthy_reset_s
@@ -81,8 +114,15 @@ class BuiltinBackend:
         cmd = [sys.executable, "-m", "gateway.cli", "backend", "--host", self.host, "--port", str(self.port)]
         if self.config_path:
             cmd += ["--config", self.config_path]
+        if self.cpus is not None:
+            cmd += ["--cpus", format_cpus(self.cpus)]
         log.info("starting the built-in backend: %s", " ".join(cmd))
-        self.proc = subprocess.Popen(cmd)
+        # started on every core this process may use (the gateway may have pinned itself to fewer);
+        # the child then narrows itself to --cpus
+        cores = self.cpus
+        self.proc = subprocess.Popen(
+            cmd, preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None
+        )
 
     async def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.start_timeout_s

@@ -154,6 +154,10 @@ def test_supervised_builtin_backend_is_restarted(tmp_path):
         assert post(port, ask("Name a color.")).status_code == 200
         pattern = f"gateway.cli backend .*--port {backend_port}"
         pid = int(subprocess.check_output(["pgrep", "-f", pattern]).split()[0])
+        cores = os.sched_getaffinity(0)
+        if len(cores) >= 2:  # [gateway] builtin_backend_cpus = "auto": the first core for the gateway
+            assert os.sched_getaffinity(proc.pid) == {min(cores)}
+            assert os.sched_getaffinity(pid) == cores - {min(cores)}
         os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 120
         status = None

@@ -23,7 +23,7 @@ ALLOWED = {
     "policies": {"protocol", "configtools"},  # pure: models reach a policy as arguments
     "gateway": {"policies", "embeddings", "protocol", "configtools"},
 }
-GATEWAY_TO_BACKEND = {("gateway/config.py", "backend.config"), ("gateway/cli.py", "backend.server")}
+GATEWAY_TO_BACKEND = {("gateway/config.py", "backend.config"), ("gateway/cli.py", "backend.command")}
 
 
 def imports() -> list[tuple[str, str, str]]:
