@@ -45,6 +45,7 @@ def backend_unavailable(url: str, exc: Exception) -> ApiError:
 DOWN_FOR_S = 5.0
 RELIST_AFTER_S = 5.0  # an unknown model re-reads the backends' model lists at most this often
 _RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout)
+KEEPALIVE_S = 4.0  # below the 5 s idle timeout of uvicorn-served backends
 
 
 class Backends:
@@ -69,7 +70,10 @@ class Backends:
         self._headers = {s.url: s.upstream_headers() for s in specs}
         self.takes_drafts = {s.url for s in specs if s.drafts}
         timeout = httpx.Timeout(read_timeout, connect=connect_timeout)
-        limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
+        # An idle connection is dropped after KEEPALIVE_S, before the server's own idle timeout (5 s in
+        # uvicorn, so in vLLM, SGLang and our engine) closes it: with equal timeouts, a request sent on
+        # a connection the server was closing at that moment failed with a ReadError (502).
+        limits = httpx.Limits(max_connections=512, max_keepalive_connections=64, keepalive_expiry=KEEPALIVE_S)
         self.client = httpx.AsyncClient(timeout=timeout, limits=limits)
         self.router = Router(routing)
         self._models: dict[str, list[str]] = {}  # model id -> the backends serving it, in configured order

@@ -89,6 +89,29 @@ def test_restart_and_a_second_engine_reuse_the_prefix_from_disk(model_dir, refer
     assert again.num_cached_tokens > 0 and first.engine.stats().prefix_cache_hits_by_tier["disk"] > 0
 
 
+def test_an_engine_in_another_process_shares_the_disk_tier(model_dir, reference, tmp_path):
+    """Two OS processes on one directory: this engine starts first (its scan finds nothing), another
+    process computes the prompt and shuts down (its blocks written to disk), and this engine, still
+    running, finds them on its next miss, bit-identical output included."""
+    import subprocess
+    import sys
+    import textwrap
+
+    tier = dict(kv_offload_bytes=0, kv_offload_dir=str(tmp_path))
+    mine = engine(model_dir, **tier)
+    code = textwrap.dedent(f"""
+        from backend import LLM, SamplingParams
+        llm = LLM(model={model_dir!r}, dtype="float32", device="cpu", block_size={BS}, kv_cache_tokens=64,
+                  kv_offload_bytes=0, kv_offload_dir={str(tmp_path)!r})
+        llm.generate({PROMPT!r}, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+        llm.engine.close()
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+    out = mine.generate(PROMPT, GREEDY)[0]
+    assert out.num_cached_tokens == 48 and out.outputs[0].token_ids == reference
+    assert mine.engine.stats().prefix_cache_hits_by_tier["disk"] == 48
+
+
 def test_a_corrupted_file_is_recomputed_not_loaded(model_dir, reference, tmp_path):
     tier = dict(kv_offload_bytes=0, kv_offload_dir=str(tmp_path))
     first = engine(model_dir, **tier)
