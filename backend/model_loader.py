@@ -89,10 +89,11 @@ def _content_key(path: Path, edge: int = 1 << 20) -> str:
     """The file's identity by content, not by where it lies: its size, its first and last MiB (a GGUF's
     header holds its metadata and tensor table). The same model in another venv or clone is the same
     key, so it is converted once per machine; an edited or different file is another key."""
-    digest = hashlib.sha256(str(path.stat().st_size).encode())
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
     with path.open("rb") as f:
         digest.update(f.read(edge))
-        f.seek(max(0, path.stat().st_size - edge))
+        f.seek(max(0, size - edge))
         digest.update(f.read(edge))
     return digest.hexdigest()[:12]
 

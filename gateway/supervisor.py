@@ -114,11 +114,9 @@ class BuiltinBackend:
         cmd = [sys.executable, "-m", "gateway.cli", "backend", "--host", self.host, "--port", str(self.port)]
         if self.config_path:
             cmd += ["--config", self.config_path]
-        if self.cpus is not None:
-            cmd += ["--cpus", format_cpus(self.cpus)]
         log.info("starting the built-in backend: %s", " ".join(cmd))
-        # started on every core this process may use (the gateway may have pinned itself to fewer);
-        # the child then narrows itself to --cpus
+        # The child starts on its own cores (not the one the gateway pinned itself to) and settles
+        # one thread per core of its affinity (backend/cpu_threads.py).
         cores = self.cpus
         self.proc = subprocess.Popen(
             cmd, preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None
