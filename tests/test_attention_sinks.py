@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from backend import LLM, SamplingParams
 from backend.layers.attention import AttentionMetadata, store_kv_torch
+from backend.layers.kv_quant import KVCacheFormat
 from backend.layers.rotary import RotaryEmbedding
 from backend.layers.sinks import sink_attention
 from tests.test_model_families import COMMON
@@ -41,7 +43,9 @@ def streaming_reference(q_raw, k_raw, v, rotary, q_len: int) -> torch.Tensor:
     return torch.stack(outs)
 
 
-def test_sinks_match_a_literal_streaming_cache():
+@pytest.mark.parametrize("kv,tol", [("auto", 1e-5), ("int8", 2e-2)])
+def test_sinks_match_a_literal_streaming_cache(kv: str, tol: float):
+    """Also with an int8 KV cache (``kv_cache_dtype``): the sinks' reads dequantize."""
     from transformers import LlamaConfig
 
     rotary = RotaryEmbedding(LlamaConfig(**COMMON, rope_theta=10000.0), 16, 256)
@@ -51,7 +55,8 @@ def test_sinks_match_a_literal_streaming_cache():
     v = torch.randn(ctx, kv_heads, 16, generator=gen)
     q_raw = torch.randn(q_len, heads, 16, generator=gen)
     positions = torch.arange(ctx)
-    k_cache = torch.zeros(ctx // BS + 1, BS, kv_heads, 16)
+    fmt = KVCacheFormat(kv, torch.float32, 16)
+    k_cache = torch.zeros(ctx // BS + 1, BS, kv_heads, fmt.row_width, dtype=fmt.storage_dtype)
     v_cache = torch.zeros_like(k_cache)
     store_kv_torch(rotary.rotate(positions, k_raw), v, k_cache, v_cache, positions)
     meta = AttentionMetadata.one_prefill(ctx, BS)
@@ -63,7 +68,7 @@ def test_sinks_match_a_literal_streaming_cache():
         k_cache, v_cache, meta, 0.125, WINDOW, SINKS,
     )  # fmt: skip
     ref = streaming_reference(q_raw, k_raw, v, rotary, q_len)
-    assert (out.double() - ref).abs().max() < 1e-5
+    assert (out.double() - ref).abs().max() < tol
     # The sinks' distance matters: scoring them at their true positions gives something else.
     plain = sink_attention(rotary.rotate(q_pos, q_raw), rotary.rotate(q_pos, q_raw), k_cache, v_cache, meta,
                            0.125, WINDOW, SINKS)  # fmt: skip
