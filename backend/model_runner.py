@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from backend.block_manager import FREED, cdiv
+from backend.compiled_decode import CompiledDecode, start_compiling, will_compile
 from backend.config import EngineConfig
 from backend.layers.attention import AttentionMetadata, PagedAttention
 from backend.layers.rotary import RotaryEmbedding
@@ -87,7 +88,13 @@ class ModelRunner:
             self._use_sinks(config.attention_sinks, context or max_model_len)
         self.attention_backend = self._choose_attention_backend()
         self.num_blocks = self._num_kv_blocks()
-        self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        compiling = self.attention_backend == "torch" and not self.sinks and will_compile(config.compile)
+        # With a compiled decode step, one more block than the block manager hands out: the
+        # compile's warm-up writes there while sequences may already be running.
+        self.kv_caches = self._allocate_kv_cache(self.num_blocks + compiling)
+        self.compiled: CompiledDecode | None = None
+        if compiling:
+            self.compiled = start_compiling(self.model, self.block_size, self.num_blocks, config.compile)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if self.attention_backend == "triton" and not config.enforce_eager:
             try:
@@ -249,6 +256,16 @@ class ModelRunner:
         ):
             hidden = self._replay_graph(graph_size, inputs)
             return StepOutput(self.model.compute_logits(hidden), inputs.sample_seq_indices, {})
+        if (
+            self.compiled is not None
+            and inputs.meta.max_query_len == 1
+            and inputs.sample_seq_indices
+            and not inputs.prompt_rows
+        ):
+            compiled = self.compiled(inputs.input_ids, inputs.positions, inputs.meta)
+            if compiled is not None:
+                logits = self.model.compute_logits(compiled[inputs.sample_indices])
+                return StepOutput(logits, inputs.sample_seq_indices, {})
         flat = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         prompt = {i: (first, flat[rows]) for i, (rows, first) in inputs.prompt_rows.items()}
         if not inputs.sample_seq_indices:

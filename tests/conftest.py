@@ -13,6 +13,9 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Engines compile their decode step in the background by default: tens of seconds of a core for
+# each of the run's many engines. tests/test_compiled_decode.py turns it back on where it is tested.
+os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
