@@ -49,6 +49,7 @@ class EngineConfig:
     block_size: int
     kv_cache_tokens: int
     kv_cache_bytes: int
+    kv_cache_dtype: str
     gpu_memory_utilization: float
     enable_prefix_caching: bool
     max_model_len: int
@@ -83,6 +84,7 @@ class EngineConfig:
             "block_size": self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
             "kv_cache_tokens": self.kv_cache_tokens >= 0,
             "kv_cache_bytes": self.kv_cache_bytes > 0,
+            "kv_cache_dtype": self.kv_cache_dtype in ("auto", "int8", "fp8"),
             "gpu_memory_utilization": 0 < self.gpu_memory_utilization <= 1,
             "max_model_len": self.max_model_len >= 0,
             "max_num_seqs": self.max_num_seqs > 0,
@@ -108,6 +110,7 @@ class EngineConfig:
             raise ValueError(
                 f"invalid engine config value(s): {', '.join(f'{k}={getattr(self, k)!r}' for k in bad)}"
                 + ("; quantization is one of auto, none, int8, int4" if "quantization" in bad else "")
+                + ("; kv_cache_dtype is one of auto, int8, fp8" if "kv_cache_dtype" in bad else "")
             )
 
     def _cpus_ok(self) -> bool:

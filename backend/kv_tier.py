@@ -220,9 +220,12 @@ def offload_for(
     identity = f"{model_dir.resolve()}|{cfg.load_format}|{runner.quantization}"
     if cfg.load_format == "dummy":
         identity += f"|seed={cfg.seed}"
-    shape = (spec.num_layers, 2, cfg.block_size, spec.num_kv_heads, spec.head_dim)
+    fmt = runner.kv_format
+    if fmt.kind != "auto":  # int8/fp8 blocks (scales included) computed in this compute dtype
+        identity += f"|kv={fmt.kind}|{str(dtype).removeprefix('torch.')}"
+    shape = (spec.num_layers, 2, cfg.block_size, spec.num_kv_heads, fmt.row_width)
     return KVOffload(
-        BlockFormat(identity, dtype, shape),
+        BlockFormat(identity, fmt.storage_dtype, shape),
         runner.read_block,
         runner.write_block,
         cfg.kv_offload_bytes,

@@ -15,6 +15,7 @@ import torch
 from backend.block_manager import FREED, cdiv
 from backend.compiled_decode import CompiledDecode, start_compiling, will_compile
 from backend.config import EngineConfig
+from backend.layers import kv_quant
 from backend.layers.attention import AttentionMetadata, PagedAttention
 from backend.layers.rotary import RotaryEmbedding
 from backend.model_loader import iter_safetensors
@@ -62,6 +63,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.spec = ModelSpec.from_hf_config(hf_config)
+        kv_quant.check_supported(config.kv_cache_dtype, device)
+        self.kv_format = kv_quant.KVCacheFormat(config.kv_cache_dtype, dtype, self.spec.head_dim)
         self.max_blocks_per_seq = cdiv(max_model_len, self.block_size)
         placeholder = RotaryEmbedding(hf_config, self.spec.head_dim, 1)  # replaced after to_empty
         torch.set_default_dtype(dtype)
@@ -121,12 +124,15 @@ class ModelRunner:
     def _choose_attention_backend(self) -> str:
         """ "triton" on CUDA when the kernels pass a self-check against the torch path, else "torch"."""
         use = False
-        if self.device.type == "cuda" and not self.sinks:  # attention sinks: torch path only
+        # Attention sinks and an int8 KV cache: torch path only.
+        if self.device.type == "cuda" and not self.sinks and self.kv_format.kind != "int8":
             from backend.layers.kernel_check import self_check
             from backend.layers.triton_attention import triton_available
 
             try:
-                use = triton_available() and self_check(self.device, self.dtype, self.spec, self.block_size)
+                use = triton_available() and self_check(
+                    self.device, self.dtype, self.spec, self.block_size, self.kv_format.storage_dtype
+                )
             except Exception:
                 log.exception("Triton attention failed its self-check")
             if not use:
@@ -137,7 +143,7 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return self.spec.kv_bytes_per_token(self.dtype)
+        return self.spec.kv_bytes_per_token(self.dtype, self.kv_format.kind)
 
     def _num_kv_blocks(self) -> int:
         cfg, per_block = self.config, self.kv_bytes_per_token * self.block_size
@@ -171,13 +177,13 @@ class ModelRunner:
         torch.cuda.empty_cache()
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        s = self.spec
-        shape = (num_blocks, self.block_size, s.num_kv_heads, s.head_dim)
+        s, fmt = self.spec, self.kv_format
+        shape = (num_blocks, self.block_size, s.num_kv_heads, fmt.row_width)
         # zeros, not empty: attention multiplies masked-out slots by 0, and 0 x NaN would be NaN.
         caches = [
             (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=fmt.storage_dtype, device=self.device),
+                torch.zeros(shape, dtype=fmt.storage_dtype, device=self.device),
             )
             for _ in range(s.num_layers)
         ]
@@ -287,7 +293,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def read_block(self, block_id: int) -> torch.Tensor:
-        """One block's K/V in every layer, on the host: [layers, 2, block_size, kv_heads, head_dim]."""
+        """One block's K/V in every layer, on the host, as stored: [layers, 2, block_size, kv_heads,
+        row_width] (an int8 block carries its scales: ``kv_format``)."""
         return torch.stack([torch.stack((k[block_id], v[block_id])) for k, v in self.kv_caches]).cpu()
 
     @torch.inference_mode()

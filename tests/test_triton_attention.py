@@ -21,6 +21,7 @@ ON_CUDA = torch.cuda.is_available()
 if not ON_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 
+from backend.layers import kv_quant  # noqa: E402
 from backend.layers import triton_attention as ta  # noqa: E402
 from backend.layers.attention import AttentionMetadata, paged_attention_torch, store_kv_torch  # noqa: E402
 
@@ -69,8 +70,10 @@ def make_case(
     dtype: torch.dtype = torch.float32,
     garbage: float = float("nan"),
     seed: int = 0,
+    kv: str = "auto",
 ) -> Case:
-    """Random step with shuffled, non-contiguous block tables; prefixes are already cached."""
+    """Random step with shuffled, non-contiguous block tables; prefixes are already cached (as
+    ``kv_cache_dtype = kv`` stores them: an int8 cache's unused slots hold zeros, not ``garbage``)."""
     gen = torch.Generator().manual_seed(seed)
     num_heads, kv_heads = heads
     nblocks = [(c + BLOCK_SIZE - 1) // BLOCK_SIZE for c in seq_lens]
@@ -80,9 +83,11 @@ def make_case(
     for s, n in enumerate(nblocks):
         tables[s, :n] = perm[used : used + n]
         used += n
-    shape = (len(perm), BLOCK_SIZE, kv_heads, head_dim)
-    k_cache = torch.full(shape, garbage, dtype=dtype)
-    v_cache = torch.full(shape, garbage, dtype=dtype)
+    fmt = kv_quant.KVCacheFormat(kv, dtype, head_dim)
+    shape = (len(perm), BLOCK_SIZE, kv_heads, fmt.row_width)
+    fill = 0.0 if kv == "int8" else garbage
+    k_cache = torch.full(shape, fill, dtype=dtype).to(fmt.storage_dtype)
+    v_cache = torch.full(shape, fill, dtype=dtype).to(fmt.storage_dtype)
 
     def rand(*size: int) -> torch.Tensor:
         return torch.randn(*size, generator=gen).to(dtype)
@@ -256,6 +261,60 @@ def test_triton_half_precision(scenario: str, dtype: torch.dtype) -> None:
     out = run_triton(case, 0.125)
     assert ta.paged_attention_triton(case.q, case.k_cache, case.v_cache, case.meta, 0.125).dtype == dtype
     assert max_err(out, dense_attention(case, 0.125)) < TOL[dtype]
+
+
+# The error attention output may take from a quantized cache (values of unit scale).
+KV_TOL = {"int8": 2e-2, "fp8": 1.5e-1}
+
+
+@pytest.mark.parametrize("kv", list(KV_TOL))
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_torch_path_quantized_cache(scenario: str, kv: str) -> None:
+    """int8/fp8 caches through the torch path's store and reads stay near the dense float64 answer,
+    and differ from it where a cached prefix was read (not only the step's own K/V)."""
+    case = make_case(*SCENARIOS[scenario], HEADS["gqa3"], garbage=3.0, kv=kv)
+    store_kv_torch(case.key, case.value, case.k_cache, case.v_cache, case.meta.slot_mapping)
+    out = paged_attention_torch(case.q, case.k_cache, case.v_cache, case.meta, 0.125, case.key, case.value)
+    err = max_err(out.double().cpu(), dense_attention(case, 0.125))
+    assert err < KV_TOL[kv]
+    if scenario != "prefill":  # a prefill with nothing cached attends to its own unquantized K/V
+        assert err > 1e-6
+
+
+@pytest.mark.parametrize("window", [16])
+def test_torch_path_quantized_cache_window(window: int) -> None:
+    case = make_case(*WINDOW_SCENARIOS["grouped_decode"], HEADS["gqa3"], garbage=3.0, kv="int8")
+    store_kv_torch(case.key, case.value, case.k_cache, case.v_cache, case.meta.slot_mapping)
+    args = (case.q, case.k_cache, case.v_cache, case.meta, 0.125)
+    out = paged_attention_torch(*args, case.key, case.value, window=window).double().cpu()
+    assert max_err(out, dense_attention(case, 0.125, window)) < KV_TOL["int8"]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("scenario", ["decode", "prefix", "mixed", "long_decode"])
+def test_triton_fp8_cache(scenario: str, dtype: torch.dtype) -> None:
+    """The kernels store into an fp8 (e4m3) cache and read it back: the torch path's answer on the
+    same cache, and near the dense one."""
+    case = make_case(*SCENARIOS[scenario], HEADS["gqa3"], dtype=dtype, kv="fp8")  # unused slots: NaN
+    out = run_triton(case, 0.125)
+    assert case.k_cache.dtype == torch.float8_e4m3fn
+    assert max_err(out, dense_attention(case, 0.125)) < KV_TOL["fp8"]
+    finite = make_case(*SCENARIOS[scenario], HEADS["gqa3"], dtype=dtype, garbage=3.0, kv="fp8")
+    store_kv_torch(finite.key, finite.value, finite.k_cache, finite.v_cache, finite.meta.slot_mapping)
+    ref = paged_attention_torch(finite.q, finite.k_cache, finite.v_cache, finite.meta, 0.125)
+    assert max_err(out, ref.double().cpu()) < TOL[dtype]
+
+
+@needs_triton
+def test_triton_fp8_store_matches_torch() -> None:
+    key = torch.randn(7, 3, 64, device=DEVICE) * 100  # some values past e4m3's 448: saturated
+    slots = torch.tensor([5, 17, 63, 0, 40, 22, 9], device=DEVICE)
+    caches = [torch.zeros(4, BLOCK_SIZE, 3, 64, device=DEVICE).to(torch.float8_e4m3fn) for _ in range(4)]
+    ta.store_kvcache(key, key, caches[0], caches[1], slots)
+    store_kv_torch(key, key, caches[2], caches[3], slots)
+    assert torch.isfinite(caches[0].float()).all()
+    torch.testing.assert_close(caches[0].float(), caches[2].float(), rtol=0.07, atol=2**-9)
 
 
 @needs_triton

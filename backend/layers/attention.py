@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from backend.layers import kv_quant
+
 
 @dataclass
 class AttentionMetadata:
@@ -72,7 +74,12 @@ StepMetadata = AttentionMetadata | DecodeMetadata
 def store_kv_torch(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
 ) -> None:
-    """Scatter K/V of shape [T, KVH, D] into caches of shape [num_blocks, block_size, KVH, D]."""
+    """Scatter K/V of shape [T, KVH, D] into caches of shape [num_blocks, block_size, KVH, D]
+    (an int8 or fp8 cache: quantized on the way, ``kv_quant.py``)."""
+    if kv_quant.quantized(k_cache, key.dtype):
+        storage = k_cache.dtype
+        key, value = kv_quant.encode(torch.stack((key, value)), storage)
+        k_cache, v_cache = kv_quant.indexable(k_cache), kv_quant.indexable(v_cache)
     kvh, d = key.shape[1], key.shape[2]
     k_cache.view(-1, kvh, d).index_copy_(0, slots, key)
     v_cache.view(-1, kvh, d).index_copy_(0, slots, value)
@@ -84,17 +91,42 @@ _GROUP_FILL = 0.75
 _scratch = threading.local()
 
 
-def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, slot: str) -> torch.Tensor:
-    """cache[tables] into a reused per-thread buffer: a fresh multi-MB tensor each layer costs page faults."""
-    n = tables.numel()
-    key = (slot, cache.dtype, cache.device, cache.shape[1:], torch.is_inference_mode_enabled())
+def _scratch_rows(slot: str, n: int, like: torch.Tensor, dtype: torch.dtype, width: int) -> torch.Tensor:
+    """``n`` blocks shaped as ``like``'s (last dim ``width``) from a reused per-thread buffer."""
+    shape = tuple(like.shape[1:-1]) + (width,)
+    key = (slot, dtype, like.device, shape, torch.is_inference_mode_enabled())
     buf = getattr(_scratch, "bufs", {}).get(key)
     if buf is None or buf.shape[0] < n:
-        buf = torch.empty((max(n, 64),) + tuple(cache.shape[1:]), dtype=cache.dtype, device=cache.device)
+        buf = torch.empty((max(n, 64),) + shape, dtype=dtype, device=like.device)
         _scratch.__dict__.setdefault("bufs", {})[key] = buf
-    out = buf[:n]
+    return buf[:n]
+
+
+def _gather_blocks(
+    cache: torch.Tensor, tables: torch.Tensor, slot: str, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """cache[tables] into a reused per-thread buffer: a fresh multi-MB tensor each layer costs page
+    faults. An int8/fp8 cache is read back into ``dtype`` (the compute dtype) on the way."""
+    n = tables.numel()
+    if dtype is not None and kv_quant.quantized(cache, dtype):
+        raw_cache = kv_quant.indexable(cache)
+        raw = _scratch_rows(slot + ":raw", n, raw_cache, raw_cache.dtype, raw_cache.shape[-1])
+        torch.index_select(raw_cache, 0, tables.reshape(-1), out=raw)
+        out = _scratch_rows(slot, n, cache, dtype, kv_quant.head_dim(cache))
+        kv_quant.decode(raw, cache.dtype, out)
+        return out.view(tables.shape + out.shape[1:])
+    out = _scratch_rows(slot, n, cache, cache.dtype, cache.shape[-1])
     torch.index_select(cache, 0, tables.reshape(-1), out=out)
     return out.view(tables.shape + cache.shape[1:])
+
+
+def read_blocks(cache: torch.Tensor, table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """cache[table] in the compute ``dtype`` (a prefill chunk's cached prefix, the sinks' keys)."""
+    if not kv_quant.quantized(cache, dtype):
+        return cache[table]
+    raw = kv_quant.indexable(cache)[table]
+    out = torch.empty(raw.shape[:-1] + (kv_quant.head_dim(cache),), dtype=dtype, device=cache.device)
+    return kv_quant.decode(raw, cache.dtype, out)
 
 
 def decode_groups(seq_lens: list[int]) -> list[tuple[int, int]]:
@@ -142,8 +174,12 @@ def paged_attention_torch(
         first = _first_block(min(meta.seq_lens_cpu[lo:hi]) - 1, window, block_size)
         tables = meta.block_tables[lo:hi, first:max_blocks]
         length = (max_blocks - first) * block_size
-        keys = _gather_blocks(k_cache, tables, "k").view(n, length, kv_heads, head_dim).transpose(1, 2)
-        values = _gather_blocks(v_cache, tables, "v").view(n, length, kv_heads, head_dim).transpose(1, 2)
+        keys = (
+            _gather_blocks(k_cache, tables, "k", q.dtype).view(n, length, kv_heads, head_dim).transpose(1, 2)
+        )
+        values = (
+            _gather_blocks(v_cache, tables, "v", q.dtype).view(n, length, kv_heads, head_dim).transpose(1, 2)
+        )
         positions = torch.arange(first * block_size, max_blocks * block_size, device=q.device)
         out[lo:hi] = _attend_decodes(q[lo:hi], keys, values, positions, meta.seq_lens[lo:hi], scale, window)
     starts = meta.query_start_loc.tolist() if len(meta.query_lens_cpu) > nd else []
@@ -162,8 +198,18 @@ def paged_attention_torch(
             first = _first_block(ctx - q_len, window, block_size)
             table = meta.block_tables[s, first:nblocks]
             span = ctx - first * block_size
-            keys = k_cache[table].view(-1, kv_heads, head_dim)[:span].transpose(0, 1).unsqueeze(0)
-            values = v_cache[table].view(-1, kv_heads, head_dim)[:span].transpose(0, 1).unsqueeze(0)
+            keys = (
+                read_blocks(k_cache, table, q.dtype)
+                .view(-1, kv_heads, head_dim)[:span]
+                .transpose(0, 1)
+                .unsqueeze(0)
+            )
+            values = (
+                read_blocks(v_cache, table, q.dtype)
+                .view(-1, kv_heads, head_dim)[:span]
+                .transpose(0, 1)
+                .unsqueeze(0)
+            )
             k_pos = torch.arange(first * block_size, ctx, device=q.device)
             mask = k_pos[None, :] <= q_pos[:, None]
         if window is not None and ctx > window:
@@ -213,8 +259,8 @@ def decode_attention_torch(
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     length = meta.block_tables.shape[1] * block_size
     flat = meta.block_tables.reshape(-1)
-    keys = k_cache.index_select(0, flat).view(n, length, kv_heads, head_dim).transpose(1, 2)
-    values = v_cache.index_select(0, flat).view(n, length, kv_heads, head_dim).transpose(1, 2)
+    keys = read_blocks(k_cache, flat, q.dtype).view(n, length, kv_heads, head_dim).transpose(1, 2)
+    values = read_blocks(v_cache, flat, q.dtype).view(n, length, kv_heads, head_dim).transpose(1, 2)
     positions = torch.arange(length, device=q.device)
     return _attend_decodes(q, keys, values, positions, meta.seq_lens, scale, window)
 

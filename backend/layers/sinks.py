@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from backend.layers.attention import AttentionMetadata
+from backend.layers.attention import AttentionMetadata, read_blocks
 
 
 def sink_attention(
@@ -43,8 +43,20 @@ def sink_attention(
         table = meta.block_tables[s, blocks]
         k_pos = (torch.tensor(blocks)[:, None] * block_size + torch.arange(block_size)).flatten()
         keep = k_pos < ctx
-        keys = k_cache[table].flatten(0, 1)[keep].float().repeat_interleave(group, 1).transpose(0, 1)
-        values = v_cache[table].flatten(0, 1)[keep].float().repeat_interleave(group, 1).transpose(0, 1)
+        keys = (
+            read_blocks(k_cache, table, q.dtype)
+            .flatten(0, 1)[keep]
+            .float()
+            .repeat_interleave(group, 1)
+            .transpose(0, 1)
+        )
+        values = (
+            read_blocks(v_cache, table, q.dtype)
+            .flatten(0, 1)[keep]
+            .float()
+            .repeat_interleave(group, 1)
+            .transpose(0, 1)
+        )
         k_pos = k_pos[keep].to(q.device)
         q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
         in_window = (k_pos <= q_pos) & (k_pos > q_pos - window)

@@ -66,6 +66,7 @@ if triton is not None:
         H_PAD: tl.constexpr,
         D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
+        FP8: tl.constexpr,
     ):
         t = tl.program_id(0).to(tl.int64)
         slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -79,6 +80,9 @@ if triton is not None:
         dst = blk * stride_cb + off * stride_co + h[:, None] * stride_ch + d[None, :]
         k = tl.load(key_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
         v = tl.load(value_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+        if FP8:  # e4m3 has no inf: saturate at +-448 as torch's conversion does
+            k = tl.minimum(tl.maximum(k.to(tl.float32), -448.0), 448.0)
+            v = tl.minimum(tl.maximum(v.to(tl.float32), -448.0), 448.0)
         tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -115,6 +119,7 @@ if triton is not None:
         IEEE_DOT: tl.constexpr,
         UPCAST: tl.constexpr,
         WINDOW: tl.constexpr,
+        KV_FP8: tl.constexpr,
     ):
         BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
         seq = tl.program_id(0)
@@ -174,6 +179,9 @@ if triton is not None:
             kv_mask = k_ok[:, None] & d_ok[None, :]
             k = tl.load(k_cache_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(v_cache_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            if KV_FP8:  # an fp8 cache: read 1 byte a value, compute in the queries' dtype
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
@@ -250,7 +258,8 @@ def store_kvcache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Write key/value [T, KVH, D] into caches [num_blocks, block_size, KVH, D]; slot -1 is skipped."""
+    """Write key/value [T, KVH, D] into caches [num_blocks, block_size, KVH, D]; slot -1 is skipped.
+    An fp8 (e4m3) cache gets the values converted, saturated at +-448 (``kv_quant.py``)."""
     num_tokens, kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
@@ -277,6 +286,7 @@ def store_kvcache(
         H_PAD=triton.next_power_of_2(kv_heads),
         D_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=k_cache.shape[1],
+        FP8=k_cache.dtype == torch.float8_e4m3fn,
     )
 
 
@@ -356,6 +366,7 @@ def paged_attention_triton(
         IEEE_DOT=q.dtype == torch.float32 or upcast,
         UPCAST=upcast,
         WINDOW=window or 0,
+        KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend.layers.attention import PagedAttention, StepMetadata
+from backend.layers.kv_quant import KVCacheFormat
 from backend.layers.rotary import RotaryEmbedding
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -77,9 +78,11 @@ class ModelSpec:
             sliding_windows=layer_windows(config, arch),
         )
 
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """K and V, every layer: 2 x layers x kv_heads x head_dim x element size."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(dtype).bits // 8
+    def kv_bytes_per_token(self, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+        """K and V, every layer: 2 x layers x kv_heads x the bytes of one stored row (``head_dim``
+        elements of ``dtype``, or their int8/fp8 form and its scale: ``layers/kv_quant.py``)."""
+        row = KVCacheFormat(kv_cache_dtype, dtype, self.head_dim).row_bytes
+        return 2 * self.num_layers * self.num_kv_heads * row
 
 
 def layer_windows(config, arch: str) -> tuple[int | None, ...]:
