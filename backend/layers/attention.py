@@ -222,6 +222,16 @@ def paged_attention_torch(
     return out
 
 
+def _visible(positions: torch.Tensor, seq_lens: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[n, L]: which keys at ``positions`` each sequence's query sees (before its context end, and
+    within its window)."""
+    ends = seq_lens[:, None]
+    seen = positions[None, :] < ends
+    if window is not None:
+        seen &= positions[None, :] >= ends - window
+    return seen
+
+
 def _attend_decodes(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -231,17 +241,13 @@ def _attend_decodes(
     scale: float,
     window: int | None,
 ) -> torch.Tensor:
-    """One query token per sequence over its gathered keys [n, KVH, L, D] at ``positions`` [L]:
-    each sees the keys before its context end (and within its window); returns [n, H, D]."""
+    """One query token per sequence over its gathered keys [n, KVH, L, D] at ``positions`` [L];
+    returns [n, H, D]."""
     n, num_heads, head_dim = q.shape
     kv_heads = keys.shape[1]
-    ends = seq_lens[:, None]
-    seen = positions[None, :] < ends
-    if window is not None:
-        seen &= positions[None, :] >= ends - window
     # The query heads of one KV group act as that group's query rows: no K/V repeat needed.
     queries = q.view(n, kv_heads, num_heads // kv_heads, head_dim)
-    mask = seen.view(n, 1, 1, positions.shape[0])
+    mask = _visible(positions, seq_lens, window).view(n, 1, 1, positions.shape[0])
     out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
     return out.reshape(n, num_heads, head_dim)
 
@@ -254,15 +260,22 @@ def decode_attention_torch(
     scale: float,
     window: int | None = None,
 ) -> torch.Tensor:
-    """Decodes as one padded group over every block of their tables, in tensor ops alone."""
-    n, _, head_dim = q.shape
+    """Decodes as one padded group over every block of their tables, in tensor ops alone.
+
+    Attention is spelled out (two batched matmuls around scale, mask and softmax) rather than SDPA:
+    in the compiled graph Inductor fuses the middle into one loop, while SDPA stays an opaque call
+    that cost 3-5x as much per layer for a single query row (profiled at batch 1)."""
+    n, num_heads, head_dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     length = meta.block_tables.shape[1] * block_size
     flat = meta.block_tables.reshape(-1)
     keys = read_blocks(k_cache, flat, q.dtype).view(n, length, kv_heads, head_dim).transpose(1, 2)
     values = read_blocks(v_cache, flat, q.dtype).view(n, length, kv_heads, head_dim).transpose(1, 2)
-    positions = torch.arange(length, device=q.device)
-    return _attend_decodes(q, keys, values, positions, meta.seq_lens, scale, window)
+    seen = _visible(torch.arange(length, device=q.device), meta.seq_lens, window)
+    queries = q.view(n, kv_heads, num_heads // kv_heads, head_dim)
+    scores = torch.matmul(queries, keys.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~seen.view(n, 1, 1, length), float("-inf"))
+    return torch.matmul(scores.softmax(-1), values).reshape(n, num_heads, head_dim)
 
 
 def _first_block(q_pos: int, window: int | None, block_size: int) -> int:
