@@ -15,9 +15,11 @@ engine stays eager. ``TORCH_COMPILE_DISABLE=1`` (torch's own switch) turns it of
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
+import types
 
 import torch
 import torch.fx.experimental._config as fx_config
@@ -30,6 +32,7 @@ log = logging.getLogger("cachegw.backend")
 # Block tables are padded to at least this many columns, so that no width met later is 0 or 1,
 # sizes torch.compile would otherwise specialise on.
 _MIN_BLOCKS = 2
+_instances = itertools.count()
 
 
 class CompiledDecode:
@@ -42,7 +45,7 @@ class CompiledDecode:
         self.compile_seconds = 0.0
         self.steps = 0  # decode steps served by the compiled graph
         self._forward = torch.compile(
-            self._eager,
+            _own_code(self._eager),
             dynamic=True,
             fullgraph=True,
             # Guards on the weights would be checked at every step; they never change after load.
@@ -107,6 +110,20 @@ class CompiledDecode:
         self.compile_seconds = time.perf_counter() - start
         self.ready = True
         log.info("compiled the decode step in %.1f s: decode-only steps run it", self.compile_seconds)
+
+
+def _own_code(method):
+    """The method as a function with a code object of its own.
+
+    Dynamo keeps compiled graphs on the code object, and the guards that would tell two models
+    apart are the ones skipped above: a second engine in the process would run the first one's
+    graph on its own weights (another dtype, another shape). A copy of the code per instance keeps
+    each engine's graph its own.
+    """
+    fn = method.__func__
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_instances)}")
+    copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__)
+    return types.MethodType(copy, method.__self__)
 
 
 def will_compile(when: str) -> bool:

@@ -83,3 +83,20 @@ def test_torch_compile_disabled_means_eager():
         assert not will_compile("startup") and not will_compile("background")
     with torch._dynamo.config.patch(disable=False):
         assert will_compile("background") and not will_compile("off")
+
+
+def test_a_second_engine_in_the_process_gets_its_own_graph(compiled, tmp_path):
+    """torch.compile keeps graphs per code object, and the guards on the weights are skipped: without a
+    code object per engine, this bfloat16 engine would run the first engine's float32 graph."""
+    hf, llm = compiled
+    folder = tmp_path / "model"
+    hf.save_pretrained(str(folder))
+    with torch._dynamo.config.patch(disable=False):
+        other = LLM(model=str(folder), dtype="bfloat16", device="cpu", kv_cache_tokens=1024, block_size=8,
+                    compile="startup")  # fmt: skip
+        graph = other.engine.runner.compiled
+        assert graph is not None and graph.ready
+        prompt = prompt_of(30, seed=1)
+        out = other.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
+    assert graph.steps >= 11
+    assert out.outputs[0].token_ids == reference(hf, prompt, out.outputs[0].token_ids)[0].tolist()
