@@ -20,7 +20,7 @@ from backend.layers.attention import AttentionMetadata, PagedAttention
 from backend.layers.rotary import RotaryEmbedding
 from backend.model_loader import iter_safetensors
 from backend.models.llama import LlamaForCausalLM, ModelSpec
-from backend.quantization import quantize_model, resolve_mode
+from backend.quantization import apply_quantization
 from backend.scheduler import ScheduledBatch
 
 log = logging.getLogger("cachegw.backend")
@@ -82,9 +82,9 @@ class ModelRunner:
             model.init_dummy_weights(config.seed)
         else:
             model.load_weights(iter_safetensors(model_dir))
-        self.quantization = resolve_mode(config.quantization, device, gguf_path)
-        if self.quantization != "none":
-            quantize_model(model, self.quantization, gguf_path if config.load_format != "dummy" else None)
+        # what the projections run: "none" (float), "int4", "int8" or "mixed" ([engine] quantization)
+        gguf = gguf_path if config.load_format != "dummy" else None
+        self.quantization = apply_quantization(model, config.quantization, device, gguf)
         self.model = model.eval()
         self.window_everywhere, self.sinks = self.spec.window_everywhere, 0
         if config.attention_sinks:

@@ -64,7 +64,9 @@ class Backend:
 
 @pytest.fixture(scope="module")
 def backend() -> Iterator[Backend]:
-    cfg = load_engine_config(None, device="cpu", dtype="float32", kv_cache_tokens=1024, max_num_seqs=4)
+    cfg = load_engine_config(
+        None, device="cpu", dtype="float32", quantization="none", kv_cache_tokens=1024, max_num_seqs=4
+    )
     llm = LLMEngine(cfg)
     engine = AsyncEngine(llm)
     app = build_app(engine, MODEL, MAX_REQUEST_BYTES)
