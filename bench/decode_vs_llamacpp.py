@@ -6,8 +6,11 @@ then 256 greedy tokens with EOS ignored; decode tok/s counts the tokens after th
 time after the first. llama.cpp (llama-cpp-python, a bench peer only, not a dependency) is skipped
 with a message when it is not installed.
 
-    .venv/bin/python -m bench.decode_vs_llamacpp [--runs 3] [--new 256] [--modes none,int8,int4,auto]
-        [--threads 2]
+    .venv/bin/python -m bench.decode_vs_llamacpp [--runs 3] [--new 256]
+        [--modes none,int8,int4,auto,auto+compile] [--threads 2]
+
+A mode with ``+compile`` runs the compiled decode step (`[engine] compile`, compiled before the
+runs); the others run eagerly.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--prompt", type=int, default=200)
     ap.add_argument("--new", type=int, default=256)
-    ap.add_argument("--modes", default="none,int8,int4,auto")
+    ap.add_argument("--modes", default="none,int8,int4,auto,auto+compile")
     # 2 on a quiet machine; on a loaded one 2 OpenMP threads per engine collapse (spinning barriers)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="decode_vs_llamacpp")
@@ -36,7 +39,11 @@ def main() -> None:
     rng = random.Random(0)
     prompt = [rng.randrange(100, 49152) for _ in range(args.prompt)]
     ours = dict(kv_cache_tokens=1024, max_num_seqs=1, enable_prefix_caching=False)
-    peers = [(f"ours {m}", "ours", dict(quantization=m, **ours)) for m in args.modes.split(",")]
+    peers = []
+    for mode in args.modes.split(","):  # "auto+compile": the weight mode, decode step compiled first
+        weights, _, compiled = mode.partition("+")
+        compile_ = "startup" if compiled == "compile" else "off"
+        peers.append((f"ours {mode}", "ours", dict(quantization=weights, compile=compile_, **ours)))
     if llamacpp_installed():
         peers.append(("llama.cpp", "llama.cpp", dict(path=str(gguf))))
     else:

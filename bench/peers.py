@@ -44,7 +44,9 @@ class _Ours:
         torch.set_num_threads(threads)
         from backend import LLM
 
-        self.llm = LLM(dtype="float32", **llm_options)
+        # A compile running in the background would share the cores with the runs measured: off
+        # unless asked for ("startup" compiles before the worker reports ready).
+        self.llm = LLM(dtype="float32", **{"compile": "off", **llm_options})
 
     def single(self, prompt: list[int], new: int) -> Speed:
         from backend import SamplingParams
