@@ -91,7 +91,8 @@ class ModelRunner:
             self._use_sinks(config.attention_sinks, context or max_model_len)
         self.attention_backend = self._choose_attention_backend()
         self.num_blocks = self._num_kv_blocks()
-        compiling = self.attention_backend == "torch" and not self.sinks and will_compile(config.compile)
+        # CPU only: CUDA has its Triton kernels and CUDA graphs; attention sinks keep the eager path.
+        compiling = device.type == "cpu" and not self.sinks and will_compile(config.compile)
         # With a compiled decode step, one more block than the block manager hands out: the
         # compile's warm-up writes there while sequences may already be running.
         self.kv_caches = self._allocate_kv_cache(self.num_blocks + compiling)
@@ -267,6 +268,9 @@ class ModelRunner:
             and inputs.meta.max_query_len == 1
             and inputs.sample_seq_indices
             and not inputs.prompt_rows
+            # it pads every decode to the longest context: only a batch that is one group (the
+            # eager path's groups of similar length, padding under 25%)
+            and len(inputs.meta.groups()) == 1
         ):
             compiled = self.compiled(inputs.input_ids, inputs.positions, inputs.meta)
             if compiled is not None:

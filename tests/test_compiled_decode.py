@@ -50,19 +50,36 @@ def compiled(tmp_path_factory):
         yield hf, llm
 
 
-def test_compiled_decodes_match_transformers(compiled):
+@pytest.mark.parametrize("lengths", [(5, 6), (30, 34, 38)])
+def test_compiled_decodes_match_transformers(compiled, lengths):
+    """Decodes of similar context lengths share the graph: contexts under one block (a table width of
+    1) and past the window."""
     hf, llm = compiled
     graph = llm.engine.runner.compiled
     assert graph is not None and graph.ready, graph and graph.failed
-    prompts = [prompt_of(5, seed=4), prompt_of(40, seed=5), prompt_of(23, seed=6)]
+    prompts = [prompt_of(n, seed=n) for n in lengths]
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=0)
+    before = graph.steps
     results = llm.generate(prompts, params)
-    assert graph.steps >= 19  # the decode steps ran the graph, at batch 3 and less
+    assert graph.steps - before >= 19  # every decode step ran the graph
     for prompt, result in zip(prompts, results, strict=True):
         out = result.outputs[0]
         choice, logprob = reference(hf, prompt, out.token_ids)
         assert out.token_ids == choice.tolist()
         assert (torch.tensor([d["logprob"] for d in out.logprobs]) - logprob).abs().max() < 1e-4
+
+
+def test_decodes_of_far_apart_lengths_stay_eager(compiled):
+    """The graph pads every decode to the longest context: a batch of far-apart lengths (several of
+    the eager path's groups) would read mostly padding, so it runs eagerly."""
+    hf, llm = compiled
+    graph = llm.engine.runner.compiled
+    prompts = [prompt_of(5, seed=1), prompt_of(50, seed=2)]  # prefilled in one step, then decoded together
+    before = graph.steps
+    results = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    assert graph.steps == before
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.outputs[0].token_ids == reference(hf, prompt, result.outputs[0].token_ids)[0].tolist()
 
 
 def test_a_step_the_graph_does_not_cover_falls_back_to_eager(compiled):

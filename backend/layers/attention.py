@@ -37,6 +37,12 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     decode_groups: list[tuple[int, int]] | None = None  # torch path: set on first use in a step
 
+    def groups(self) -> list[tuple[int, int]]:
+        """The decodes in groups of similar context length (``decode_groups``), computed once a step."""
+        if self.decode_groups is None:
+            self.decode_groups = decode_groups(self.seq_lens_cpu[: self.num_decodes])
+        return self.decode_groups
+
     @classmethod
     def one_prefill(cls, n: int, block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
         """One sequence of ``n`` new tokens in blocks 0, 1, ... (start-up warm-up, offline scoring)."""
@@ -166,9 +172,7 @@ def paged_attention_torch(
     group = num_heads // kv_heads
     out = torch.empty_like(q)
     nd = meta.num_decodes
-    if nd and meta.decode_groups is None:
-        meta.decode_groups = decode_groups(meta.seq_lens_cpu[:nd])
-    for lo, hi in meta.decode_groups or []:
+    for lo, hi in meta.groups():
         n = hi - lo
         max_blocks = (max(meta.seq_lens_cpu[lo:hi]) + block_size - 1) // block_size
         first = _first_block(min(meta.seq_lens_cpu[lo:hi]) - 1, window, block_size)
