@@ -387,4 +387,5 @@ class LLMEngine:
             kv_tier=self._tier_stats(),
             spec_decode_draft_tokens=self.spec_draft_tokens,
             spec_decode_accepted_tokens=self.spec_accepted_tokens,
+            compiled_decode_steps=self.runner.compiled.steps if self.runner.compiled else 0,
         )

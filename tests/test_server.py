@@ -39,6 +39,7 @@ METRIC_NAMES = [
     "cachegw:prompt_tokens_total", "cachegw:generation_tokens_total", "cachegw:time_to_first_token_seconds",
     "cachegw:time_per_output_token_seconds", "cachegw:e2e_request_latency_seconds",
     "cachegw:spec_decode_draft_tokens_total", "cachegw:spec_decode_accepted_tokens_total",
+    "cachegw:compiled_decode_steps_total",
 ]  # fmt: skip
 
 
