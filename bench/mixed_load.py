@@ -11,8 +11,9 @@ Per layout, three phases of `--seconds` each: the engine alone (8 clients, each 
 prompt as soon as its last answer came, `--max-tokens` tokens), the hits alone (an open-loop
 stream of `--rate` paraphrases of 40 stored questions per second: semantic hits), then both at
 once. Reported: engine output tokens/s, hit latency p50/p99 and the hit rate achieved. Layouts are
-interleaved round by round (each round restarts `cachegw serve`). The engine's decode step is not
-compiled here (`[engine] compile = "off"`), so that only the layout differs.
+interleaved round by round (each round restarts `cachegw serve`). Before and after differ only in
+the layout (the decode step eager in both); "after, compiled" adds the default compiled decode step
+(compiled before serving, so that no compile runs during the phases).
 
     .venv/bin/python -m bench.mixed_load [--rounds 2] [--seconds 20] [--rate 100]
 """
@@ -36,8 +37,10 @@ from bench.common import ROOT, pct, save, say
 from bench.gateway_latency import QUESTIONS, body, paraphrase, start, timed, wait_health
 
 LAYOUTS = {
-    "before": '[gateway]\nbuiltin_backend_cpus = "all"\n[engine]\nthreads = 0\nomp_wait_policy = "runtime"\n',
-    "after": "",  # the defaults
+    "before": '[gateway]\nbuiltin_backend_cpus = "all"\n'
+    '[engine]\nthreads = 0\nomp_wait_policy = "runtime"\ncompile = "off"\n',
+    "after": '[engine]\ncompile = "off"\n',  # the core split and thread defaults
+    "after, compiled": '[engine]\ncompile = "startup"\n',  # and the compiled decode step
 }
 
 
@@ -94,16 +97,14 @@ async def hit_stream(url: str, rate: float, seconds: float) -> dict:
 
 async def one_layout(name: str, args: argparse.Namespace, work: Path, salt: str) -> dict:
     port = 18460
-    config = work / f"{name}.toml"
-    config.write_text(
-        LAYOUTS[name] + ("" if "[engine]" in LAYOUTS[name] else "[engine]\n") + 'compile = "off"\n'
-    )
-    data = work / f"data-{name}-{salt}"
+    config = work / f"{name.replace(', ', '-')}.toml"
+    config.write_text(LAYOUTS[name])
+    data = work / f"data-{config.stem}-{salt}"
     cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--config", str(config)]
-    proc = start([*cmd, "--data-dir", str(data)], work / f"{name}-{salt}.log")
+    proc = start([*cmd, "--data-dir", str(data)], work / f"{config.stem}-{salt}.log")
     try:
         url = f"http://127.0.0.1:{port}"
-        await wait_health(url, proc)
+        await wait_health(url, proc, timeout=600)  # a compile at start-up takes a minute or two
         chat = f"{url}/v1/chat/completions"
         async with httpx.AsyncClient(timeout=120) as c:
             for q in QUESTIONS:  # the stored answers the paraphrases will hit
