@@ -13,10 +13,15 @@ from backend.config import load_engine_config
 
 
 def main(
-    config_path: str | None, host: str | None, port: int | None, model: str | None, cpus: str | None
+    config_path: str | None,
+    host: str | None,
+    port: int | None,
+    model: str | None,
+    cpus: str | None,
+    quantization: str | None = None,
 ) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = load_engine_config(config_path, model=model, cpus=cpus)
+    cfg = load_engine_config(config_path, model=model, cpus=cpus, quantization=quantization)
     threads = cpu_threads.plan(cfg, frozenset(os.sched_getaffinity(0)))
     cpu_threads.apply(threads)
 

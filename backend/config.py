@@ -73,6 +73,7 @@ class EngineConfig:
     threads: int
     cpus: str
     omp_wait_policy: str
+    compile: str
 
     def __post_init__(self) -> None:
         checks = {
@@ -102,6 +103,7 @@ class EngineConfig:
             "threads": self.threads >= 0,
             "cpus": self._cpus_ok(),
             "omp_wait_policy": self.omp_wait_policy in ("auto", "active", "passive", "runtime"),
+            "compile": self.compile in ("background", "startup", "off"),
         }
         bad = [k for k, ok in checks.items() if not ok]
         if bad:

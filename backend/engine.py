@@ -92,11 +92,12 @@ class LLMEngine:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         log.info(
-            "engine ready in %.1f s: %s on %s/%s, %d KV blocks x %d tokens (%.0f MiB)",
+            "engine ready in %.1f s: %s on %s/%s, weights %s, %d KV blocks x %d tokens (%.0f MiB)",
             time.perf_counter() - start,
             self.model_dir.name,
             self.device,
             self.dtype,
+            self.runner.quantization,
             self.runner.num_blocks,
             config.block_size,
             self.kv_cache_bytes / 2**20,
@@ -386,4 +387,5 @@ class LLMEngine:
             kv_tier=self._tier_stats(),
             spec_decode_draft_tokens=self.spec_draft_tokens,
             spec_decode_accepted_tokens=self.spec_accepted_tokens,
+            compiled_decode_steps=self.runner.compiled.steps if self.runner.compiled else 0,
         )

@@ -50,6 +50,7 @@ class LLM:
         kv_offload_disk_bytes: int | None = None,
         speculative: str | None = None,
         num_speculative_tokens: int | None = None,
+        compile: str | None = None,
         config_path: str | None = None,
     ) -> None:
         overrides: dict[str, Any] = dict(
@@ -70,6 +71,7 @@ class LLM:
             enforce_eager=enforce_eager,
             seed=seed,
             attention_sinks=attention_sinks,
+            compile=compile,
             streaming_max_len=streaming_max_len,
             kv_offload_bytes=kv_offload_bytes,
             kv_offload_dir=kv_offload_dir,

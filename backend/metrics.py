@@ -33,6 +33,11 @@ _COUNTERS = (
         "Draft tokens accepted (speculative decoding).",
         "spec_decode_accepted_tokens",
     ),
+    (
+        "compiled_decode_steps",
+        "Decode steps run by the compiled decode step ([engine] compile; 0 while it compiles).",
+        "compiled_decode_steps",
+    ),
 )
 _GAUGES = (
     ("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", "kv_cache_usage"),

@@ -13,13 +13,14 @@ from pathlib import Path
 import torch
 
 from backend.block_manager import FREED, cdiv
+from backend.compiled_decode import CompiledDecode, start_compiling, will_compile
 from backend.config import EngineConfig
 from backend.layers import kv_quant
 from backend.layers.attention import AttentionMetadata, PagedAttention
 from backend.layers.rotary import RotaryEmbedding
 from backend.model_loader import iter_safetensors
 from backend.models.llama import LlamaForCausalLM, ModelSpec
-from backend.quantization import quantize_model, resolve_mode
+from backend.quantization import apply_quantization
 from backend.scheduler import ScheduledBatch
 
 log = logging.getLogger("cachegw.backend")
@@ -81,16 +82,23 @@ class ModelRunner:
             model.init_dummy_weights(config.seed)
         else:
             model.load_weights(iter_safetensors(model_dir))
-        self.quantization = resolve_mode(config.quantization, device, gguf_path)
-        if self.quantization != "none":
-            quantize_model(model, self.quantization, gguf_path if config.load_format != "dummy" else None)
+        # what the projections run: "none" (float), "int4", "int8" or "mixed" ([engine] quantization)
+        gguf = gguf_path if config.load_format != "dummy" else None
+        self.quantization = apply_quantization(model, config.quantization, device, gguf)
         self.model = model.eval()
         self.window_everywhere, self.sinks = self.spec.window_everywhere, 0
         if config.attention_sinks:
             self._use_sinks(config.attention_sinks, context or max_model_len)
         self.attention_backend = self._choose_attention_backend()
         self.num_blocks = self._num_kv_blocks()
-        self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        # CPU only: CUDA has its Triton kernels and CUDA graphs; attention sinks keep the eager path.
+        compiling = device.type == "cpu" and not self.sinks and will_compile(config.compile)
+        # With a compiled decode step, one more block than the block manager hands out: the
+        # compile's warm-up writes there while sequences may already be running.
+        self.kv_caches = self._allocate_kv_cache(self.num_blocks + compiling)
+        self.compiled: CompiledDecode | None = None
+        if compiling:
+            self.compiled = start_compiling(self.model, self.block_size, self.num_blocks, config.compile)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if self.attention_backend == "triton" and not config.enforce_eager:
             try:
@@ -255,6 +263,19 @@ class ModelRunner:
         ):
             hidden = self._replay_graph(graph_size, inputs)
             return StepOutput(self.model.compute_logits(hidden), inputs.sample_seq_indices, {})
+        if (
+            self.compiled is not None
+            and inputs.meta.max_query_len == 1
+            and inputs.sample_seq_indices
+            and not inputs.prompt_rows
+            # it pads every decode to the longest context: only a batch that is one group (the
+            # eager path's groups of similar length, padding under 25%)
+            and len(inputs.meta.groups()) == 1
+        ):
+            compiled = self.compiled(inputs.input_ids, inputs.positions, inputs.meta)
+            if compiled is not None:
+                logits = self.model.compute_logits(compiled[inputs.sample_indices])
+                return StepOutput(logits, inputs.sample_seq_indices, {})
         flat = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         prompt = {i: (first, flat[rows]) for i, (rows, first) in inputs.prompt_rows.items()}
         if not inputs.sample_seq_indices:

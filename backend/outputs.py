@@ -63,6 +63,7 @@ class EngineStats:
     generation_tokens: int
     spec_decode_draft_tokens: int
     spec_decode_accepted_tokens: int
+    compiled_decode_steps: int = 0  # decode steps the compiled graph ran (backend/compiled_decode.py)
     prefix_cache_hits_by_tier: dict[str, int] = field(default_factory=dict)  # tokens: pool, ram, disk
     kv_tier: TierStats = field(default_factory=lambda: TierStats({}, {}, {}, {}))
 

@@ -90,7 +90,9 @@ def quantize_model(
     gguf: Path | None,
     compute_dtype: torch.dtype = torch.bfloat16,
 ) -> Counter[str]:
-    """Replace the projections (and the LM head) in place; returns how many layers got each format."""
+    """Replace the projections (and the LM head) in place; returns how many layers got each format.
+    Under "auto" the LM head stays float when no projection was quantized (a GGUF of float tensors),
+    so such a model runs exactly as under "none"."""
     spec = model.spec
     linears: dict[str, GgufLinear] = {}
     if gguf is not None:
@@ -109,10 +111,40 @@ def quantize_model(
             new = _build(fmt, sources, getattr(owner, attr), compute_dtype)
             setattr(owner, attr, new)
             formats[type(new).__name__] += 1
-    if mode != "none":
+    if mode != "none" and (mode != "auto" or set(formats) != {"Linear"}):
         head = model.lm_head
         assert isinstance(head, nn.Linear)
         model.lm_head = Int8Linear.from_float(head.weight, None, compute_dtype)
         formats["lm_head Int8Linear"] += 1
-    log.info("quantization=%s: %s", mode, dict(formats))
     return formats
+
+
+def chosen_mode(formats: Counter[str]) -> str:
+    """What the projections became: "none", "int4", "int8", or "mixed" (a file of several types)."""
+    kinds = {k for k in formats if not k.startswith("lm_head")}
+    if not kinds:
+        return "none"
+    named = {"Linear": "none", "Int4Linear": "int4", "Int8Linear": "int8"}
+    return named[kinds.pop()] if len(kinds) == 1 else "mixed"
+
+
+def apply_quantization(
+    model: LlamaForCausalLM, requested: str, device: torch.device, gguf: Path | None
+) -> str:
+    """Give ``model`` the weights ``[engine] quantization`` asks for (``gguf``: the file whose blocks
+    the layers may keep, None for a safetensors or dummy model) and log the outcome, so the start-up
+    log says which weight mode runs. Returns that mode (see ``chosen_mode``)."""
+    mode = resolve_mode(requested, device, gguf)
+    formats = quantize_model(model, mode, gguf) if mode != "none" else Counter[str]()
+    chosen = chosen_mode(formats)
+    source = gguf.name if gguf is not None else "float checkpoint"
+    head = "int8" if formats["lm_head Int8Linear"] else "float"
+    log.info(
+        "weights: quantization=%s -> %s (%s; projections %s, LM head %s)",
+        requested,
+        chosen,
+        source,
+        {k: v for k, v in formats.items() if not k.startswith("lm_head")} or "float",
+        head,
+    )
+    return chosen

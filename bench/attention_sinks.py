@@ -63,7 +63,13 @@ def main() -> None:
     from backend import LLM
 
     ctx = args.context
-    base = dict(dtype="float32", device="cpu", kv_cache_tokens=4 * args.tokens, enable_prefix_caching=False)
+    base = dict(
+        dtype="float32",
+        quantization="none",
+        device="cpu",
+        kv_cache_tokens=4 * args.tokens,
+        enable_prefix_caching=False,
+    )
     full = LLM(**base)
     sinks = LLM(**base, max_model_len=ctx, attention_sinks=args.sinks, streaming_max_len=args.tokens + 1)
     docs = texts(full.tokenizer, args.texts, args.tokens)

@@ -14,17 +14,15 @@ of a VM would be. A run: a 200-token prompt, then `--new` greedy tokens with EOS
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import random
 import statistics
 import subprocess
 import sys
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 
 from bench.common import RESULTS, save, say
-from bench.decode_vs_llamacpp import _llamacpp, _ours
+from bench.peers import Peer
 
 
 @dataclass(frozen=True)
@@ -51,12 +49,6 @@ class Setup:
         return env
 
 
-def _pinned_worker(cpus: list[int] | None, fn, *args) -> None:
-    if cpus is not None:
-        os.sched_setaffinity(0, cpus)
-    fn(*args)
-
-
 def setups(threads: list[int], with_peer: bool) -> list[Setup]:
     out = []
     for t in threads:
@@ -68,23 +60,16 @@ def setups(threads: list[int], with_peer: bool) -> list[Setup]:
     return out
 
 
-def start(setup: Setup, ctx, mode: str, gguf: str, prompt: list[int], new: int) -> tuple[object, Connection]:
+def start(setup: Setup, mode: str, gguf: str) -> Peer:
     cores = sorted(os.sched_getaffinity(0))
     cpus = cores[-setup.threads :] if setup.pinned else None
-    fn, arg = (_ours, mode) if setup.engine == "ours" else (_llamacpp, gguf)
-    saved = dict(os.environ)
-    os.environ.update(setup.env())  # a spawned child copies the environment at start
-    try:
-        here, there = ctx.Pipe()
-        proc = ctx.Process(
-            target=_pinned_worker, args=(cpus, fn, arg, prompt, new, setup.threads, there), daemon=True
-        )
-        proc.start()
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    assert here.recv() == "ready"
-    return proc, here
+    options: dict = (
+        dict(quantization=mode, kv_cache_tokens=1024, max_num_seqs=1, enable_prefix_caching=False)
+        if setup.engine == "ours"
+        else dict(path=gguf)
+    )
+    kind = "ours" if setup.engine == "ours" else "llama.cpp"
+    return Peer(setup.name, kind, env=setup.env(), cpus=cpus, threads=setup.threads, **options)
 
 
 def main() -> None:
@@ -108,10 +93,9 @@ def main() -> None:
         with_peer = False
     rng = random.Random(0)
     prompt = [rng.randrange(100, 49152) for _ in range(args.prompt)]
-    ctx = mp.get_context("spawn")
     workers = {}
     for s in setups([int(t) for t in args.threads.split(",")], with_peer):
-        workers[s] = start(s, ctx, args.mode, gguf, prompt, args.new)
+        workers[s] = start(s, args.mode, gguf)
         say(f"{s.name} loaded")
     runs: dict[tuple[str, str], list] = {(s.name, c): [] for s in workers for c in ("alone", "busy")}
     load = [os.getloadavg()[0]]
@@ -121,9 +105,8 @@ def main() -> None:
             if condition == "busy":
                 spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
             try:
-                for s, (_, conn) in workers.items():
-                    conn.send("run")
-                    runs[(s.name, condition)].append(conn.recv())
+                for s, peer in workers.items():
+                    runs[(s.name, condition)].append(peer.single(prompt, args.new))
                     speed = runs[(s.name, condition)][-1]
                     say(f"round {r + 1} {condition:5} {s.name:28} decode {speed.decode:6.1f} tok/s")
             finally:
@@ -131,10 +114,8 @@ def main() -> None:
                     spinner.kill()
                     spinner.wait()
             load.append(os.getloadavg()[0])
-    for proc, conn in workers.values():
-        conn.send("stop")
-        conn.recv()
-        proc.join(10)
+    for peer in workers.values():
+        peer.stop()
     result = {}
     for s in workers:
         row = {}

@@ -1,108 +1,145 @@
-"""Output tokens/s of our engine against Hugging Face `generate` in static batches, one run.
+"""Output tokens/s under many concurrent requests: our engine against HF `generate` in static batches
+and llama.cpp serving one request at a time.
 
-64 requests, prompt lengths 64-512 and output lengths 16-256 (ignore_eos), SmolLM2 float32.
-HF runs them in static batches of 16: a batch lasts as long as its longest output, and only each
-request's own output tokens count as useful (as a client would see them).
+A workload of N requests (N = each `--concurrency`, all submitted at once): prompt lengths 64-512 and
+output lengths 16-256 drawn with a seed (`ignore_eos`), SmolLM2-135M; a smaller N is the first N
+requests of the largest. Ours: continuous batching of all N, in the default weight mode (`auto`: the
+GGUF's int4), run at each N. HF: float32 `generate` in static batches of 16 (left-padded); a batch
+lasts as long as its longest output, and only each request's own output tokens count as useful (as a
+client would see them). llama.cpp (llama-cpp-python 0.3.36 on the same Q4_1 GGUF): its server has no
+parallel slots (every request takes one global lock), so it serves one request after another. Neither
+peer's rate depends on N (HF works through batches of 16 one after another, llama.cpp through single
+requests), so each runs once, on the first `--hf-requests` / `--llamacpp-requests` requests (0: all),
+between our runs, to keep the run within minutes. Each engine is a worker process of its own
+(`bench/peers.py`), whose peak RSS is reported.
 
-    .venv/bin/python -m bench.engine_throughput  [--requests 64] [--threads 2]
+    .venv/bin/python -m bench.engine_throughput [--concurrency 32,64] [--modes auto] [--threads 2]
+        [--peers hf,llama.cpp] [--hf-requests 32] [--llamacpp-requests 16] [--llamacpp-threads N]
+        [--out engine_throughput]
 """
 
 from __future__ import annotations
 
 import argparse
 import random
-import time
-
-import torch
 
 from bench.common import save, say
+from bench.peers import Peer, Work, llamacpp_installed, load_average, torch_env
+
+PROMPT_LEN, OUTPUT_LEN = (64, 512), (16, 256)
+VOCAB = 49152  # SmolLM2's; prompt ids are drawn from 100 up
 
 
-def workload(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
+def workload(n: int, seed: int, vocab: int) -> Work:
     rng = random.Random(seed)
     return [
-        ([rng.randrange(100, vocab) for _ in range(rng.randint(64, 512))], rng.randint(16, 256))
+        ([rng.randrange(100, vocab) for _ in range(rng.randint(*PROMPT_LEN))], rng.randint(*OUTPUT_LEN))
         for _ in range(n)
     ]
 
 
-def run_ours(llm, work) -> float:
-    from backend import SamplingParams
-
-    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in work]
-    start = time.perf_counter()
-    outs = llm.generate([p for p, _ in work], params, use_tqdm=True)
-    elapsed = time.perf_counter() - start
-    assert [len(o.outputs[0].token_ids) for o in outs] == [m for _, m in work]
-    return elapsed
-
-
-def run_hf(model, work, batch: int, pad_id: int) -> float:
-    start = time.perf_counter()
-    for b in range(0, len(work), batch):
-        chunk = work[b : b + batch]
-        width = max(len(p) for p, _ in chunk)
-        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, (p, _) in enumerate(chunk):  # left padding, as decoder-only generate needs
-            ids[i, width - len(p) :] = torch.tensor(p)
-            mask[i, width - len(p) :] = 1
-        longest = max(m for _, m in chunk)
-        with torch.no_grad():
-            model.generate(
-                ids,
-                attention_mask=mask,
-                max_new_tokens=longest,
-                min_new_tokens=longest,
-                do_sample=False,
-                pad_token_id=pad_id,
-            )
-        say(f"HF batch {b // batch + 1}/{-(-len(work) // batch)} done ({time.perf_counter() - start:.0f} s)")
-    return time.perf_counter() - start
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--concurrency", default="32,64", help="requests in flight at once, e.g. 32,64")
+    ap.add_argument("--modes", default="auto", help="our engine's [engine] quantization, each (auto,none)")
+    ap.add_argument("--peers", default="hf,llama.cpp", help="the peers to run ('' for none)")
     ap.add_argument("--hf-batch", type=int, default=16)
+    ap.add_argument("--hf-requests", type=int, default=32, help="0: the whole workload")
+    ap.add_argument("--llamacpp-requests", type=int, default=16, help="0: the whole workload")
     ap.add_argument("--threads", type=int, default=2)
+    # llama.cpp's threads spin at their barriers: beside other busy processes 1 thread is its best
+    ap.add_argument("--llamacpp-threads", type=int, default=0, help="0: --threads")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="engine_throughput")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    from transformers import AutoModelForCausalLM
+    from backend.model_loader import embedded_gguf_path
 
-    from backend import LLM
-
-    say("loading our engine (SmolLM2-135M, float32)")
-    llm = LLM(dtype="float32")
-    work = workload(args.requests, args.seed, llm.engine.runner.spec.vocab_size)
-    useful = sum(m for _, m in work)
-    say(f"{len(work)} requests, {sum(len(p) for p, _ in work)} prompt tokens, {useful} output tokens")
-    ours = run_ours(llm, work)
-    say(f"ours: {ours:.1f} s, {useful / ours:.1f} tok/s")
-    hf = AutoModelForCausalLM.from_pretrained(str(llm.engine.model_dir), dtype=torch.float32).eval()
-    del llm
-    hf_s = run_hf(hf, work, args.hf_batch, pad_id=0)
-    say(f"HF generate: {hf_s:.1f} s, {useful / hf_s:.1f} tok/s")
-    result = {
-        "workload": {
-            "requests": len(work),
-            "prompt_len": [64, 512],
-            "output_len": [16, 256],
-            "seed": args.seed,
-            "output_tokens": useful,
-            "hf_static_batch": args.hf_batch,
-            "dtype": "float32",
-        },
-        "ours": {"seconds": round(ours, 2), "output_tok_per_s": round(useful / ours, 1)},
-        "hf_generate": {"seconds": round(hf_s, 2), "output_tok_per_s": round(useful / hf_s, 1)},
-        "speedup": round(hf_s / ours, 2),
-        "target": ">= 2.0",
+    sizes = [int(c) for c in args.concurrency.split(",")]
+    env = torch_env(args.threads)
+    ours_names = [f"ours {m}" for m in args.modes.split(",")]
+    peers = {
+        f"ours {m}": Peer("ours", "ours", env, threads=args.threads, quantization=m, max_num_seqs=max(sizes))
+        for m in args.modes.split(",")
     }
-    save("engine_throughput", result)
-    print(
-        f"ours {useful / ours:.1f} tok/s | HF generate {useful / hf_s:.1f} tok/s | ratio {hf_s / ours:.2f}x"
+    wanted = [p for p in args.peers.split(",") if p]
+    if "hf" in wanted:
+        peers["HF float32"] = Peer("hf", "hf", env, threads=args.threads, static_batch=args.hf_batch)
+    if "llama.cpp" in wanted and llamacpp_installed():
+        peers["llama.cpp Q4_1"] = Peer(
+            "llama.cpp",
+            "llama.cpp",
+            threads=args.llamacpp_threads or args.threads,
+            path=str(embedded_gguf_path()),
+        )
+    elif "llama.cpp" in wanted:
+        say("llama-cpp-python is not installed: skipping the llama.cpp peer")
+    say("engines loaded")
+    full = workload(max(sizes), args.seed, VOCAB)  # each smaller workload is its first N requests
+    served: dict[str, dict] = {}
+    # ours at each concurrency, the peers once in between (interleaved against load drift)
+    order = [(name, sizes[0]) for name in ours_names] + [
+        (name, 0) for name in peers if name not in ours_names
+    ]
+    order += [(name, n) for n in sizes[1:] for name in ours_names]
+    for name, n in order:
+        subset = {"HF float32": args.hf_requests, "llama.cpp Q4_1": args.llamacpp_requests}.get(name, n)
+        part = full[: subset or len(full)]
+        before = load_average()
+        seconds = peers[name].batch(part)
+        useful = sum(m for _, m in part)
+        key = f"{name} @{n}" if name in ours_names else name
+        served[key] = {
+            "requests": len(part),
+            "prompt_tokens": sum(len(p) for p, _ in part),
+            "output_tokens": useful,
+            "seconds": round(seconds, 2),
+            "output_tok_per_s": round(useful / seconds, 1),
+            "load_average_1min": [before, load_average()],
+        }
+        say(f"{key}: {len(part)} requests served in {seconds:.1f} s, {useful / seconds:.1f} output tok/s")
+    runs = {}
+    for n in sizes:
+        ours = {name: served[f"{name} @{n}"] for name in ours_names}
+        others = {k: v for k, v in served.items() if not k.startswith("ours")}
+        runs[str(n)] = {
+            "requests": n,
+            "engines": ours | others,
+            "ours_vs": {  # the first mode against each peer
+                k: round(ours[ours_names[0]]["output_tok_per_s"] / v["output_tok_per_s"], 2)
+                for k, v in others.items()
+            },
+            "ratios": {
+                f"{a} / {b}": round(ra["output_tok_per_s"] / rb["output_tok_per_s"], 2)
+                for a, ra in ours.items()
+                for b, rb in (others | ours).items()
+                if a != b
+            },
+        }
+    rss = {name: peer.stop() for name, peer in peers.items()}
+    save(
+        args.out,
+        {
+            "workload": {
+                "prompt_len": list(PROMPT_LEN),
+                "output_len": list(OUTPUT_LEN),
+                "seed": args.seed,
+                "ignore_eos": True,
+                "hf_static_batch": args.hf_batch,
+                "hf_requests": args.hf_requests,
+                "llamacpp": "one request at a time (no parallel slots in llama-cpp-python's server)",
+                "llamacpp_requests": args.llamacpp_requests,
+            },
+            "threads": args.threads,
+            "llamacpp_threads": args.llamacpp_threads or args.threads,
+            "mode": args.modes.split(",")[0],
+            "modes": args.modes.split(","),
+            "runs": runs,
+            "peak_rss_mib": rss,
+            "target": "ours >= 3x HF static batches",
+        },
     )
+    for n, row in runs.items():
+        print(f"{n} requests: " + ", ".join(f"{k} {v}x" for k, v in row["ratios"].items()))
 
 
 if __name__ == "__main__":

@@ -144,7 +144,8 @@ async def run(args: argparse.Namespace, work: Path) -> dict:
     config = work / "cachegw.toml"
     cache = "" if args.cross_verifier else "[cache]\ncross_verifier = false\nverifier_threshold = 0.80\n"
     config.write_text(
-        f'[gateway]\nbackends = ["http://127.0.0.1:{bport}/v1"]\n[engine]\nmax_num_seqs = 32\n{cache}'
+        f'[gateway]\nbackends = ["http://127.0.0.1:{bport}/v1"]\n'
+        f'[engine]\nquantization = "none"\nmax_num_seqs = 32\n{cache}'
     )
     exe = [sys.executable, "-m", "gateway.cli"]
     backend = start([*exe, "backend", "--port", str(bport), "--config", str(config)], work / "backend.log")

@@ -126,7 +126,13 @@ def main() -> None:
 
     disk_dir = tempfile.mkdtemp(prefix="kvtier-bench-")
     kv_token = 46080  # SmolLM2 float32 bytes per token
-    common = dict(dtype="float32", kv_cache_tokens=args.pool_tokens, max_num_seqs=4, block_size=BLOCK)
+    common = dict(
+        dtype="float32",
+        quantization="none",
+        kv_cache_tokens=args.pool_tokens,
+        max_num_seqs=4,
+        block_size=BLOCK,
+    )
     engines = {
         "pool": LLM(**common),
         "pool+ram": LLM(**common, kv_offload_bytes=args.ram_tokens * kv_token),

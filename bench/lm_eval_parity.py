@@ -34,7 +34,9 @@ def engine_server() -> Iterator[tuple[str, Path]]:
     from backend.server import build_app
     from tests.servers import serve_in_thread
 
-    llm = LLMEngine(load_engine_config(None, device="cpu", dtype="float32", kv_cache_tokens=8192))
+    llm = LLMEngine(
+        load_engine_config(None, device="cpu", dtype="float32", quantization="none", kv_cache_tokens=8192)
+    )
     engine = AsyncEngine(llm)
     try:
         with serve_in_thread(build_app(engine, MODEL, 1 << 22)) as url:

@@ -21,9 +21,26 @@ def main() -> None:
     kv = json.loads((RESULTS / "kv_memory.json").read_text())
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     ax = axes[0]
-    vals = [tp["hf_generate"]["output_tok_per_s"], tp["ours"]["output_tok_per_s"]]
-    ax.bar(["HF generate\n(static batches of 16)", "cachegw engine"], vals, color=["#999", "#2a7"])
-    ax.set_title(f"64 requests, SmolLM2 fp32, 2 CPU threads: {tp['speedup']}x")
+    n = max(tp["runs"], key=int)
+    rates = {k: e["output_tok_per_s"] for k, e in tp["runs"][n]["engines"].items()}
+    rates = {
+        (f"{k}\n{tp.get('llamacpp_threads', tp['threads'])} threads" if k.startswith("llama") else k): v
+        for k, v in rates.items()
+    }
+    again = RESULTS / "engine_throughput_vs_llamacpp.json"  # llama.cpp with its own thread count
+    if again.exists():
+        tl = json.loads(again.read_text())
+        rates[f"llama.cpp Q4_1\n{tl['llamacpp_threads']} thread(s), run 2"] = tl["runs"][n]["engines"][
+            "llama.cpp Q4_1"
+        ]["output_tok_per_s"]
+    ax.bar(
+        list(rates), list(rates.values()), color=["#2a7" if k.startswith("ours") else "#999" for k in rates]
+    )
+    ax.tick_params(axis="x", labelsize=7)
+    ax.set_title(
+        f"{n} concurrent requests: ours {tp['runs'][n]['ours_vs']['HF float32']}x HF static batches",
+        fontsize=9,
+    )
     ax.set_ylabel("output tokens / s")
     ax = axes[1]
     vals = [ttft["hf_forward_ms"], ttft["ttft_cold_ms"], ttft["ttft_cached_ms"]]

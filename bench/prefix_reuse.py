@@ -109,7 +109,12 @@ def backend(args: argparse.Namespace, captured: dict) -> Iterator[tuple[str, Any
     from tests.servers import serve_in_thread
 
     cfg = load_engine_config(
-        None, device="cpu", dtype=args.dtype, kv_cache_tokens=args.kv_tokens, max_num_seqs=args.concurrency
+        None,
+        device="cpu",
+        dtype=args.dtype,
+        quantization="none",
+        kv_cache_tokens=args.kv_tokens,
+        max_num_seqs=args.concurrency,
     )
     llm = LLMEngine(cfg)
     engine = AsyncEngine(llm)

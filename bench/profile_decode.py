@@ -1,11 +1,12 @@
 """Where a batch-1 decode step goes: torch.profiler over 20 engine steps after a 200-token prompt.
 
-Operator self-times are put in four groups: projections (float or int4/int8 matmuls, LM head
-included), attention (SDPA plus the KV-cache gather and store), the other tensor ops (norms, rotary,
-SiLU, adds, copies, sampling), and what no operator accounts for (Python: scheduler, batch
-preparation, module calls, detokenization).
+Operator self-times are put in groups: projections (float or int4/int8 matmuls, LM head
+included), attention (SDPA or the compiled step's two matmuls, plus the KV-cache gather and store),
+the other tensor ops (norms, rotary, SiLU, adds, copies, sampling; in a compiled step, the generated
+C++ loops that fuse them), and what no operator accounts for (Python: scheduler, batch preparation,
+module calls, detokenization, the compiled graph's guards).
 
-    .venv/bin/python -m bench.profile_decode [--modes none,int4] [--steps 20] [--threads 2]
+    .venv/bin/python -m bench.profile_decode [--modes none,int4,int4+compile] [--steps 20] [--threads 2]
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ _GROUPS = {
         "aten::index_put",
         "aten::bmm",
     ),
+    "other ops": ("CompiledFxGraph",),
 }
 
 
@@ -44,8 +46,14 @@ def profile(mode: str, steps: int) -> dict:
 
     from backend import LLM, SamplingParams
 
+    weights, _, compiled = mode.partition("+")
     llm = LLM(
-        quantization=mode, dtype="float32", kv_cache_tokens=1024, max_num_seqs=1, enable_prefix_caching=False
+        quantization=weights,
+        dtype="float32",
+        kv_cache_tokens=1024,
+        max_num_seqs=1,
+        enable_prefix_caching=False,
+        compile="startup" if compiled == "compile" else "off",
     )
     engine = llm.engine
     engine.add_request(
@@ -72,7 +80,7 @@ def profile(mode: str, steps: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--modes", default="none,int4")
+    ap.add_argument("--modes", default="none,int4,int4+compile")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()

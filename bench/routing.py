@@ -44,7 +44,9 @@ PORTS = (18411, 18412)
 @contextlib.contextmanager
 def backends(work: Path, kv_tokens: int, concurrency: int) -> Iterator[list[str]]:
     config = work / "backend.toml"
-    config.write_text(f"[engine]\nkv_cache_tokens = {kv_tokens}\nmax_num_seqs = {concurrency}\n")
+    config.write_text(
+        f'[engine]\nquantization = "none"\nkv_cache_tokens = {kv_tokens}\nmax_num_seqs = {concurrency}\n'
+    )
     env_threads = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     os.environ.update(env_threads)  # inherited by the two processes: one core each
     procs = [

@@ -94,7 +94,7 @@ def engine_part(args: argparse.Namespace) -> list[dict]:
     from backend import LLM, SamplingParams
     from backend.speculative import Speculator
 
-    llm = LLM(kv_cache_tokens=16384, max_num_seqs=4, enable_prefix_caching=False)
+    llm = LLM(quantization="none", kv_cache_tokens=16384, max_num_seqs=4, enable_prefix_caching=False)
     engine = llm.engine
     spec = Speculator(args.k, args.ngram_min, args.ngram_max)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
@@ -142,7 +142,7 @@ def batch_part(args: argparse.Namespace) -> list[dict]:
     from backend import LLM, SamplingParams
     from backend.speculative import Speculator
 
-    llm = LLM(kv_cache_tokens=16384, max_num_seqs=16, enable_prefix_caching=False)
+    llm = LLM(quantization="none", kv_cache_tokens=16384, max_num_seqs=16, enable_prefix_caching=False)
     engine = llm.engine
     engine.scheduler.speculative_max_seqs = 64
     grounded = [c for c in cases(str(args.data / "sharegpt_dev.jsonl"), 8) if c.task == "summarize"]
@@ -205,7 +205,9 @@ def gateway_part(args: argparse.Namespace) -> list[dict]:
     from gateway.serve import started_gateway
     from tests.servers import serve_in_thread
 
-    cfg = load_engine_config(None, kv_cache_tokens=8192, max_num_seqs=4, speculative="ngram")
+    cfg = load_engine_config(
+        None, quantization="none", kv_cache_tokens=8192, max_num_seqs=4, speculative="ngram"
+    )
     engine = AsyncEngine(LLMEngine(cfg))
     rows = []
     with tempfile.TemporaryDirectory() as tmp, serve_in_thread(backend_app(engine, "m", 1 << 20)) as b:

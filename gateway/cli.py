@@ -20,12 +20,18 @@ def _add_backend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cpus", help="cores the engine may use, a CPU list such as 1 or 2-7 (default from config)"
     )
+    p.add_argument(
+        "--quantization",
+        choices=("auto", "none", "int8", "int4"),
+        help="weights: auto (the GGUF's own int4/int8 blocks; float for a float model), none (float), "
+        "int8, int4 (default from config: auto)",
+    )
 
 
 def _cmd_backend(args: argparse.Namespace) -> int:
     from backend.command import main
 
-    main(args.config, args.host, args.port, args.model, args.cpus)
+    main(args.config, args.host, args.port, args.model, args.cpus, args.quantization)
     return 0
 
 

@@ -13,6 +13,9 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Engines compile their decode step in the background by default: tens of seconds of a core for
+# each of the run's many engines. tests/test_compiled_decode.py turns it back on where it is tested.
+os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -22,11 +25,11 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 @pytest.fixture(scope="module")
 def llm() -> Iterator:
-    """float32 (what parity needs) with a roomy KV cache (720 MB): loaded per module that uses it (a few
-    seconds) and freed after it, rather than held through the rest of the run."""
+    """float32 weights (`quantization="none"`: what parity needs) with a roomy KV cache (720 MB): loaded
+    per module that uses it (a few seconds) and freed after it, not held through the rest of the run."""
     from backend import LLM
 
-    engine = LLM(dtype="float32", kv_cache_tokens=16384, max_num_seqs=16)
+    engine = LLM(dtype="float32", quantization="none", kv_cache_tokens=16384, max_num_seqs=16)
     yield engine
     del engine
     gc.collect()
@@ -61,7 +64,7 @@ def smol_tokenizer() -> Any:
 def shared_engine() -> Iterator[Any]:
     """The built-in engine (an AsyncEngine on SmolLM2), one for the session: every server a test
     puts in front of it shares its weights and KV cache. It runs the GGUF's own 4-bit weights
-    (`quantization = "auto"`: Q4_1 as int4), which decode 2.5-4x faster here than float32: the
+    (the default `quantization = "auto"`: Q4_1 as int4), which decode 2.5-4x faster here than float32: the
     gateway tests need a real engine, not float32 numbers (the parity tests keep float32 in `llm`)."""
     from backend.async_engine import AsyncEngine
     from backend.config import load_engine_config

@@ -70,7 +70,13 @@ def test_batch_matches_hf_with_prefix_hits(llm, reference):
 def test_preempted_and_chunked_requests_match_hf(reference):
     prompts, expected = reference
     need = max(len(p) for p in prompts) + NEW_TOKENS
-    small = LLM(dtype="float32", kv_cache_tokens=need + 64, max_num_seqs=8, max_num_batched_tokens=64)
+    small = LLM(
+        dtype="float32",
+        quantization="none",
+        kv_cache_tokens=need + 64,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+    )
     outs = small.generate(prompts, greedy())
     assert [o.outputs[0].token_ids for o in outs] == expected
     stats = small.engine.stats()

@@ -44,6 +44,7 @@ def test_family_matches_transformers(kind, tmp_path):
                 layer.self_attn.k_proj.bias.normal_(0, 0.5)
     hf.save_pretrained(str(tmp_path))
     llm = LLM(model=str(tmp_path), dtype="float32", device="cpu", kv_cache_tokens=1024, block_size=8)
+    assert llm.engine.runner.quantization == "none"  # the default "auto" keeps a float checkpoint float
     prompts = [[5, 17, 99, 3, 250, 7, 7, 8, 100, 101, 44], list(range(30, 90))]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
     for prompt, out in zip(prompts, outs, strict=True):

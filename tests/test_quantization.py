@@ -4,6 +4,8 @@ the float matmul of the same weights, the config check, and the real engine on t
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -14,6 +16,7 @@ from transformers import LlamaConfig
 from backend.config import load_engine_config
 from backend.gguf_weights import decode_blocks
 from backend.layers.quantized_linear import Int4Linear, Int8Linear
+from backend.model_loader import embedded_gguf_path
 from backend.model_runner import ModelRunner
 
 
@@ -60,9 +63,8 @@ def test_bad_quantization_value_is_refused_at_start() -> None:
         load_engine_config(quantization="int3")
 
 
-def test_runner_quantizes_a_float_checkpoint_at_load() -> None:
-    """A tiny random Llama (no GGUF) with quantization=int4: every projection becomes int4, the LM head
-    int8, and the logits stay close to the float runner's on the same weights."""
+def _tiny_runner(gguf: Path | None = None, **overrides) -> ModelRunner:
+    """A 2-layer random Llama; ``gguf``: the file an engine would name (ignored for random weights)."""
     hf = LlamaConfig(
         vocab_size=64,
         hidden_size=64,
@@ -73,17 +75,45 @@ def test_runner_quantizes_a_float_checkpoint_at_load() -> None:
         max_position_embeddings=64,
         architectures=["LlamaForCausalLM"],
     )
+    cfg = load_engine_config(load_format="dummy", device="cpu", dtype="float32", block_size=4)
+    cfg = cfg.with_overrides(kv_cache_tokens=64, **overrides)
+    return ModelRunner(cfg, hf, None, torch.device("cpu"), torch.float32, 64, gguf_path=gguf)
+
+
+def test_runner_quantizes_a_float_checkpoint_at_load() -> None:
+    """A tiny random Llama (no GGUF) with quantization=int4: every projection becomes int4, the LM head
+    int8, and the logits stay close to the float runner's on the same weights."""
     outs = {}
     for mode in ("none", "int4"):
-        cfg = load_engine_config(load_format="dummy", device="cpu", dtype="float32", block_size=4)
-        cfg = cfg.with_overrides(kv_cache_tokens=64, quantization=mode)
-        runner = ModelRunner(cfg, hf, None, torch.device("cpu"), torch.float32, max_model_len=64)
+        runner = _tiny_runner(quantization=mode)
         x = torch.randn(1, 64, generator=torch.Generator().manual_seed(1))
         outs[mode] = runner.model.compute_logits(runner.model.layers[0].mlp(x))
         kinds = {type(m).__name__ for m in runner.model.modules()}
         assert ("Int4Linear" in kinds) == (mode == "int4")
         assert isinstance(runner.model.lm_head, Int8Linear) == (mode == "int4")
     torch.testing.assert_close(outs["int4"], outs["none"], rtol=0.1, atol=0.05)
+
+
+def test_auto_is_the_default_and_a_model_without_quantized_tensors_stays_float(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`auto` (the default) over weights with no quantized tensors (random weights here, even with the
+    embedded GGUF named as the model, like a float safetensors folder) runs float everywhere, the LM
+    head too, and the start-up log says so."""
+    assert load_engine_config().quantization == "auto"
+    with caplog.at_level("INFO", logger="cachegw.backend"):
+        runner = _tiny_runner(embedded_gguf_path())
+    assert runner.quantization == "none"
+    kinds = {type(m).__name__ for m in runner.model.modules()}
+    assert not kinds & {"Int4Linear", "Int8Linear"}, kinds
+    assert "weights: quantization=auto -> none" in caplog.text
+
+
+def test_startup_log_names_the_weight_mode_chosen(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("INFO", logger="cachegw.backend"):
+        runner = _tiny_runner(quantization="int8")
+    assert runner.quantization == "int8"
+    assert "weights: quantization=int8 -> int8" in caplog.text and "LM head int8" in caplog.text
 
 
 def test_engine_int4_from_the_gguf_answers_like_float32() -> None:
@@ -101,3 +131,13 @@ def test_engine_int4_from_the_gguf_answers_like_float32() -> None:
     ]
     text = llm.chat(conv, params)[0].outputs[0].text
     assert text.startswith("The capital of France is Paris")
+
+
+def test_cachegw_backend_takes_the_weight_mode() -> None:
+    from gateway.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["backend", "--quantization", "none"]).quantization == "none"
+    assert parser.parse_args(["backend"]).quantization is None  # config.toml's value then
+    with pytest.raises(SystemExit):
+        parser.parse_args(["backend", "--quantization", "int3"])

@@ -149,7 +149,9 @@ def test_unknown_routing_mode_stops_the_start(tmp_path: Path) -> None:
 
 def _engine() -> AsyncEngine:
     """A second engine next to the session's: short prompts only, so a small KV cache (90 MB, not 360)."""
-    cfg = load_engine_config(None, device="cpu", dtype="float32", kv_cache_tokens=2048, max_num_seqs=8)
+    cfg = load_engine_config(
+        None, device="cpu", dtype="float32", quantization="none", kv_cache_tokens=2048, max_num_seqs=8
+    )
     return AsyncEngine(LLMEngine(cfg))
 
 

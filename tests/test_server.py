@@ -39,6 +39,7 @@ METRIC_NAMES = [
     "cachegw:prompt_tokens_total", "cachegw:generation_tokens_total", "cachegw:time_to_first_token_seconds",
     "cachegw:time_per_output_token_seconds", "cachegw:e2e_request_latency_seconds",
     "cachegw:spec_decode_draft_tokens_total", "cachegw:spec_decode_accepted_tokens_total",
+    "cachegw:compiled_decode_steps_total",
 ]  # fmt: skip
 
 
@@ -64,7 +65,9 @@ class Backend:
 
 @pytest.fixture(scope="module")
 def backend() -> Iterator[Backend]:
-    cfg = load_engine_config(None, device="cpu", dtype="float32", kv_cache_tokens=1024, max_num_seqs=4)
+    cfg = load_engine_config(
+        None, device="cpu", dtype="float32", quantization="none", kv_cache_tokens=1024, max_num_seqs=4
+    )
     llm = LLMEngine(cfg)
     engine = AsyncEngine(llm)
     app = build_app(engine, MODEL, MAX_REQUEST_BYTES)

@@ -249,7 +249,9 @@ def test_preempted_sequences_keep_a_valid_grammar() -> None:
     output tokens, which its matcher has already consumed, and answers exactly as it does alone."""
     from backend import LLM
 
-    small = LLM(dtype="float32", kv_cache_tokens=96, max_num_seqs=4, enable_prefix_caching=False)
+    small = LLM(
+        dtype="float32", quantization="none", kv_cache_tokens=96, max_num_seqs=4, enable_prefix_caching=False
+    )
     question, schema = SCHEMAS["array"]
     spec = StructuredOutput.json_schema(schema, True)
     prompts = [

@@ -22,7 +22,7 @@ SCRIPT = textwrap.dedent(
     import json, torch
     torch.set_num_threads(2)
     from backend import LLM, SamplingParams
-    llm = LLM(dtype="float32", kv_cache_tokens=1024, max_num_seqs=4)
+    llm = LLM(dtype="float32", quantization="none", kv_cache_tokens=1024, max_num_seqs=4)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     prompts = [list(range(100, 140)), list(range(100, 120)) + list(range(300, 310))]
     torch_out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, cache_salt="torch")]

@@ -37,6 +37,12 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     decode_groups: list[tuple[int, int]] | None = None  # torch path: set on first use in a step
 
+    def groups(self) -> list[tuple[int, int]]:
+        """The decodes in groups of similar context length (``decode_groups``), computed once a step."""
+        if self.decode_groups is None:
+            self.decode_groups = decode_groups(self.seq_lens_cpu[: self.num_decodes])
+        return self.decode_groups
+
     @classmethod
     def one_prefill(cls, n: int, block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
         """One sequence of ``n`` new tokens in blocks 0, 1, ... (start-up warm-up, offline scoring)."""
@@ -52,6 +58,23 @@ class AttentionMetadata:
             query_lens_cpu=[n],
             seq_lens_cpu=[n],
         )
+
+
+@dataclass
+class DecodeMetadata:
+    """A step of decodes only (one query token per sequence), held as tensors alone.
+
+    What the compiled decode step (``backend/compiled_decode.py``) is traced with: no Python ints
+    or lists, so one compiled graph serves every batch size and context length.
+    """
+
+    slot_mapping: torch.Tensor  # [B] int64
+    block_tables: torch.Tensor  # [B, blocks]: every block of the longest context, padded with 0
+    seq_lens: torch.Tensor  # [B] context length after this step
+
+
+# What one step of the model runs with: the eager engine's metadata, or the compiled decode's.
+StepMetadata = AttentionMetadata | DecodeMetadata
 
 
 def store_kv_torch(
@@ -149,9 +172,7 @@ def paged_attention_torch(
     group = num_heads // kv_heads
     out = torch.empty_like(q)
     nd = meta.num_decodes
-    if nd and meta.decode_groups is None:
-        meta.decode_groups = decode_groups(meta.seq_lens_cpu[:nd])
-    for lo, hi in meta.decode_groups or []:
+    for lo, hi in meta.groups():
         n = hi - lo
         max_blocks = (max(meta.seq_lens_cpu[lo:hi]) + block_size - 1) // block_size
         first = _first_block(min(meta.seq_lens_cpu[lo:hi]) - 1, window, block_size)
@@ -164,15 +185,7 @@ def paged_attention_torch(
             _gather_blocks(v_cache, tables, "v", q.dtype).view(n, length, kv_heads, head_dim).transpose(1, 2)
         )
         positions = torch.arange(first * block_size, max_blocks * block_size, device=q.device)
-        ends = meta.seq_lens[lo:hi, None]
-        seen = positions[None, :] < ends
-        if window is not None:
-            seen &= positions[None, :] >= ends - window
-        # The query heads of one KV group act as that group's query rows: no K/V repeat needed.
-        queries = q[lo:hi].view(n, kv_heads, group, head_dim)
-        out[lo:hi] = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=seen.view(n, 1, 1, length), scale=scale
-        ).reshape(n, num_heads, head_dim)
+        out[lo:hi] = _attend_decodes(q[lo:hi], keys, values, positions, meta.seq_lens[lo:hi], scale, window)
     starts = meta.query_start_loc.tolist() if len(meta.query_lens_cpu) > nd else []
     for s in range(nd, len(meta.query_lens_cpu)):
         q_len, ctx = meta.query_lens_cpu[s], meta.seq_lens_cpu[s]
@@ -211,6 +224,62 @@ def paged_attention_torch(
         )
         out[lo : lo + q_len] = res[0].transpose(0, 1)
     return out
+
+
+def _visible(positions: torch.Tensor, seq_lens: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[n, L]: which keys at ``positions`` each sequence's query sees (before its context end, and
+    within its window)."""
+    ends = seq_lens[:, None]
+    seen = positions[None, :] < ends
+    if window is not None:
+        seen &= positions[None, :] >= ends - window
+    return seen
+
+
+def _attend_decodes(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """One query token per sequence over its gathered keys [n, KVH, L, D] at ``positions`` [L];
+    returns [n, H, D]."""
+    n, num_heads, head_dim = q.shape
+    kv_heads = keys.shape[1]
+    # The query heads of one KV group act as that group's query rows: no K/V repeat needed.
+    queries = q.view(n, kv_heads, num_heads // kv_heads, head_dim)
+    mask = _visible(positions, seq_lens, window).view(n, 1, 1, positions.shape[0])
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
+    return out.reshape(n, num_heads, head_dim)
+
+
+def decode_attention_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: DecodeMetadata,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Decodes as one padded group over every block of their tables, in tensor ops alone.
+
+    Attention is spelled out (two batched matmuls around scale, mask and softmax) rather than SDPA:
+    in the compiled graph Inductor fuses the middle into one loop, while SDPA stays an opaque call
+    that cost 3-5x as much per layer for a single query row (profiled at batch 1)."""
+    n, num_heads, head_dim = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    length = meta.block_tables.shape[1] * block_size
+    flat = meta.block_tables.reshape(-1)
+    keys = read_blocks(k_cache, flat, q.dtype).view(n, length, kv_heads, head_dim).transpose(1, 2)
+    values = read_blocks(v_cache, flat, q.dtype).view(n, length, kv_heads, head_dim).transpose(1, 2)
+    seen = _visible(torch.arange(length, device=q.device), meta.seq_lens, window)
+    queries = q.view(n, kv_heads, num_heads // kv_heads, head_dim)
+    scores = torch.matmul(queries, keys.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~seen.view(n, 1, 1, length), float("-inf"))
+    return torch.matmul(scores.softmax(-1), values).reshape(n, num_heads, head_dim)
 
 
 def _first_block(q_pos: int, window: int | None, block_size: int) -> int:
@@ -257,9 +326,13 @@ class PagedAttention(torch.nn.Module):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: StepMetadata,
         q_sink: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if isinstance(meta, DecodeMetadata):  # the compiled decode step: torch path, no sinks
+            store_kv_torch(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            window = self.sliding_window
+            return decode_attention_torch(q, self.k_cache, self.v_cache, meta, self.scale, window)
         if q_sink is not None and self.sliding_window is not None:
             from backend.layers.sinks import sink_attention
 

@@ -2,8 +2,9 @@
 
 The model runs on a flat batch of tokens from many sequences at once (no padding): ``input_ids``
 and ``positions`` are [T]; attention reads and writes the paged KV cache through the step's
-``AttentionMetadata``. Q/K/V and gate/up are fused into one matmul each, which matters on CPU
-where a batch-1 decode step is bound by per-op overhead.
+``AttentionMetadata`` (``DecodeMetadata`` in the compiled decode step). Q/K/V and gate/up are
+fused into one matmul each, which matters on CPU where a batch-1 decode step is bound by per-op
+overhead.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backend.layers.attention import AttentionMetadata, PagedAttention
+from backend.layers.attention import PagedAttention, StepMetadata
 from backend.layers.kv_quant import KVCacheFormat
 from backend.layers.rotary import RotaryEmbedding
 
@@ -140,7 +141,7 @@ class LlamaAttention(nn.Module):
             spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5, sliding_window=window
         )
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
@@ -172,7 +173,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: StepMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = x
@@ -210,9 +211,7 @@ class LlamaForCausalLM(nn.Module):
         if self.spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm."""
         x = self.embed_tokens(input_ids)
         residual = None

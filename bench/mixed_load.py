@@ -1,0 +1,191 @@
+"""`cachegw serve` under mixed traffic: the engine decoding for 8 clients while the gateway answers
+semantic hits at a steady rate, in two layouts of the gateway and its built-in engine on this machine.
+
+- before: what `make serve` did before `[gateway] builtin_backend_cpus` and the engine's thread
+  settings existed: gateway and engine share every core, the engine runs one thread per core with
+  OpenMP's own wait policy (spin, then sleep);
+- after: the defaults (`builtin_backend_cpus = "auto"`: the gateway keeps the first core, the engine
+  gets the rest, one thread per core, passive waiting).
+
+Per layout, three phases of `--seconds` each: the engine alone (8 clients, each sending a new
+prompt as soon as its last answer came, `--max-tokens` tokens), the hits alone (an open-loop
+stream of `--rate` paraphrases of 40 stored questions per second: semantic hits), then both at
+once. Reported: engine output tokens/s, hit latency p50/p99 and the hit rate achieved. Layouts are
+interleaved round by round (each round restarts `cachegw serve`). Before and after differ only in
+the layout (the decode step eager in both); "after, compiled" adds the default compiled decode step
+(compiled before serving, so that no compile runs during the phases).
+
+    .venv/bin/python -m bench.mixed_load [--rounds 2] [--seconds 20] [--rate 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.common import ROOT, pct, save, say
+from bench.gateway_latency import QUESTIONS, body, paraphrase, start, timed, wait_health
+
+LAYOUTS = {
+    "before": '[gateway]\nbuiltin_backend_cpus = "all"\n'
+    '[engine]\nthreads = 0\nomp_wait_policy = "runtime"\ncompile = "off"\n',
+    "after": '[engine]\ncompile = "off"\n',  # the core split and thread defaults
+    "after, compiled": '[engine]\ncompile = "startup"\n',  # and the compiled decode step
+}
+
+
+async def engine_load(url: str, clients: int, seconds: float, max_tokens: int, salt: str) -> dict:
+    """Closed loop: each client sends a new (never cached) prompt as soon as its answer came."""
+    tokens, done = 0, 0
+    stop = time.monotonic() + seconds
+    counter = itertools.count()
+    async with httpx.AsyncClient(timeout=300) as c:
+
+        async def client() -> None:
+            nonlocal tokens, done
+            while time.monotonic() < stop:
+                payload = body(f"Write a long story about {salt} ship number {next(counter)}", max_tokens)
+                r = await c.post(url, json=payload, headers={"Authorization": "Bearer bench"})
+                r.raise_for_status()
+                tokens += r.json()["usage"]["completion_tokens"]
+                done += 1
+
+        start_t = time.monotonic()
+        await asyncio.gather(*(client() for _ in range(clients)))
+        elapsed = time.monotonic() - start_t
+    return {"tokens_per_s": round(tokens / elapsed, 1), "requests": done}
+
+
+async def hit_stream(url: str, rate: float, seconds: float) -> dict:
+    """Open loop: a paraphrase every 1/rate s whether or not earlier ones were answered."""
+    latencies: list[float] = []
+    kinds: dict[str, int] = {}
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=60, limits=limits) as c:
+
+        async def one(q: str) -> None:
+            ms, kind = await timed(c, url, body(paraphrase(q)))
+            kinds[kind] = kinds.get(kind, 0) + 1
+            if kind == "semantic-hit":
+                latencies.append(ms)
+
+        tasks = []
+        start_t = time.monotonic()
+        for i in range(int(rate * seconds)):
+            await asyncio.sleep(max(0.0, start_t + i / rate - time.monotonic()))
+            tasks.append(asyncio.create_task(one(QUESTIONS[i % len(QUESTIONS)])))
+        await asyncio.gather(*tasks)
+        elapsed = time.monotonic() - start_t
+    return {
+        "offered_per_s": rate,
+        "answered_per_s": round(sum(kinds.values()) / elapsed, 1),
+        "p50_ms": round(pct(latencies, 50), 1) if latencies else None,
+        "p99_ms": round(pct(latencies, 99), 1) if latencies else None,
+        "kinds": kinds,
+    }
+
+
+async def one_layout(name: str, args: argparse.Namespace, work: Path, salt: str) -> dict:
+    port = 18460
+    config = work / f"{name.replace(', ', '-')}.toml"
+    config.write_text(LAYOUTS[name])
+    data = work / f"data-{config.stem}-{salt}"
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--config", str(config)]
+    proc = start([*cmd, "--data-dir", str(data)], work / f"{config.stem}-{salt}.log")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        await wait_health(url, proc, timeout=600)  # a compile at start-up takes a minute or two
+        chat = f"{url}/v1/chat/completions"
+        async with httpx.AsyncClient(timeout=120) as c:
+            for q in QUESTIONS:  # the stored answers the paraphrases will hit
+                await timed(c, chat, body(q))
+        say(f"{name}: engine alone")
+        alone = await engine_load(chat, args.clients, args.seconds, args.max_tokens, salt + "a")
+        say(f"{name}: hits alone")
+        hits = await hit_stream(chat, args.rate, args.seconds)
+        say(f"{name}: both")
+        both_engine, both_hits = await asyncio.gather(
+            engine_load(chat, args.clients, args.seconds, args.max_tokens, salt + "b"),
+            hit_stream(chat, args.rate, args.seconds),
+        )
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+    result = {
+        "engine_alone": alone,
+        "hits_alone": hits,
+        "engine_beside_hits": both_engine,
+        "hits_beside_engine": both_hits,
+    }
+    say(f"{name}: {result}")
+    return result
+
+
+async def run(args: argparse.Namespace, work: Path) -> dict:
+    rounds: list[dict[str, dict]] = []
+    for r in range(args.rounds):
+        order = list(LAYOUTS) if r % 2 == 0 else list(LAYOUTS)[::-1]
+        rounds.append({name: await one_layout(name, args, work, f"r{r}") for name in order})
+    return {"rounds": rounds}
+
+
+def _median(runs: list[dict], phase: str, key: str) -> float | None:
+    vals = sorted(v for run in runs if (v := run[phase][key]) is not None)
+    return vals[len(vals) // 2] if vals else None
+
+
+def summary(rounds: list[dict[str, dict]]) -> dict[str, dict]:
+    """Medians over the rounds, per layout."""
+    out: dict[str, dict] = {}
+    for name in LAYOUTS:
+        runs = [r[name] for r in rounds]
+
+        def med(phase: str, key: str, runs: list[dict] = runs) -> float | None:
+            return _median(runs, phase, key)
+
+        out[name] = {
+            "engine_tok_s_alone": med("engine_alone", "tokens_per_s"),
+            "engine_tok_s_beside_hits": med("engine_beside_hits", "tokens_per_s"),
+            "hit_p50_ms_alone": med("hits_alone", "p50_ms"),
+            "hit_p50_ms_beside_engine": med("hits_beside_engine", "p50_ms"),
+            "hit_p99_ms_beside_engine": med("hits_beside_engine", "p99_ms"),
+            "hits_answered_per_s_beside_engine": med("hits_beside_engine", "answered_per_s"),
+        }
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--seconds", type=float, default=20.0)
+    ap.add_argument("--rate", type=float, default=100.0)
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--out", default="mixed_load", help="result name under bench/results/")
+    args = ap.parse_args()
+    load = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="cachegw-mixed-") as tmp:
+        result = asyncio.run(run(args, Path(tmp)))
+    result["summary"] = summary(result["rounds"])
+    result["settings"] = vars(args) | {"layouts": LAYOUTS, "load_before": load}
+    save(args.out, result)
+    for name, s in result["summary"].items():
+        print(name, s)
+
+
+if __name__ == "__main__":
+    os.chdir(ROOT)
+    main()
