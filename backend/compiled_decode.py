@@ -7,10 +7,11 @@ and SDPA stay calls to their own kernels. Only steps made of decodes alone take 
 (prefill chunks keep the eager path, where the matmuls dominate), traced with
 ``DecodeMetadata``'s tensors alone, so one graph serves every batch size and context length.
 
-Compiling takes tens of seconds once per process (Inductor's on-disk cache shortens later
-starts). By default it runs in a background thread while the engine decodes eagerly, and the
-engine switches when it is done; a failure (no C++ compiler, an unsupported op) is logged and the
-engine stays eager. ``TORCH_COMPILE_DISABLE=1`` (torch's own switch) turns it off too.
+Compiling takes about 35 s of one core per process (Inductor's disk cache spares the C++ builds
+after the first start, not the tracing). By default it runs in a background thread while the
+engine decodes eagerly, and the engine switches when it is done; a failure (no C++ compiler, an
+unsupported op) is logged and the engine stays eager. ``TORCH_COMPILE_DISABLE=1`` (torch's own
+switch) turns it off too.
 """
 
 from __future__ import annotations

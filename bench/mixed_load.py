@@ -1,5 +1,5 @@
 """`cachegw serve` under mixed traffic: the engine decoding for 8 clients while the gateway answers
-semantic hits at a steady rate, in two layouts of the gateway and its built-in engine on this machine.
+semantic hits at a steady rate, in layouts of the gateway and its built-in engine on this machine.
 
 - before: what `make serve` did before `[gateway] builtin_backend_cpus` and the engine's thread
   settings existed: gateway and engine share every core, the engine runs one thread per core with
@@ -7,15 +7,16 @@ semantic hits at a steady rate, in two layouts of the gateway and its built-in e
 - after: the defaults (`builtin_backend_cpus = "auto"`: the gateway keeps the first core, the engine
   gets the rest, one thread per core, passive waiting).
 
-Per layout, three phases of `--seconds` each: the engine alone (8 clients, each sending a new
-prompt as soon as its last answer came, `--max-tokens` tokens), the hits alone (an open-loop
-stream of `--rate` paraphrases of 40 stored questions per second: semantic hits), then both at
-once. Reported: engine output tokens/s, hit latency p50/p99 and the hit rate achieved. Layouts are
-interleaved round by round (each round restarts `cachegw serve`). Before and after differ only in
+Per layout, phases of `--seconds` each: the engine alone (8 clients, each sending a new prompt as
+soon as its last answer came, `--max-tokens` tokens, `Cache-Control: no-store` so that each reaches
+the engine), then for each rate in `--rates`: the hits alone (an open-loop stream of that many
+paraphrases of 40 stored questions per second: semantic hits), then both at once. Reported: engine
+output tokens/s, hit latency p50/p99 and the hit rate achieved. Layouts are interleaved round by
+round (each round restarts `cachegw serve`). Before and after differ only in
 the layout (the decode step eager in both); "after, compiled" adds the default compiled decode step
 (compiled before serving, so that no compile runs during the phases).
 
-    .venv/bin/python -m bench.mixed_load [--rounds 2] [--seconds 20] [--rate 100]
+    .venv/bin/python -m bench.mixed_load [--rounds 1] [--seconds 15] [--rates 50,100]
 """
 
 from __future__ import annotations
@@ -55,7 +56,10 @@ async def engine_load(url: str, clients: int, seconds: float, max_tokens: int, s
             nonlocal tokens, done
             while time.monotonic() < stop:
                 payload = body(f"Write a long story about {salt} ship number {next(counter)}", max_tokens)
-                r = await c.post(url, json=payload, headers={"Authorization": "Bearer bench"})
+                # no-store: the gateway neither answers from nor keeps these (RFC 9111), so every
+                # one reaches the engine; similar stories would otherwise hit each other.
+                headers = {"Authorization": "Bearer bench", "Cache-Control": "no-store"}
+                r = await c.post(url, json=payload, headers=headers)
                 r.raise_for_status()
                 tokens += r.json()["usage"]["completion_tokens"]
                 done += 1
@@ -110,26 +114,23 @@ async def one_layout(name: str, args: argparse.Namespace, work: Path, salt: str)
             for q in QUESTIONS:  # the stored answers the paraphrases will hit
                 await timed(c, chat, body(q))
         say(f"{name}: engine alone")
-        alone = await engine_load(chat, args.clients, args.seconds, args.max_tokens, salt + "a")
-        say(f"{name}: hits alone")
-        hits = await hit_stream(chat, args.rate, args.seconds)
-        say(f"{name}: both")
-        both_engine, both_hits = await asyncio.gather(
-            engine_load(chat, args.clients, args.seconds, args.max_tokens, salt + "b"),
-            hit_stream(chat, args.rate, args.seconds),
-        )
+        result: dict = {
+            "engine_alone": await engine_load(chat, args.clients, args.seconds, args.max_tokens, salt)
+        }
+        for rate in args.rates:
+            say(f"{name}: {rate:g} hits/s alone, then beside the engine")
+            result[f"hits_alone@{rate:g}"] = await hit_stream(chat, rate, args.seconds)
+            engine, hits = await asyncio.gather(
+                engine_load(chat, args.clients, args.seconds, args.max_tokens, f"{salt}{rate:g}"),
+                hit_stream(chat, rate, args.seconds),
+            )
+            result[f"engine_beside@{rate:g}"], result[f"hits_beside_engine@{rate:g}"] = engine, hits
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-    result = {
-        "engine_alone": alone,
-        "hits_alone": hits,
-        "engine_beside_hits": both_engine,
-        "hits_beside_engine": both_hits,
-    }
     say(f"{name}: {result}")
     return result
 
@@ -147,39 +148,44 @@ def _median(runs: list[dict], phase: str, key: str) -> float | None:
     return vals[len(vals) // 2] if vals else None
 
 
-def summary(rounds: list[dict[str, dict]]) -> dict[str, dict]:
+def summary(rounds: list[dict[str, dict]], rates: list[float]) -> dict[str, dict]:
     """Medians over the rounds, per layout."""
     out: dict[str, dict] = {}
     for name in LAYOUTS:
         runs = [r[name] for r in rounds]
-
-        def med(phase: str, key: str, runs: list[dict] = runs) -> float | None:
-            return _median(runs, phase, key)
-
-        out[name] = {
-            "engine_tok_s_alone": med("engine_alone", "tokens_per_s"),
-            "engine_tok_s_beside_hits": med("engine_beside_hits", "tokens_per_s"),
-            "hit_p50_ms_alone": med("hits_alone", "p50_ms"),
-            "hit_p50_ms_beside_engine": med("hits_beside_engine", "p50_ms"),
-            "hit_p99_ms_beside_engine": med("hits_beside_engine", "p99_ms"),
-            "hits_answered_per_s_beside_engine": med("hits_beside_engine", "answered_per_s"),
-        }
+        row: dict[str, float | None] = {"engine_tok_s_alone": _median(runs, "engine_alone", "tokens_per_s")}
+        for rate in rates:
+            row[f"engine_tok_s_beside_{rate:g}_hits_s"] = _median(
+                runs, f"engine_beside@{rate:g}", "tokens_per_s"
+            )
+            row[f"hit_p50_ms_alone@{rate:g}"] = _median(runs, f"hits_alone@{rate:g}", "p50_ms")
+            row[f"hit_p50_ms_beside_engine@{rate:g}"] = _median(
+                runs, f"hits_beside_engine@{rate:g}", "p50_ms"
+            )
+            row[f"hit_p99_ms_beside_engine@{rate:g}"] = _median(
+                runs, f"hits_beside_engine@{rate:g}", "p99_ms"
+            )
+            row[f"hits_answered_per_s_beside_engine@{rate:g}"] = _median(
+                runs, f"hits_beside_engine@{rate:g}", "answered_per_s"
+            )
+        out[name] = row
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--seconds", type=float, default=20.0)
-    ap.add_argument("--rate", type=float, default=100.0)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--seconds", type=float, default=15.0)
+    ap.add_argument("--rates", default="50,100", help="semantic hits per second, each its own phases")
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--out", default="mixed_load", help="result name under bench/results/")
     args = ap.parse_args()
+    args.rates = [float(r) for r in args.rates.split(",")]
     load = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="cachegw-mixed-") as tmp:
         result = asyncio.run(run(args, Path(tmp)))
-    result["summary"] = summary(result["rounds"])
+    result["summary"] = summary(result["rounds"], args.rates)
     result["settings"] = vars(args) | {"layouts": LAYOUTS, "load_before": load}
     save(args.out, result)
     for name, s in result["summary"].items():
