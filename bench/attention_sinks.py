@@ -70,8 +70,14 @@ def main() -> None:
         kv_cache_tokens=4 * args.tokens,
         enable_prefix_caching=False,
     )
-    full = LLM(**base)
-    sinks = LLM(**base, max_model_len=ctx, attention_sinks=args.sinks, streaming_max_len=args.tokens + 1)
+    full = LLM(compile="off", **base)
+    sinks = LLM(
+        compile="off",
+        **base,
+        max_model_len=ctx,
+        attention_sinks=args.sinks,
+        streaming_max_len=args.tokens + 1,
+    )
     docs = texts(full.tokenizer, args.texts, args.tokens)
     say(f"{len(docs)} texts of {args.tokens} tokens, context {ctx}, {args.sinks} sinks")
     per_mode: dict[str, list[float]] = {

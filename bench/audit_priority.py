@@ -79,7 +79,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     priority = load_settings(None).cache.audit_priority
     load_before = os.getloadavg()
-    llm = LLM(quantization="none", max_num_seqs=4, enable_prefix_caching=False)
+    llm = LLM(compile="off", quantization="none", max_num_seqs=4, enable_prefix_caching=False)
     runs: dict[str, list[dict[str, float]]] = {
         "audits at priority 0": [],
         f"audits at priority {priority}": [],

@@ -169,7 +169,7 @@ def main() -> None:
         "qqp": candidates(qqp_pairs(args.data, random.Random(23)), args.pairs),
         "banking77": candidates(banking_pairs(args.data, random.Random(29)), args.pairs),
     }
-    llm = LLM(quantization="none", max_num_seqs=32)
+    llm = LLM(compile="off", quantization="none", max_num_seqs=32)
     per_set = {name: verdicts(pairs, llm, args.max_tokens) for name, pairs in sets.items()}
     both = {k: np.concatenate([per_set[s][k] for s in per_set]) for k in per_set["qqp"]}
     results: dict[str, Any] = {name: score(m) for name, m in per_set.items()}

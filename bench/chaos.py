@@ -66,6 +66,7 @@ class Gateway:
         self.config.write_text(
             f'[gateway]\nbuiltin_backend_port = {self.engine_port}\nrequest_log_commit = "{log_commit}"\n'
             '[engine]\ndtype = "float32"\nquantization = "none"\nkv_cache_tokens = 8192\nmax_num_seqs = 8\n'
+            'compile = "off"\n'
         )
         self.proc: subprocess.Popen | None = None
         self.url = f"http://127.0.0.1:{self.port}"

@@ -145,7 +145,7 @@ async def run(args: argparse.Namespace, work: Path) -> dict:
     cache = "" if args.cross_verifier else "[cache]\ncross_verifier = false\nverifier_threshold = 0.80\n"
     config.write_text(
         f'[gateway]\nbackends = ["http://127.0.0.1:{bport}/v1"]\n'
-        f'[engine]\nquantization = "none"\nmax_num_seqs = 32\n{cache}'
+        f'[engine]\nquantization = "none"\nmax_num_seqs = 32\ncompile = "off"\n{cache}'
     )
     exe = [sys.executable, "-m", "gateway.cli"]
     backend = start([*exe, "backend", "--port", str(bport), "--config", str(config)], work / "backend.log")

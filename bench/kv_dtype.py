@@ -42,7 +42,7 @@ CHUNK = 64  # prefill chunk of the perplexity pass
 def _engine(weights: str, kv: str, **kw):
     from backend import LLM
 
-    return LLM(quantization=weights, dtype="float32", kv_cache_dtype=kv, **kw)
+    return LLM(compile="off", quantization=weights, dtype="float32", kv_cache_dtype=kv, **kw)
 
 
 def _perplexity(llm, texts: list[str], max_len: int) -> float:

@@ -28,7 +28,7 @@ def measure(dtype: str, budget_mib: int) -> dict:
 
     from backend import LLM
 
-    llm = LLM(dtype=dtype, quantization="none", kv_cache_bytes=budget_mib * 2**20)
+    llm = LLM(compile="off", dtype=dtype, quantization="none", kv_cache_bytes=budget_mib * 2**20)
     runner = llm.engine.runner
     spec, tokens = runner.spec, llm.engine.kv_cache_tokens
     tensor_bytes = sum(k.nbytes + v.nbytes for k, v in runner.kv_caches)

@@ -134,9 +134,10 @@ def main() -> None:
         block_size=BLOCK,
     )
     engines = {
-        "pool": LLM(**common),
-        "pool+ram": LLM(**common, kv_offload_bytes=args.ram_tokens * kv_token),
+        "pool": LLM(compile="off", **common),
+        "pool+ram": LLM(compile="off", **common, kv_offload_bytes=args.ram_tokens * kv_token),
         "pool+ram+disk": LLM(
+        compile="off",
             **common, kv_offload_bytes=args.ram_tokens * kv_token, kv_offload_dir=disk_dir,
             kv_offload_disk_bytes=8 << 30,
         ),
@@ -171,7 +172,9 @@ def main() -> None:
     engines["pool+ram+disk"].engine.close()
     del engines["pool+ram+disk"], engines["pool+ram"]
     gc.collect()
-    restarted = LLM(**common, kv_offload_bytes=args.ram_tokens * kv_token, kv_offload_dir=disk_dir)
+    restarted = LLM(
+        compile="off", **common, kv_offload_bytes=args.ram_tokens * kv_token, kv_offload_dir=disk_dir
+    )
     cold_engine = engines["pool"]
     seen = seen_prefixes(trace, args.tokens_per_id)
     restarted.generate([list(range(200, 500))], cache_salt="warm-up")

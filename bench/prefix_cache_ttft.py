@@ -36,7 +36,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from backend import LLM
 
-    llm = LLM(dtype=args.dtype, quantization="none", max_num_batched_tokens=2048)
+    llm = LLM(compile="off", dtype=args.dtype, quantization="none", max_num_batched_tokens=2048)
     rng = random.Random(0)
     vocab = llm.engine.runner.spec.vocab_size
     cold, warm, hits = [], [], []

@@ -62,6 +62,7 @@ def _run(mode: str, prompts: list[str], texts: list[str], tokens: int) -> tuple[
 
     # no prefix caching: the perplexity pass writes KV blocks outside the block manager
     llm = LLM(
+        compile="off",
         quantization=mode,
         dtype="float32",
         kv_cache_tokens=32768,

@@ -46,6 +46,7 @@ def backends(work: Path, kv_tokens: int, concurrency: int) -> Iterator[list[str]
     config = work / "backend.toml"
     config.write_text(
         f'[engine]\nquantization = "none"\nkv_cache_tokens = {kv_tokens}\nmax_num_seqs = {concurrency}\n'
+        'compile = "off"\n'
     )
     env_threads = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     os.environ.update(env_threads)  # inherited by the two processes: one core each

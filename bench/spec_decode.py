@@ -94,7 +94,9 @@ def engine_part(args: argparse.Namespace) -> list[dict]:
     from backend import LLM, SamplingParams
     from backend.speculative import Speculator
 
-    llm = LLM(quantization="none", kv_cache_tokens=16384, max_num_seqs=4, enable_prefix_caching=False)
+    llm = LLM(
+        compile="off", quantization="none", kv_cache_tokens=16384, max_num_seqs=4, enable_prefix_caching=False
+    )
     engine = llm.engine
     spec = Speculator(args.k, args.ngram_min, args.ngram_max)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
@@ -142,7 +144,13 @@ def batch_part(args: argparse.Namespace) -> list[dict]:
     from backend import LLM, SamplingParams
     from backend.speculative import Speculator
 
-    llm = LLM(quantization="none", kv_cache_tokens=16384, max_num_seqs=16, enable_prefix_caching=False)
+    llm = LLM(
+        compile="off",
+        quantization="none",
+        kv_cache_tokens=16384,
+        max_num_seqs=16,
+        enable_prefix_caching=False,
+    )
     engine = llm.engine
     engine.scheduler.speculative_max_seqs = 64
     grounded = [c for c in cases(str(args.data / "sharegpt_dev.jsonl"), 8) if c.task == "summarize"]

@@ -196,7 +196,7 @@ def main() -> None:
 
     if args.compile_only:
         compiles = compile_times(
-            LLM(dtype="float32", quantization="none", kv_cache_tokens=1024, max_num_seqs=4)
+            LLM(compile="off", dtype="float32", quantization="none", kv_cache_tokens=1024, max_num_seqs=4)
         )
         save(args.name or "structured_output_compile", {"compile": compiles})
         say(json.dumps(compiles, indent=1))
@@ -205,7 +205,7 @@ def main() -> None:
     timer = MaskTimer()
     sampler_module.apply_grammar_masks = timer  # type: ignore[assignment]
     llms = {
-        mode: LLM(dtype="float32", quantization="none", kv_cache_tokens=8192, max_num_seqs=32)
+        mode: LLM(compile="off", dtype="float32", quantization="none", kv_cache_tokens=8192, max_num_seqs=32)
         for mode in ("plain", "json_schema")
     }
     engines = {mode: llm.engine for mode, llm in llms.items()}

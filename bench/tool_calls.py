@@ -164,7 +164,7 @@ def main() -> None:
 
     from backend import LLM
 
-    llm = LLM(dtype="float32", quantization="none", kv_cache_tokens=16384, max_num_seqs=32)
+    llm = LLM(compile="off", dtype="float32", quantization="none", kv_cache_tokens=16384, max_num_seqs=32)
     result: dict[str, Any] = {"max_tokens": args.max_tokens, "auto_tokens": args.auto_tokens,
                               "questions": len(QUESTIONS)}  # fmt: skip
     for mode in args.modes.split(","):
