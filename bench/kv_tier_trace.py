@@ -137,7 +137,7 @@ def main() -> None:
         "pool": LLM(compile="off", **common),
         "pool+ram": LLM(compile="off", **common, kv_offload_bytes=args.ram_tokens * kv_token),
         "pool+ram+disk": LLM(
-        compile="off",
+            compile="off",
             **common, kv_offload_bytes=args.ram_tokens * kv_token, kv_offload_dir=disk_dir,
             kv_offload_disk_bytes=8 << 30,
         ),
