@@ -43,20 +43,7 @@ def sink_attention(
         table = meta.block_tables[s, blocks]
         k_pos = (torch.tensor(blocks)[:, None] * block_size + torch.arange(block_size)).flatten()
         keep = k_pos < ctx
-        keys = (
-            read_blocks(k_cache, table, q.dtype)
-            .flatten(0, 1)[keep]
-            .float()
-            .repeat_interleave(group, 1)
-            .transpose(0, 1)
-        )
-        values = (
-            read_blocks(v_cache, table, q.dtype)
-            .flatten(0, 1)[keep]
-            .float()
-            .repeat_interleave(group, 1)
-            .transpose(0, 1)
-        )
+        keys, values = (_per_head(c, table, keep, q.dtype, group) for c in (k_cache, v_cache))
         k_pos = k_pos[keep].to(q.device)
         q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
         in_window = (k_pos <= q_pos) & (k_pos > q_pos - window)
@@ -66,3 +53,11 @@ def sink_attention(
         scores = torch.where(in_window, near, torch.where(in_sinks, far, float("-inf"))) * scale
         out[lo : lo + q_len] = (scores.softmax(-1) @ values).transpose(0, 1).to(q.dtype)
     return out
+
+
+def _per_head(
+    cache: torch.Tensor, table: torch.Tensor, keep: torch.Tensor, dtype: torch.dtype, group: int
+) -> torch.Tensor:
+    """The kept rows of ``table``'s blocks as float32 [H, keys, D], each KV head repeated for its group."""
+    rows = read_blocks(cache, table, dtype).flatten(0, 1)[keep]
+    return rows.float().repeat_interleave(group, 1).transpose(0, 1)
