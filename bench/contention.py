@@ -9,6 +9,7 @@ busy process is a plain `while True: pass` that the kernel may place on any core
 of a VM would be. A run: a 200-token prompt, then `--new` greedy tokens with EOS ignored.
 
     .venv/bin/python -m bench.contention [--runs 3] [--new 128] [--mode auto] [--threads 1,2]
+        [--spins 1000,30000]
 """
 
 from __future__ import annotations
@@ -27,34 +28,40 @@ from bench.peers import Peer
 
 @dataclass(frozen=True)
 class Setup:
-    """One way to run an engine: its threads, OpenMP wait policy ("" = the runtime's default), and
-    whether its threads are bound to cores (`OMP_PROC_BIND`; one thread: to the last core)."""
+    """One way to run an engine: its threads, OpenMP wait policy ("" = the runtime's default), how
+    long an idle thread spins before it sleeps (`GOMP_SPINCOUNT`, "" = the default: 300,000 spins,
+    or none with a passive policy; torch's wheels use GNU OpenMP), and whether its threads are bound
+    to cores (`OMP_PROC_BIND`; one thread: to the last core)."""
 
     engine: str  # "ours" | "llama.cpp"
     threads: int
     wait: str = ""
     pinned: bool = False
+    spin: str = ""
 
     @property
     def name(self) -> str:
         parts = [self.engine, f"{self.threads}t"]
         parts += [f"wait={self.wait.lower()}"] if self.wait else []
         parts += ["pinned"] if self.pinned else []
+        parts += [f"spin={self.spin}"] if self.spin else []
         return " ".join(parts)
 
     def env(self) -> dict[str, str]:
         env = {"OMP_WAIT_POLICY": self.wait} if self.wait else {}
+        env |= {"GOMP_SPINCOUNT": self.spin} if self.spin else {}
         if self.pinned:
             env |= {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}
         return env
 
 
-def setups(threads: list[int], with_peer: bool) -> list[Setup]:
+def setups(threads: list[int], with_peer: bool, spins: list[str]) -> list[Setup]:
     out = []
     for t in threads:
         for wait in ("", "PASSIVE"):
             for pinned in (False, True):
                 out.append(Setup("ours", t, wait, pinned))
+        out += [Setup("ours", t, spin=spin) for spin in spins if t > 1]
         if with_peer:
             out.append(Setup("llama.cpp", t))
     return out
@@ -79,6 +86,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--mode", default="auto", help="our engine's [engine] quantization")
     ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--spins", default="", help="GOMP_SPINCOUNT values to add for several threads")
     ap.add_argument("--out", default="contention")
     args = ap.parse_args()
     from backend.model_loader import embedded_gguf_path
@@ -94,7 +102,8 @@ def main() -> None:
     rng = random.Random(0)
     prompt = [rng.randrange(100, 49152) for _ in range(args.prompt)]
     workers = {}
-    for s in setups([int(t) for t in args.threads.split(",")], with_peer):
+    spins = [v for v in args.spins.split(",") if v]
+    for s in setups([int(t) for t in args.threads.split(",")], with_peer, spins):
         workers[s] = start(s, args.mode, gguf)
         say(f"{s.name} loaded")
     runs: dict[tuple[str, str], list] = {(s.name, c): [] for s in workers for c in ("alone", "busy")}
