@@ -34,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import ROOT, pct, save, say
+from bench.common import RESULTS, ROOT, pct, save, say
 from bench.gateway_latency import QUESTIONS, body, paraphrase, start, timed, wait_health
 
 LAYOUTS = {
@@ -172,6 +172,34 @@ def summary(rounds: list[dict[str, dict]], rates: list[float]) -> dict[str, dict
     return out
 
 
+def plot(summary: dict[str, dict], rates: list[float], path: Path) -> None:
+    """Engine tokens/s beside each hit rate, and hit p50 beside the engine, per layout."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    width = 0.8 / len(summary)
+    for i, (name, row) in enumerate(summary.items()):
+        xs = [j + i * width for j in range(len(rates) + 1)]
+        toks = [row["engine_tok_s_alone"]] + [row[f"engine_tok_s_beside_{r:g}_hits_s"] for r in rates]
+        left.bar(xs, [t or 0 for t in toks], width, label=name)
+        p50 = [row[f"hit_p50_ms_beside_engine@{r:g}"] or 0 for r in rates]
+        right.bar(xs[: len(rates)], p50, width, label=name)
+    left.set_xticks(
+        [j + 0.4 - width / 2 for j in range(len(rates) + 1)],
+        ["alone"] + [f"beside {r:g} hits/s" for r in rates],
+    )
+    left.set_ylabel("engine output tokens / s (8 clients)")
+    right.set_xticks([j + 0.4 - width / 2 for j in range(len(rates))], [f"{r:g} hits/s" for r in rates])
+    right.set_ylabel("semantic-hit p50 beside the engine (ms)")
+    left.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    say(f"wrote {path}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=1)
@@ -188,6 +216,7 @@ def main() -> None:
     result["summary"] = summary(result["rounds"], args.rates)
     result["settings"] = vars(args) | {"layouts": LAYOUTS, "load_before": load}
     save(args.out, result)
+    plot(result["summary"], args.rates, RESULTS / f"{args.out}.png")
     for name, s in result["summary"].items():
         print(name, s)
 
