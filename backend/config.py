@@ -46,6 +46,7 @@ class EngineConfig:
     device: str
     dtype: str
     quantization: str
+    cpu_kernels: str
     block_size: int
     kv_cache_tokens: int
     kv_cache_bytes: int
@@ -81,6 +82,7 @@ class EngineConfig:
             "device": self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
             "dtype": self.dtype in ("auto", "float32", "bfloat16", "float16"),
             "quantization": self.quantization in ("auto", "none", "int8", "int4"),
+            "cpu_kernels": self.cpu_kernels in ("auto", "torch"),
             "block_size": self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
             "kv_cache_tokens": self.kv_cache_tokens >= 0,
             "kv_cache_bytes": self.kv_cache_bytes > 0,

@@ -84,7 +84,7 @@ class ModelRunner:
             model.load_weights(iter_safetensors(model_dir))
         # what the projections run: "none" (float), "int4", "int8" or "mixed" ([engine] quantization)
         gguf = gguf_path if config.load_format != "dummy" else None
-        self.quantization = apply_quantization(model, config.quantization, device, gguf)
+        self.quantization = apply_quantization(model, config.quantization, device, gguf, config.cpu_kernels)
         self.model = model.eval()
         self.window_everywhere, self.sinks = self.spec.window_everywhere, 0
         if config.attention_sinks:

@@ -10,7 +10,8 @@ with a message when it is not installed.
         [--modes none,int8,int4,auto,auto+compile] [--threads 2]
 
 A mode with ``+compile`` runs the compiled decode step (`[engine] compile`, compiled before the
-runs); the others run eagerly.
+runs); the others run eagerly. ``+torch`` runs torch's int4/int8 kernels (`[engine] cpu_kernels =
+"torch"`) instead of cachegw's.
 """
 
 from __future__ import annotations
@@ -41,9 +42,11 @@ def main() -> None:
     ours = dict(kv_cache_tokens=1024, max_num_seqs=1, enable_prefix_caching=False)
     peers = []
     for mode in args.modes.split(","):  # "auto+compile": the weight mode, decode step compiled first
-        weights, _, compiled = mode.partition("+")
-        compile_ = "startup" if compiled == "compile" else "off"
-        peers.append((f"ours {mode}", "ours", dict(quantization=weights, compile=compile_, **ours)))
+        weights, *flags = mode.split("+")
+        compile_ = "startup" if "compile" in flags else "off"
+        kernels = "torch" if "torch" in flags else "auto"
+        options = dict(quantization=weights, compile=compile_, cpu_kernels=kernels, **ours)
+        peers.append((f"ours {mode}", "ours", options))
     if llamacpp_installed():
         peers.append(("llama.cpp", "llama.cpp", dict(path=str(gguf))))
     else:

@@ -25,6 +25,7 @@ _GROUPS = {
         "aten::mm",
         "aten::_weight_int4pack_mm_for_cpu",
         "aten::_weight_int8pack_mm",
+        "cachegw::block_linear",
     ),
     "attention": (
         "scaled_dot_product",
@@ -46,14 +47,15 @@ def profile(mode: str, steps: int) -> dict:
 
     from backend import LLM, SamplingParams
 
-    weights, _, compiled = mode.partition("+")
+    weights, *flags = mode.split("+")  # "int4+compile+torch": compiled decode step, torch's kernels
     llm = LLM(
         quantization=weights,
+        cpu_kernels="torch" if "torch" in flags else "auto",
         dtype="float32",
         kv_cache_tokens=1024,
         max_num_seqs=1,
         enable_prefix_caching=False,
-        compile="startup" if compiled == "compile" else "off",
+        compile="startup" if "compile" in flags else "off",
     )
     engine = llm.engine
     engine.add_request(
@@ -68,14 +70,21 @@ def profile(mode: str, steps: int) -> dict:
         wall = (time.perf_counter() - start) / steps * 1000
     totals: dict[str, float] = {"projections": 0.0, "attention": 0.0, "other ops": 0.0}
     ops = 0
-    for ev in prof.key_averages():
+    events = sorted(prof.key_averages(), key=lambda ev: -ev.self_cpu_time_total)
+    for ev in events:
         totals[_group(ev.key)] += ev.self_cpu_time_total / 1000 / steps
         ops += ev.count
+    top = {ev.key: round(ev.self_cpu_time_total / 1000 / steps, 3) for ev in events[:8]}
     del llm, engine
     gc.collect()
     ms = {k: round(v, 2) for k, v in totals.items()}
     ms["outside operators"] = round(wall - sum(totals.values()), 2)
-    return {"step_ms": round(wall, 2), "ms_per_step": ms, "operator_calls_per_step": round(ops / steps)}
+    return {
+        "step_ms": round(wall, 2),
+        "ms_per_step": ms,
+        "operator_calls_per_step": round(ops / steps),
+        "top_operators_ms_per_step": top,
+    }
 
 
 def main() -> None:

@@ -7,6 +7,12 @@
   conversations (up to 256 tokens each), every position scored.
 
     .venv/bin/python -m bench.quant_accuracy [--prompts 64] [--tokens 32] [--threads 2]
+        [--modes int8,int4,auto,auto+torch,llama.cpp]
+
+``+torch`` runs torch's int4/int8 kernels (`[engine] cpu_kernels = "torch"`: bfloat16 activations)
+instead of cachegw's (int8 activations). ``llama.cpp`` runs the same GGUF file in llama-cpp-python
+(greedy from the same prompt tokens, perplexity over the same texts): how far the reference
+implementation of these weights sits from float32, for scale.
 """
 
 from __future__ import annotations
@@ -60,10 +66,12 @@ def _perplexity(llm, texts: list[str], max_len: int) -> float:
 def _run(mode: str, prompts: list[str], texts: list[str], tokens: int) -> tuple[list[list[int]], float]:
     from backend import LLM, SamplingParams
 
+    weights, *flags = mode.split("+")
     # no prefix caching: the perplexity pass writes KV blocks outside the block manager
     llm = LLM(
         compile="off",
-        quantization=mode,
+        quantization=weights,
+        cpu_kernels="torch" if "torch" in flags else "auto",
         dtype="float32",
         kv_cache_tokens=32768,
         max_num_seqs=64,
@@ -76,6 +84,43 @@ def _run(mode: str, prompts: list[str], texts: list[str], tokens: int) -> tuple[
     del llm
     gc.collect()
     return outs, ppl
+
+
+def _run_llamacpp(
+    prompts: list[str], texts: list[str], tokens: int, threads: int
+) -> tuple[list[list[int]], float]:
+    """The same GGUF in llama.cpp: greedy from our chat-templated prompt tokens; teacher-forced NLL."""
+    import numpy as np
+    from llama_cpp import Llama
+
+    from backend import LLM
+    from backend.model_loader import embedded_gguf_path
+
+    tokenizer = LLM(load_format="dummy", compile="off", kv_cache_tokens=64).tokenizer
+    model = Llama(str(embedded_gguf_path()), n_ctx=2048, n_threads=threads, logits_all=True, verbose=False)
+    outs = []
+    for p in prompts:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+        model.reset()
+        got: list[int] = []
+        for tok in model.generate(ids, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
+            got.append(int(tok))
+            if len(got) == tokens:
+                break
+        outs.append(got)
+    nll, count = 0.0, 0
+    for text in texts:
+        ids = tokenizer.encode(text, add_special_tokens=False)[:256]
+        model.reset()
+        model.eval(ids)
+        logits = np.asarray(model.scores[: len(ids) - 1], dtype=np.float64)
+        logits -= logits.max(axis=1, keepdims=True)
+        logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+        nll -= float(logp[np.arange(len(ids) - 1), ids[1:]].sum())
+        count += len(ids) - 1
+    del model
+    gc.collect()
+    return outs, math.exp(nll / count)
 
 
 def _agreement(ref: list[list[int]], got: list[list[int]]) -> dict:
@@ -106,7 +151,10 @@ def main() -> None:
     say(f"float32: perplexity {ref_ppl:.3f}")
     modes = {"none (float32)": {"perplexity": round(ref_ppl, 3)}}
     for mode in args.modes.split(","):
-        got, ppl = _run(mode, prompts, texts, args.tokens)
+        if mode == "llama.cpp":
+            got, ppl = _run_llamacpp(prompts, texts, args.tokens, args.threads)
+        else:
+            got, ppl = _run(mode, prompts, texts, args.tokens)
         modes[mode] = {"perplexity": round(ppl, 3), **_agreement(ref, got)}
         say(f"{mode}: {modes[mode]}")
     save(

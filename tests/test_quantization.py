@@ -15,7 +15,8 @@ from transformers import LlamaConfig
 
 from backend.config import load_engine_config
 from backend.gguf_weights import decode_blocks
-from backend.layers.quantized_linear import Int4Linear, Int8Linear
+from backend.layers import cpu_kernels
+from backend.layers.quantized_linear import BlockLinear, Int4Linear, Int8Linear
 from backend.model_loader import embedded_gguf_path
 from backend.model_runner import ModelRunner
 
@@ -80,17 +81,23 @@ def _tiny_runner(gguf: Path | None = None, **overrides) -> ModelRunner:
     return ModelRunner(cfg, hf, None, torch.device("cpu"), torch.float32, 64, gguf_path=gguf)
 
 
-def test_runner_quantizes_a_float_checkpoint_at_load() -> None:
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+def test_runner_quantizes_a_float_checkpoint_at_load(kernels: str) -> None:
     """A tiny random Llama (no GGUF) with quantization=int4: every projection becomes int4, the LM head
-    int8, and the logits stay close to the float runner's on the same weights."""
+    int8, on cachegw's kernels (where this CPU has them) or torch's, and the logits stay close to the
+    float runner's on the same weights."""
+    native = kernels == "auto" and cpu_kernels.load().available
+    int4, int8 = (BlockLinear, BlockLinear) if native else (Int4Linear, Int8Linear)
     outs = {}
     for mode in ("none", "int4"):
-        runner = _tiny_runner(quantization=mode)
+        runner = _tiny_runner(quantization=mode, cpu_kernels=kernels)
         x = torch.randn(1, 64, generator=torch.Generator().manual_seed(1))
         outs[mode] = runner.model.compute_logits(runner.model.layers[0].mlp(x))
-        kinds = {type(m).__name__ for m in runner.model.modules()}
-        assert ("Int4Linear" in kinds) == (mode == "int4")
-        assert isinstance(runner.model.lm_head, Int8Linear) == (mode == "int4")
+        projections = [runner.model.layers[0].mlp.gate_up_proj, runner.model.layers[1].self_attn.qkv_proj]
+        assert all(isinstance(p, int4) for p in projections) == (mode == "int4")
+        assert isinstance(runner.model.lm_head, int8) == (mode == "int4")
+        if native and mode == "int4":
+            assert runner.model.lm_head.bits == 8 and projections[0].bits == 4
     torch.testing.assert_close(outs["int4"], outs["none"], rtol=0.1, atol=0.05)
 
 
@@ -105,7 +112,7 @@ def test_auto_is_the_default_and_a_model_without_quantized_tensors_stays_float(
         runner = _tiny_runner(embedded_gguf_path())
     assert runner.quantization == "none"
     kinds = {type(m).__name__ for m in runner.model.modules()}
-    assert not kinds & {"Int4Linear", "Int8Linear"}, kinds
+    assert not kinds & {"Int4Linear", "Int8Linear", "BlockLinear"}, kinds
     assert "weights: quantization=auto -> none" in caplog.text
 
 
@@ -123,7 +130,7 @@ def test_engine_int4_from_the_gguf_answers_like_float32() -> None:
     llm = LLM(quantization="int4", dtype="float32", kv_cache_tokens=256, max_num_seqs=2)
     assert llm.engine.runner.quantization == "int4"
     kinds = {type(m).__name__ for m in llm.engine.runner.model.layers.modules()}
-    assert "Int4Linear" in kinds and "Linear" not in kinds
+    assert kinds & {"Int4Linear", "BlockLinear"} and "Linear" not in kinds
     params = SamplingParams(temperature=0.0, max_tokens=9)
     conv = [
         {"role": "system", "content": "You are a helpful assistant."},

@@ -107,3 +107,74 @@ class Int4Linear(nn.Module):
         )
         y = y.to(x.dtype).view(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+
+class BlockLinear(nn.Module):
+    """Blocks of 32 weights along a row, w = d * u + m per block, u 4-bit or 8-bit unsigned, on
+    cachegw's AVX-512 VNNI kernel (``cpu_kernels.cpp``), which rounds the activations to int8 per
+    block and multiplies in integers, as llama.cpp does for these formats. The GGUF's Q4_0, Q4_1
+    and Q8_0 blocks map onto it exactly. Float32 in and out: no casts around the kernel."""
+
+    def __init__(
+        self, u: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int, bias: torch.Tensor | None
+    ) -> None:
+        """``u`` [out, in] unsigned integers (0..15 or 0..255); ``d``/``m`` [out, in / 32]."""
+        super().__init__()
+        self.bits = bits
+        self.out_features, self.in_features = u.shape
+        n, k = u.shape
+        u = u.to(torch.uint8)
+        if bits == 4:  # per pair of blocks, byte j = weight j | weight 32 + j << 4
+            pairs = u.view(n, k // 64, 2, BLOCK)
+            u = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, k // 2)
+        self.register_buffer("w", u.contiguous())
+        self.register_buffer("d", d.to(torch.float16).contiguous())
+        self.register_buffer("m", m.to(torch.float16).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    @staticmethod
+    def supports(in_features: int) -> bool:
+        return in_features % 64 == 0
+
+    @classmethod
+    def from_blocks(cls, blocks: BlockWeights, bias: torch.Tensor | None) -> BlockLinear:
+        """The file's own integers: Q4_0/Q4_1 as 4-bit (w = scale * q + offset), Q8_0 shifted by 128."""
+        if blocks.kind == "Q8_0":
+            u = (blocks.q.to(torch.int16) + 128).to(torch.uint8)
+            return cls(u, blocks.scale, blocks.offset - 128 * blocks.scale, 8, bias)
+        return cls(blocks.q, blocks.scale, blocks.offset, 4, bias)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, bits: int) -> BlockLinear:
+        """4-bit: min/max per block (Q4_1's rounding); 8-bit: absmax/127 per block (Q8_0's)."""
+        n, k = weight.shape
+        w = weight.detach().float().view(n, k // BLOCK, BLOCK)
+        if bits == 4:
+            lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+            d = ((hi - lo) / 15).clamp(min=1e-12)
+            u = torch.round((w - lo[..., None]) / d[..., None]).clamp(0, 15)
+            return cls(u.view(n, k), d, lo, 4, bias)
+        d = (w.abs().amax(dim=-1) / 127).clamp(min=1e-12)
+        q = torch.round(w / d[..., None]).clamp(-127, 127)
+        return cls((q + 128).view(n, k), d, -128 * d, 8, bias)
+
+    def dequantized(self) -> torch.Tensor:
+        w = self.w
+        assert isinstance(w, torch.Tensor)
+        if self.bits == 4:
+            n = w.shape[0]
+            pairs = w.view(n, -1, BLOCK)
+            w = torch.stack([pairs & 0x0F, pairs >> 4], dim=2).reshape(n, -1)
+        d, m = self.d, self.m
+        assert isinstance(d, torch.Tensor) and isinstance(m, torch.Tensor)
+        n, k = w.shape
+        blocks = w.view(n, k // BLOCK, BLOCK).float()
+        return (blocks * d.float()[..., None] + m.float()[..., None]).view(n, k)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1]).float().contiguous()
+        y = torch.ops.cachegw.block_linear(flat, self.w, self.d, self.m, self.bits)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).view(*shape[:-1], self.out_features)
