@@ -20,7 +20,7 @@ from backend.layers.attention import AttentionMetadata, PagedAttention
 from backend.layers.rotary import RotaryEmbedding
 from backend.model_loader import iter_safetensors
 from backend.models.llama import LlamaForCausalLM, ModelSpec
-from backend.quantization import apply_quantization
+from backend.quantization import apply_quantization, use_native_kernels
 from backend.scheduler import ScheduledBatch
 
 log = logging.getLogger("cachegw.backend")
@@ -98,6 +98,10 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_cache(self.num_blocks + compiling)
         self.compiled: CompiledDecode | None = None
         if compiling:
+            native = use_native_kernels(config.cpu_kernels)
+            for module in self.model.modules():
+                if isinstance(module, PagedAttention):
+                    module.native_decode = native
             self.compiled = start_compiling(self.model, self.block_size, self.num_blocks, config.compile)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if self.attention_backend == "triton" and not config.enforce_eager:

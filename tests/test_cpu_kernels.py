@@ -86,3 +86,23 @@ def test_the_op_compiles_into_a_graph() -> None:
 def test_bad_cpu_kernels_value_is_refused_at_start() -> None:
     with pytest.raises(ValueError, match="cpu_kernels='fast'"):
         load_engine_config(cpu_kernels="fast")
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_paged_decode_attention_matches_the_torch_path(window: int | None) -> None:
+    """The compiled decode step's attention read straight from the paged cache: the same as the torch
+    path's gather, mask and softmax, for grouped heads, a window, a context inside its first block
+    and tables padded past the context."""
+    from backend.layers.attention import DecodeMetadata, decode_attention_torch
+
+    g = torch.Generator().manual_seed(0)
+    k_cache, v_cache = torch.randn(2, 40, 4, 3, 32, generator=g)  # 40 blocks of 4 tokens, 3 KV heads
+    lens = torch.tensor([45, 3, 17], dtype=torch.int32)
+    tables = torch.randperm(40, generator=g)[:36].view(3, 12).to(torch.int32).contiguous()
+    q = torch.randn(3, 6, 32, generator=g)
+    meta = DecodeMetadata(torch.zeros(3, dtype=torch.long), tables, lens)
+    ref = decode_attention_torch(q, k_cache, v_cache, meta, 0.2, window)
+    got = torch.ops.cachegw.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.2, window or 0)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="multiple of KV heads"):
+        torch.ops.cachegw.paged_decode_attention(q[:, :4].contiguous(), k_cache, v_cache, tables, lens, 0.2, 0)

@@ -313,6 +313,9 @@ class PagedAttention(torch.nn.Module):
         )
         self.sliding_window = sliding_window
         self.sinks = 0  # StreamingLLM: the first ``sinks`` positions stay visible (torch path only)
+        # cachegw's CPU kernel for the compiled decode step's attention (float32 caches); the runner
+        # turns it on where ``[engine] cpu_kernels`` and the CPU allow
+        self.native_decode = False
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
@@ -332,6 +335,17 @@ class PagedAttention(torch.nn.Module):
         if isinstance(meta, DecodeMetadata):  # the compiled decode step: torch path, no sinks
             store_kv_torch(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
             window = self.sliding_window
+            native = self.native_decode and self.head_dim % 16 == 0 and self.head_dim <= 256
+            if native and self.k_cache.dtype == q.dtype == torch.float32:
+                return torch.ops.cachegw.paged_decode_attention(
+                    q.contiguous(),
+                    self.k_cache,
+                    self.v_cache,
+                    meta.block_tables,
+                    meta.seq_lens,
+                    self.scale,
+                    window or 0,
+                )
             return decode_attention_torch(q, self.k_cache, self.v_cache, meta, self.scale, window)
         if q_sink is not None and self.sliding_window is not None:
             from backend.layers.sinks import sink_attention

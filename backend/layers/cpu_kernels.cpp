@@ -14,6 +14,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/util/Exception.h>
 #include <immintrin.h>
 #include <torch/library.h>
@@ -189,13 +190,122 @@ at::Tensor block_linear_impl(const at::Tensor& x, const at::Tensor& w, const at:
   });
   return y;
 }
+
+// e^x for x <= 0 (softmax after subtracting the max): 2^n * e^r with |r| <= ln2 / 2, e^r by its
+// Taylor series to degree 6 (relative error ~1e-7), 2^n applied by scalef.
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// One query row against its sequence's keys in the paged cache: scores, softmax, weighted values.
+// D is a multiple of 16 and at most 256.
+void attend_one(const float* q, const float* kc, const float* vc, const int32_t* table, int64_t start, int64_t end,
+                int64_t block_size, int64_t row_stride, float scale, float* scores, float* out, int64_t d) {
+  const int64_t nv = d / 16;
+  __m512 qv[16];
+  for (int64_t j = 0; j < nv; ++j) qv[j] = _mm512_mul_ps(_mm512_loadu_ps(q + j * 16), _mm512_set1_ps(scale));
+  float best = -INFINITY;
+  for (int64_t t = start; t < end; ++t) {
+    const int64_t row = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+    const float* k = kc + row * row_stride;
+    __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+    for (int64_t j = 1; j < nv; ++j) acc = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(k + j * 16), acc);
+    const float sc = _mm512_reduce_add_ps(acc);
+    scores[t - start] = sc;
+    best = std::max(best, sc);
+  }
+  const int64_t len = end - start;
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t i = 0; i < len; i += 16) {
+    const __mmask16 m = len - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (len - i)) - 1);
+    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + i), _mm512_set1_ps(best)));
+    _mm512_mask_storeu_ps(scores + i, m, e);
+    total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
+  }
+  const float inv = 1.0f / _mm512_reduce_add_ps(total);
+  __m512 o[16];
+  for (int64_t j = 0; j < nv; ++j) o[j] = _mm512_setzero_ps();
+  for (int64_t t = start; t < end; ++t) {
+    const int64_t row = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+    const float* v = vc + row * row_stride;
+    const __m512 w = _mm512_set1_ps(scores[t - start]);
+    for (int64_t j = 0; j < nv; ++j) o[j] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + j * 16), o[j]);
+  }
+  for (int64_t j = 0; j < nv; ++j) _mm512_storeu_ps(out + j * 16, _mm512_mul_ps(o[j], _mm512_set1_ps(inv)));
+}
+
+at::Tensor paged_decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                       const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                       int64_t window) {
+  const int64_t n = q.size(0), heads = q.size(1), d = q.size(2);
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2), width = block_tables.size(1);
+  const int64_t group = heads / kv_heads, row_stride = kv_heads * d;
+  at::Tensor out = at::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n * heads, 1, [&](int64_t begin, int64_t end_task) {
+    std::vector<float> scores(width * block_size);
+    for (int64_t task = begin; task < end_task; ++task) {
+      const int64_t i = task / heads, h = task % heads, kvh = h / group;
+      const int64_t end = std::min<int64_t>(lens[i], width * block_size);
+      const int64_t start = window > 0 ? std::max<int64_t>(0, end - window) : 0;
+      if (end <= start) {
+        std::fill(op + task * d, op + (task + 1) * d, 0.0f);
+        continue;
+      }
+      attend_one(qp + task * d, kp + kvh * d, vp + kvh * d, tables + i * width, start, end, block_size, row_stride,
+                 static_cast<float>(scale), scores.data(), op + task * d, d);
+    }
+  });
+  return out;
+}
 #else
 constexpr bool kVnni = false;
 template <int Bits>
 at::Tensor block_linear_impl(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
   TORCH_CHECK(false, "cachegw's CPU kernels were built without AVX-512 VNNI");
 }
+at::Tensor paged_decode_attention_impl(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                       const at::Tensor&, double, int64_t) {
+  TORCH_CHECK(false, "cachegw's CPU kernels were built without AVX-512");
+}
 #endif
+
+// Decode attention straight from the paged cache: q [n, H, D], caches [blocks, block size, KVH, D]
+// float32, block_tables [n, W] int32, seq_lens [n] int32 (context length including this token);
+// window > 0 keeps the last `window` positions. Reads each key and value once, no gathered copy.
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                  int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous float32 [n, H, D]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
+              "caches must be contiguous float32 [blocks, block size, KV heads, D]");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(2) % 16 == 0 && q.size(2) <= 256, "head size must be a multiple of 16 up to 256");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
+                  block_tables.size(0) == q.size(0),
+              "block_tables must be contiguous int32 [n, W]");
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.scalar_type() == at::kInt && seq_lens.size(0) == q.size(0),
+              "seq_lens must be int32 [n]");
+  return paged_decode_attention_impl(q, k_cache, v_cache, block_tables, seq_lens, scale, window);
+}
 
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d, const at::Tensor& m,
                         int64_t bits) {
@@ -217,6 +327,12 @@ bool has_vnni() { return kVnni; }
 TORCH_LIBRARY(cachegw, lib) {
   lib.def("block_linear(Tensor x, Tensor w, Tensor d, Tensor m, int bits) -> Tensor");
   lib.def("has_vnni() -> bool", &has_vnni);
+  lib.def(
+      "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+      "float scale, int window) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(cachegw, CPU, lib) { lib.impl("block_linear", &block_linear); }
+TORCH_LIBRARY_IMPL(cachegw, CPU, lib) {
+  lib.impl("block_linear", &block_linear);
+  lib.impl("paged_decode_attention", &paged_decode_attention);
+}

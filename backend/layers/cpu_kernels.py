@@ -112,6 +112,7 @@ def load() -> KernelStatus:
     if not torch.ops.cachegw.has_vnni():
         return KernelStatus(False, "the compiler did not target AVX-512 VNNI")
     torch.library.register_fake("cachegw::block_linear", _block_linear_shape)
+    torch.library.register_fake("cachegw::paged_decode_attention", _attention_shape)
     return KernelStatus(True, str(target))
 
 
@@ -120,3 +121,15 @@ def _block_linear_shape(
 ) -> torch.Tensor:
     """What torch.compile traces the op as: [rows of x, rows of w], float32."""
     return x.new_empty(x.shape[0], w.shape[0])
+
+
+def _attention_shape(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: int,
+) -> torch.Tensor:
+    return torch.empty_like(q)
