@@ -97,11 +97,19 @@ class ModelRunner:
         # compile's warm-up writes there while sequences may already be running.
         self.kv_caches = self._allocate_kv_cache(self.num_blocks + compiling)
         self.compiled: CompiledDecode | None = None
+        # the compiled decode step's attention on cachegw's kernel (float32 caches)
+        self.native_decode = False
         if compiling:
-            native = use_native_kernels(config.cpu_kernels)
+            head_dim = self.spec.head_dim
+            self.native_decode = (
+                use_native_kernels(config.cpu_kernels)
+                and self.kv_caches[0][0].dtype == dtype == torch.float32
+                and head_dim % 16 == 0
+                and head_dim <= 256
+            )
             for module in self.model.modules():
                 if isinstance(module, PagedAttention):
-                    module.native_decode = native
+                    module.native_decode = self.native_decode
             self.compiled = start_compiling(self.model, self.block_size, self.num_blocks, config.compile)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if self.attention_backend == "triton" and not config.enforce_eager:
@@ -272,9 +280,10 @@ class ModelRunner:
             and inputs.meta.max_query_len == 1
             and inputs.sample_seq_indices
             and not inputs.prompt_rows
-            # it pads every decode to the longest context: only a batch that is one group (the
-            # eager path's groups of similar length, padding under 25%)
-            and len(inputs.meta.groups()) == 1
+            # torch's attention in the graph pads every decode to the longest context: then only a
+            # batch that is one group (the eager path's groups of similar length, padding under
+            # 25%); cachegw's kernel reads each sequence's own length, so any decode batch
+            and (self.native_decode or len(inputs.meta.groups()) == 1)
         ):
             compiled = self.compiled(inputs.input_ids, inputs.positions, inputs.meta)
             if compiled is not None:

@@ -4,7 +4,8 @@ and llama.cpp serving one request at a time.
 A workload of N requests (N = each `--concurrency`, all submitted at once): prompt lengths 64-512 and
 output lengths 16-256 drawn with a seed (`ignore_eos`), SmolLM2-135M; a smaller N is the first N
 requests of the largest. Ours: continuous batching of all N, in the default weight mode (`auto`: the
-GGUF's int4), run at each N. HF: float32 `generate` in static batches of 16 (left-padded); a batch
+GGUF's int4) with the compiled decode step (`+compile`, compiled before the runs, as a server runs
+once its background compile is done; a mode without it runs eagerly), run at each N. HF: float32 `generate` in static batches of 16 (left-padded); a batch
 lasts as long as its longest output, and only each request's own output tokens count as useful (as a
 client would see them). llama.cpp (llama-cpp-python 0.3.36 on the same Q4_1 GGUF): its server has no
 parallel slots (every request takes one global lock), so it serves one request after another. Neither
@@ -13,7 +14,7 @@ requests), so each runs once, on the first `--hf-requests` / `--llamacpp-request
 between our runs, to keep the run within minutes. Each engine is a worker process of its own
 (`bench/peers.py`), whose peak RSS is reported.
 
-    .venv/bin/python -m bench.engine_throughput [--concurrency 32,64] [--modes auto] [--threads 2]
+    .venv/bin/python -m bench.engine_throughput [--concurrency 32,64] [--modes auto+compile] [--threads 2]
         [--peers hf,llama.cpp] [--hf-requests 32] [--llamacpp-requests 16] [--llamacpp-threads N]
         [--out engine_throughput]
 """
@@ -41,7 +42,11 @@ def workload(n: int, seed: int, vocab: int) -> Work:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", default="32,64", help="requests in flight at once, e.g. 32,64")
-    ap.add_argument("--modes", default="auto", help="our engine's [engine] quantization, each (auto,none)")
+    ap.add_argument(
+        "--modes",
+        default="auto+compile",
+        help="our engine's [engine] quantization, each (auto,none); +compile: the compiled decode step",
+    )
     ap.add_argument("--peers", default="hf,llama.cpp", help="the peers to run ('' for none)")
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--hf-requests", type=int, default=32, help="0: the whole workload")
@@ -57,10 +62,19 @@ def main() -> None:
     sizes = [int(c) for c in args.concurrency.split(",")]
     env = torch_env(args.threads)
     ours_names = [f"ours {m}" for m in args.modes.split(",")]
-    peers = {
-        f"ours {m}": Peer("ours", "ours", env, threads=args.threads, quantization=m, max_num_seqs=max(sizes))
-        for m in args.modes.split(",")
-    }
+    peers = {}
+    for mode in args.modes.split(","):  # "auto+compile": the compiled decode step, compiled first
+        weights, *flags = mode.split("+")
+        compile_ = "startup" if "compile" in flags else "off"
+        peers[f"ours {mode}"] = Peer(
+            "ours",
+            "ours",
+            env,
+            threads=args.threads,
+            quantization=weights,
+            compile=compile_,
+            max_num_seqs=max(sizes),
+        )
     wanted = [p for p in args.peers.split(",") if p]
     if "hf" in wanted:
         peers["HF float32"] = Peer("hf", "hf", env, threads=args.threads, static_batch=args.hf_batch)

@@ -33,6 +33,7 @@ _GROUPS = {
         "aten::index_select",
         "aten::index_put",
         "aten::bmm",
+        "cachegw::paged_decode_attention",
     ),
     "other ops": ("CompiledFxGraph",),
 }

@@ -96,11 +96,12 @@ def _run_llamacpp(
     from backend import LLM
     from backend.model_loader import embedded_gguf_path
 
-    tokenizer = LLM(load_format="dummy", compile="off", kv_cache_tokens=64).tokenizer
+    helper = LLM(load_format="dummy", compile="off", kv_cache_tokens=64)  # for its tokenizer and template
+    tokenizer = helper.tokenizer
     model = Llama(str(embedded_gguf_path()), n_ctx=2048, n_threads=threads, logits_all=True, verbose=False)
     outs = []
     for p in prompts:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+        ids = helper.chat_prompt_ids([{"role": "user", "content": p}])
         model.reset()
         got: list[int] = []
         for tok in model.generate(ids, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):

@@ -104,5 +104,6 @@ def test_paged_decode_attention_matches_the_torch_path(window: int | None) -> No
     ref = decode_attention_torch(q, k_cache, v_cache, meta, 0.2, window)
     got = torch.ops.cachegw.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.2, window or 0)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    four_heads = q[:, :4].contiguous()
     with pytest.raises(RuntimeError, match="multiple of KV heads"):
-        torch.ops.cachegw.paged_decode_attention(q[:, :4].contiguous(), k_cache, v_cache, tables, lens, 0.2, 0)
+        torch.ops.cachegw.paged_decode_attention(four_heads, k_cache, v_cache, tables, lens, 0.2, 0)

@@ -313,8 +313,8 @@ class PagedAttention(torch.nn.Module):
         )
         self.sliding_window = sliding_window
         self.sinks = 0  # StreamingLLM: the first ``sinks`` positions stay visible (torch path only)
-        # cachegw's CPU kernel for the compiled decode step's attention (float32 caches); the runner
-        # turns it on where ``[engine] cpu_kernels`` and the CPU allow
+        # cachegw's CPU kernel for the compiled decode step's attention; the runner turns it on where
+        # ``[engine] cpu_kernels``, the CPU, the head size and float32 caches allow
         self.native_decode = False
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
@@ -335,8 +335,7 @@ class PagedAttention(torch.nn.Module):
         if isinstance(meta, DecodeMetadata):  # the compiled decode step: torch path, no sinks
             store_kv_torch(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
             window = self.sliding_window
-            native = self.native_decode and self.head_dim % 16 == 0 and self.head_dim <= 256
-            if native and self.k_cache.dtype == q.dtype == torch.float32:
+            if self.native_decode:
                 return torch.ops.cachegw.paged_decode_attention(
                     q.contiguous(),
                     self.k_cache,
