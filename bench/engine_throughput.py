@@ -5,7 +5,8 @@ A workload of N requests (N = each `--concurrency`, all submitted at once): prom
 output lengths 16-256 drawn with a seed (`ignore_eos`), SmolLM2-135M; a smaller N is the first N
 requests of the largest. Ours: continuous batching of all N, in the default weight mode (`auto`: the
 GGUF's int4) with the compiled decode step (`+compile`, compiled before the runs, as a server runs
-once its background compile is done; a mode without it runs eagerly), run at each N. HF: float32 `generate` in static batches of 16 (left-padded); a batch
+once its background compile is done; a mode without it runs eagerly), run at each N. HF: float32
+`generate` in static batches of 16 (left-padded); a batch
 lasts as long as its longest output, and only each request's own output tokens count as useful (as a
 client would see them). llama.cpp (llama-cpp-python 0.3.36 on the same Q4_1 GGUF): its server has no
 parallel slots (every request takes one global lock), so it serves one request after another. Neither
