@@ -2,13 +2,15 @@
 
 A batch-1 decode step on CPU spends as long on the ~7,000 small ops around its matmuls (norms,
 rotary, casts, masks, adds) and the Python that launches them as on the matmuls themselves.
-Inductor fuses those ops into a few dozen generated C++ loops; the weight-only int4/int8 matmuls
-and SDPA stay calls to their own kernels. Only steps made of decodes alone take this path
-(prefill chunks keep the eager path, where the matmuls dominate), traced with
-``DecodeMetadata``'s tensors alone, so one graph serves every batch size and context length.
+Inductor fuses those ops into a few dozen generated C++ loops, called from a C++ wrapper; the
+weight-only int4/int8 matmuls and the attention stay calls to their own kernels. Only steps made
+of decodes alone take this path (prefill chunks keep the eager path, where the matmuls
+dominate), traced with ``DecodeMetadata``'s tensors alone, so one graph serves every batch size
+and context length.
 
-Compiling takes about 35 s of one core per process (Inductor's disk cache spares the C++ builds
-after the first start, not the tracing). By default it runs in a background thread while the
+Compiling takes a few minutes of one core the first time on a machine (building the C++ wrapper)
+and 30-40 s at later starts (Inductor's disk cache, ``_CACHE_DIR``, spares the builds, not the
+tracing). By default it runs in a background thread while the
 engine decodes eagerly, and the engine switches when it is done; a failure (no C++ compiler, an
 unsupported op) is logged and the engine stays eager. ``TORCH_COMPILE_DISABLE=1`` (torch's own
 switch) turns it off too.

@@ -4,8 +4,9 @@
 // (w = d * u + m, u unsigned): 4-bit u (GGUF Q4_0/Q4_1) or 8-bit u (Q8_0 shifted by 128). The
 // activations are rounded to int8 in groups of 4, each with its scale s, so a block's contribution
 // is d * sum over its groups of s * sum(u * q) + m * (the block's sum of rounded activations): one
-// VNNI instruction multiplies and adds 64 unsigned weights by 64 signed activations, 4 per lane. A batch-1 decode step reads every weight once, so
-// reading 4.5 bits per weight and doing the products in integers is what makes it fast.
+// VNNI instruction multiplies and adds 64 unsigned weights by 64 signed activations, 4 per lane.
+// A batch-1 decode step reads every weight once, so reading 4.5 bits per weight and doing the
+// products in integers is what makes it fast.
 //
 // Layout, per output row: 4-bit weights as 32-byte groups, one per pair of blocks (byte j holds
 // weight j of the pair in its low nibble and weight 32 + j in its high nibble); 8-bit weights as
@@ -19,8 +20,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
-#include <cmath>
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -32,14 +33,25 @@ constexpr int64_t kPrefetch = 2048;  // bytes ahead of the weights being read
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 constexpr bool kVnni = true;
 
+// The activations as the kernel reads them: int8 rows, one scale per group of 4 (for a pair of
+// blocks, the 16 lanes of one vector) and each block's sum.
+struct Activations {
+  std::vector<int8_t> q;      // [rows, k]
+  std::vector<float> scales;  // [rows, k / 4]
+  std::vector<float> sums;    // [rows, nb]
+};
+
 // Rounds the activations to int8 in groups of 4, each group with its own scale (amax / 127), and
-// sums each block of 32 of the rounded values (for the blocks' minimums: the product's error is then
-// sum(w * (rounded x - x)), with the centred weights, not the shifted ones). A VNNI lane adds the products of one
-// group, so a scale per group costs the inner loop nothing over a scale per block, and an outlier
-// coarsens only its 3 neighbours' rounding instead of its block's 31.
-void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* q, float* scales, float* sums) {
+// sums each block of 32 of the rounded values (for the blocks' minimums: the product's error is
+// then sum(w * (rounded x - x)) with the centred weights, not the shifted ones). A VNNI lane adds
+// the products of one group, so a scale per group costs the inner loop nothing over a scale per
+// block, and an outlier coarsens only its 3 neighbours' rounding instead of its block's 31.
+Activations quantize(const float* x, int64_t rows, int64_t k) {
   const int64_t nb = k / kBlock;
-  std::fill(sums, sums + rows * nb, 0.0f);
+  Activations a{std::vector<int8_t>(rows * k), std::vector<float>(rows * k / 4), std::vector<float>(rows * nb)};
+  int8_t* q = a.q.data();
+  float* scales = a.scales.data();
+  float* sums = a.sums.data();
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t i = 0; i < k; i += 16) {
       const __m512 v = _mm512_loadu_ps(x + r * k + i);
@@ -55,6 +67,7 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* q, float* sc
       sums[r * nb + i / kBlock] += _mm512_reduce_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(qi), scale));
     }
   }
+  return a;
 }
 
 // float16 -> float32 for n values.
@@ -80,20 +93,6 @@ inline __m512i load_pair(const uint8_t* w, int64_t p) {
   } else {
     return _mm512_loadu_si512(w + p * 64);
   }
-}
-
-// The activations as the kernel reads them: int8 rows, one scale per group of 4 (for a pair of
-// blocks, the 16 lanes of one vector) and each block's sum.
-struct Activations {
-  std::vector<int8_t> q;       // [rows, k]
-  std::vector<float> scales;   // [rows, k / 4]
-  std::vector<float> sums;     // [rows, nb]
-};
-
-Activations quantize(const float* x, int64_t rows, int64_t k) {
-  Activations a{std::vector<int8_t>(rows * k), std::vector<float>(rows * k / 4), std::vector<float>(rows * k / kBlock)};
-  quantize_rows(x, rows, k, a.q.data(), a.scales.data(), a.sums.data());
-  return a;
 }
 
 // R weight rows (from row j) times C activation rows (from row c0): out[c, j + r].

@@ -1,4 +1,5 @@
-"""Builds and loads ``cpu_kernels.cpp`` (block-quantized linear layers for AVX-512 VNNI CPUs).
+"""Builds and loads ``cpu_kernels.cpp`` (block-quantized linear layers and paged decode attention
+for AVX-512 VNNI CPUs).
 
 The library is compiled once per machine with the system's g++ against the installed torch
 (``-march=native``: it uses this CPU's instructions) and cached under
@@ -88,7 +89,7 @@ def _build(compiler: str, target: Path) -> None:
 
 @functools.cache
 def load() -> KernelStatus:
-    """Build (first time on a machine, about 20 s) and load the kernels; cached per process."""
+    """Build (first time on a machine, about 8 s) and load the kernels; cached per process."""
     missing = [f for f in _REQUIRED_FLAGS if f not in _cpu_flags()]
     if missing:
         return KernelStatus(False, f"the CPU lacks {', '.join(missing)}")

@@ -111,9 +111,9 @@ class Int4Linear(nn.Module):
 
 class BlockLinear(nn.Module):
     """Blocks of 32 weights along a row, w = d * u + m per block, u 4-bit or 8-bit unsigned, on
-    cachegw's AVX-512 VNNI kernel (``cpu_kernels.cpp``), which rounds the activations to int8 per
-    block and multiplies in integers, as llama.cpp does for these formats. The GGUF's Q4_0, Q4_1
-    and Q8_0 blocks map onto it exactly. Float32 in and out: no casts around the kernel."""
+    cachegw's AVX-512 VNNI kernel (``cpu_kernels.cpp``), which rounds the activations to int8 in
+    groups of 4 and multiplies in integers, as llama.cpp does for these formats (per 32). The
+    GGUF's Q4_0, Q4_1 and Q8_0 blocks map onto it exactly. Float32 in and out: no casts around the kernel."""
 
     def __init__(
         self, u: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int, bias: torch.Tensor | None
