@@ -54,11 +54,11 @@ bench: install
 	$(BIN)/python -m bench.kv_memory
 	$(BIN)/python -m bench.plot_engine
 
-# A new schema revision after changing gateway/tables.py: make migration m="add the audit table"
-# (writes gateway/migrations/versions/NNNN_*.py; read it, then run tests/test_migrations.py).
+# A new schema revision after changing gateway/storage/tables.py: make migration m="add the audit table"
+# (writes gateway/storage/migrations/versions/NNNN_*.py; read it, then run tests/test_migrations.py).
 migration: install
 	test -n "$(m)" || (echo 'usage: make migration m="what changed"'; exit 1)
-	$(BIN)/python -m gateway.migrate "$(m)"
+	$(BIN)/python -m gateway.storage.migrate "$(m)"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

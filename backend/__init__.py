@@ -10,11 +10,11 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "LLM": "backend.llm",
-    "SamplingParams": "backend.sampling_params",
-    "InvalidParameter": "backend.sampling_params",
-    "RequestOutput": "backend.outputs",
-    "CompletionOutput": "backend.outputs",
+    "LLM": "backend.entrypoints.llm",
+    "SamplingParams": "backend.core.sampling_params",
+    "InvalidParameter": "backend.core.sampling_params",
+    "RequestOutput": "backend.core.outputs",
+    "CompletionOutput": "backend.core.outputs",
 }
 __all__ = list(_EXPORTS)
 

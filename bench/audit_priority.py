@@ -31,7 +31,7 @@ QUESTIONS = [
 
 def run(llm: object, audits: int, clients: int, audit_priority: int, max_tokens: int) -> dict[str, float]:
     """Steps until the clients finished (mean, max) and until the last audit finished."""
-    from backend.sampling_params import SamplingParams
+    from backend.core.sampling_params import SamplingParams
 
     engine = llm.engine  # type: ignore[attr-defined]
     tok = engine.tokenizer

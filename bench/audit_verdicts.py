@@ -5,7 +5,7 @@ right for question 2" is scored against the pair's label (duplicate / same inten
     .venv/bin/python -m bench.audit_verdicts [--pairs 60] [--data DIR] [--out bound17] [--threads 1]
 
 Pairs, per data set, half right and half wrong, drawn with a fixed seed, each one the semantic tier
-would judge (over the cosine threshold, no guard: ``gateway.evidence_seed.seed_scores``):
+would judge (over the cosine threshold, no guard: ``gateway.offline.evidence_seed.seed_scores``):
 - QQP: test-split pairs of ``qqp_dev.csv`` (the verifier never trained on them);
 - banking77: each sampled text and its nearest other sampled text (what a cache lookup finds), right
   when both have the same intent.
@@ -49,7 +49,7 @@ def qqp_pairs(data: Path, rng: random.Random) -> Pairs:
 
 
 def banking_pairs(data: Path, rng: random.Random) -> Pairs:
-    from gateway.calibrate import _encoder
+    from gateway.offline.calibrate import _encoder
 
     with open(data / "banking77_train.csv", newline="") as f:
         rows = rng.sample(list(csv.DictReader(f)), TEXTS)
@@ -65,9 +65,9 @@ def banking_pairs(data: Path, rng: random.Random) -> Pairs:
 
 def candidates(pairs: Pairs, n: int) -> Pairs:
     """Half right, half wrong, among the pairs the semantic tier would judge."""
+    from gateway.cache.verifier_loader import load_verifier
     from gateway.config import load_settings
-    from gateway.evidence_seed import seed_scores
-    from gateway.verifier_loader import load_verifier
+    from gateway.offline.evidence_seed import seed_scores
 
     s = load_settings(None)
     verifier = load_verifier(s.cache, s.engine.resolved_cache_dir)
@@ -92,10 +92,10 @@ def judged_yes(out: Any, tok: Any) -> bool:
 
 def verdicts(pairs: Pairs, llm: Any, max_tokens: int) -> dict[str, np.ndarray]:
     """Every method's verdict per pair ("right" = True), and the labels under "label"."""
-    from backend.sampling_params import SamplingParams
-    from gateway.calibrate import _encoder
+    from backend.core.sampling_params import SamplingParams
+    from gateway.cache.verifier_loader import load_verifier
     from gateway.config import load_settings
-    from gateway.verifier_loader import load_verifier
+    from gateway.offline.calibrate import _encoder
 
     tok = llm.tokenizer
 

@@ -38,7 +38,7 @@ import httpx
 
 from bench.chaos_load import POOL, Load, Outcome, ask, long_streams
 from bench.common import ROOT, save, say
-from gateway.supervisor import port_is_free
+from gateway.upstream.supervisor import port_is_free
 
 FAULTS = ("engine-kill", "engine-stop", "stream-crash", "gateway-kill")
 

@@ -123,7 +123,7 @@ def qqp_replay(data: Path, pairs: int, seed: int) -> Replay:
 def banking_replay(data: Path, texts: int, seed: int) -> Replay:
     """A support desk with ``INTENTS`` intents (drawn at random): ``texts`` of their queries replayed in
     random order; the rest seed the evidence as nearest-neighbour pairs (same intent = right)."""
-    from gateway.calibrate import _encoder
+    from gateway.offline.calibrate import _encoder
 
     with open(data / "banking77_train.csv", newline="") as f:
         rows = {r["text"]: r["category"] for r in csv.DictReader(f)}
@@ -148,9 +148,9 @@ def banking_replay(data: Path, texts: int, seed: int) -> Replay:
 def seed_rows(labelled: tuple[list[str], list[str], np.ndarray]) -> list[Any]:
     """The labelled pairs as evidence rows, scored as `cachegw calibrate --seed-evidence` scores them."""
     from gateway.config import load_settings
-    from gateway.evidence_seed import seed_scores
-    from gateway.evidence_store import EvidenceRow
-    from gateway.tenants import key_hash
+    from gateway.offline.evidence_seed import seed_scores
+    from gateway.request.tenants import key_hash
+    from gateway.storage.evidence_store import EvidenceRow
     from policies.verifier import load_verifier
 
     s = load_settings(None)
@@ -167,7 +167,7 @@ def seed_rows(labelled: tuple[list[str], list[str], np.ndarray]) -> list[Any]:
 
 @contextlib.contextmanager
 def gateway(backend: str, work: Path, target: float, seeds: list[Any]) -> Iterator[str]:
-    from gateway.app import build_app
+    from gateway.api.app import build_app
     from gateway.config import load_settings
     from gateway.serve import started_gateway
 
@@ -185,8 +185,8 @@ def gateway(backend: str, work: Path, target: float, seeds: list[Any]) -> Iterat
         }
     )
     if seeds:  # what `cachegw calibrate --seed-evidence` writes, before the gateway starts
-        from gateway.evidence_store import EvidenceStore
-        from gateway.store import Store
+        from gateway.storage.evidence_store import EvidenceStore
+        from gateway.storage.store import Store
 
         store = Store(s.gateway.resolved_database_url(work))
         EvidenceStore(store.session).add(seeds)

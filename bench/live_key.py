@@ -23,8 +23,8 @@ from sqlalchemy import func, insert, select
 
 from bench.common import pct, save, say
 from bench.replica_sync import rows
-from gateway.store import Store
-from gateway.tables import LIVE_KEY_INDEX, CacheEntry
+from gateway.storage.store import Store
+from gateway.storage.tables import LIVE_KEY_INDEX, CacheEntry
 
 
 def fill(url: str, n: int, every: int) -> int:

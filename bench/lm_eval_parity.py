@@ -28,10 +28,10 @@ MODEL = "SmolLM2-135M-Instruct"
 @contextlib.contextmanager
 def engine_server() -> Iterator[tuple[str, Path]]:
     """The engine's OpenAI server on loopback; yields its completions URL and the weights folder."""
-    from backend.async_engine import AsyncEngine
     from backend.config import load_engine_config
-    from backend.engine import LLMEngine
-    from backend.server import build_app
+    from backend.core.async_engine import AsyncEngine
+    from backend.core.engine import LLMEngine
+    from backend.entrypoints.server import build_app
     from tests.servers import serve_in_thread
 
     llm = LLMEngine(

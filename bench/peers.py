@@ -113,7 +113,7 @@ class _HF:
         from transformers import AutoModelForCausalLM
 
         from backend.config import load_engine_config
-        from backend.model_loader import resolve_model_dir
+        from backend.executor.model_loader import resolve_model_dir
 
         cfg = load_engine_config(None)
         folder = resolve_model_dir(cfg.model, cfg.resolved_cache_dir)
@@ -225,7 +225,7 @@ class Peer:
 
 def torch_env(threads: int) -> dict[str, str]:
     """The OpenMP wait policy `cachegw backend` gives torch with several threads (passive: spinning
-    threads collapse beside other work, backend/cpu_threads.py); the HF peer gets the same."""
+    threads collapse beside other work, backend/executor/cpu_threads.py); the HF peer gets the same."""
     return {"OMP_WAIT_POLICY": "PASSIVE"} if threads > 1 else {}
 
 

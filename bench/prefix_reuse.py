@@ -102,10 +102,10 @@ def lcp(a: list[int], b: list[int]) -> int:
 @contextlib.contextmanager
 def backend(args: argparse.Namespace, captured: dict) -> Iterator[tuple[str, Any]]:
     """The real engine over HTTP; a finish listener keeps the exact token ids it saw per request."""
-    from backend.async_engine import AsyncEngine
     from backend.config import load_engine_config
-    from backend.engine import LLMEngine
-    from backend.server import build_app
+    from backend.core.async_engine import AsyncEngine
+    from backend.core.engine import LLMEngine
+    from backend.entrypoints.server import build_app
     from tests.servers import serve_in_thread
 
     cfg = load_engine_config(
@@ -131,7 +131,7 @@ def backend(args: argparse.Namespace, captured: dict) -> Iterator[tuple[str, Any
 @contextlib.contextmanager
 def gateway(backend_url: str, canonical: bool, learn: bool = True) -> Iterator[str]:
     """A gateway on its own data dir with the response cache off: every turn reaches the backend."""
-    from gateway.app import build_app
+    from gateway.api.app import build_app
     from gateway.config import load_settings
     from gateway.serve import started_gateway
     from tests.servers import serve_in_thread

@@ -47,7 +47,7 @@ def _conversations(n_prompts: int, n_texts: int) -> tuple[list[str], list[str]]:
 
 def _perplexity(llm, texts: list[str], max_len: int) -> float:
     """Teacher-forced: each text as one prefill into fresh KV blocks, logits at every position."""
-    from backend.layers.attention import AttentionMetadata
+    from backend.executor.layers.attention import AttentionMetadata
 
     runner = llm.engine.runner
     nll, count = 0.0, 0
@@ -94,7 +94,7 @@ def _run_llamacpp(
     from llama_cpp import Llama
 
     from backend import LLM
-    from backend.model_loader import embedded_gguf_path
+    from backend.executor.model_loader import embedded_gguf_path
 
     helper = LLM(load_format="dummy", compile="off", kv_cache_tokens=64)  # for its tokenizer and template
     tokenizer = helper.tokenizer

@@ -32,10 +32,10 @@ from sqlalchemy import insert, text
 
 from bench.common import pct, save, say
 from embeddings.index import ScopedIndex
-from gateway.cache import ResponseCache
+from gateway.cache.response_cache import ResponseCache
 from gateway.config import load_settings
-from gateway.store import Store
-from gateway.tables import CacheEntry
+from gateway.storage.store import Store
+from gateway.storage.tables import CacheEntry
 
 DIM = 384
 SCOPES = 100

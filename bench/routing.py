@@ -71,7 +71,7 @@ def backends(work: Path, kv_tokens: int, concurrency: int) -> Iterator[list[str]
 
 @contextlib.contextmanager
 def gateway(urls: list[str], mode: str, work: Path, name: str) -> Iterator[str]:
-    from gateway.app import build_app
+    from gateway.api.app import build_app
     from gateway.config import load_settings
     from gateway.serve import started_gateway
 

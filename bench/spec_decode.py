@@ -92,7 +92,7 @@ def run_one(engine, rid: str, ids: list[int], params) -> tuple[list[int], float,
 
 def engine_part(args: argparse.Namespace) -> list[dict]:
     from backend import LLM, SamplingParams
-    from backend.speculative import Speculator
+    from backend.core.speculative import Speculator
 
     llm = LLM(
         compile="off", quantization="none", kv_cache_tokens=16384, max_num_seqs=4, enable_prefix_caching=False
@@ -142,7 +142,7 @@ def batch_part(args: argparse.Namespace) -> list[dict]:
     already reads each weight once for many tokens? Wall time of the whole batch, off vs ngram,
     the best of ``--repeats`` interleaved pairs, every sequence allowed to speculate."""
     from backend import LLM, SamplingParams
-    from backend.speculative import Speculator
+    from backend.core.speculative import Speculator
 
     llm = LLM(
         compile="off",
@@ -204,11 +204,11 @@ def gateway_part(args: argparse.Namespace) -> list[dict]:
 
     import openai
 
-    from backend.async_engine import AsyncEngine
     from backend.config import load_engine_config
-    from backend.engine import LLMEngine
-    from backend.server import build_app as backend_app
-    from gateway.app import build_app
+    from backend.core.async_engine import AsyncEngine
+    from backend.core.engine import LLMEngine
+    from backend.entrypoints.server import build_app as backend_app
+    from gateway.api.app import build_app
     from gateway.config import load_settings
     from gateway.serve import started_gateway
     from tests.servers import serve_in_thread

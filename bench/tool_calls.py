@@ -86,11 +86,11 @@ DEFAULT_MODES = "required,auto,required_several"
 
 def run_mode(llm: Any, mode: str, max_tokens: int, limit: int | None = None) -> list[dict[str, Any]]:
     """Every question under one tool_choice, in one batch; per question what came out."""
-    from backend.sampling_params import SamplingParams
-    from backend.tool_parser import HERMES
-    from backend.tool_prompt import chat_prompt_ids
-    from backend.tool_responses import tool_message
-    from backend.tools import tool_request
+    from backend.core.sampling_params import SamplingParams
+    from backend.entrypoints.tool_parser import HERMES
+    from backend.entrypoints.tool_prompt import chat_prompt_ids
+    from backend.entrypoints.tool_responses import tool_message
+    from backend.entrypoints.tools import tool_request
     from protocol.requests import ChatMessage
 
     prompts, params, reqs = [], [], []

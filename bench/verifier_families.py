@@ -31,8 +31,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import RESULTS, machine  # noqa: E402
 from bench.verifier_quality import CACHE_DIR, CachedEncoder, _read_csv, banking77_pairs, split_qqp  # noqa: E402
+from gateway.cache.verifier_loader import load_verifier  # noqa: E402
 from gateway.config import load_settings  # noqa: E402
-from gateway.verifier_loader import load_verifier  # noqa: E402
 from policies.pair_diff import align  # noqa: E402
 from policies.verifier import DEFAULT_RULE, Verifier  # noqa: E402
 

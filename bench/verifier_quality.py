@@ -38,8 +38,8 @@ from bench.common import RESULTS as RESULTS_DIR  # noqa: E402
 from bench.common import SHARED_DATA as DATA_DIR  # noqa: E402
 from bench.common import machine  # noqa: E402
 from embeddings.encoder import Encoder  # noqa: E402
+from gateway.cache.verifier_loader import load_verifier  # noqa: E402
 from gateway.config import load_settings  # noqa: E402
-from gateway.verifier_loader import load_verifier  # noqa: E402
 from policies.pair_guards import guard_reason  # noqa: E402
 from policies.verifier import ARTIFACT_PATH, DEFAULT_RULE, Verifier  # noqa: E402
 from policies.verifier_training import train_verifier  # noqa: E402
@@ -295,7 +295,7 @@ def _retrain(train_rows: list[dict[str, str]], enc: CachedEncoder, cross: bool) 
         out = {"mlp": train_verifier(str(csv_path), str(ARTIFACT_PATH), encoder=enc)}
         if cross:
             from embeddings.cross_encoder import ARTIFACT_PATH as CROSS_PATH
-            from gateway.train_verifier import train_cross_from_csv
+            from gateway.offline.train_verifier import train_cross_from_csv
 
             out["cross_encoder"] = train_cross_from_csv(csv_path, CROSS_PATH)
         return out

@@ -6,7 +6,7 @@ question. The base weights are the all-MiniLM-L6-v2 the gateway already ships fo
 low-rank updates, the LayerNorms, the pooler and a small head are trained and shipped (2 MB), so nothing
 new is downloaded and the stored FAISS vectors do not change.
 
-The model and its training loop; ``embeddings/cross_onnx.py`` serves it, ``gateway/train_verifier.py``
+The model and its training loop; ``embeddings/cross_onnx.py`` serves it, ``gateway/offline/train_verifier.py``
 trains it from a CSV (``cachegw train-verifier --cross``).
 """
 

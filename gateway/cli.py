@@ -29,7 +29,7 @@ def _add_backend_args(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_backend(args: argparse.Namespace) -> int:
-    from backend.command import main
+    from backend.entrypoints.command import main
 
     main(args.config, args.host, args.port, args.model, args.cpus, args.quantization)
     return 0
@@ -37,7 +37,7 @@ def _cmd_backend(args: argparse.Namespace) -> int:
 
 def check_ports(settings: Settings) -> None:
     """A busy gateway port, or a busy port for the built-in engine, stops the start naming it."""
-    from gateway.supervisor import port_is_free
+    from gateway.upstream.supervisor import port_is_free
 
     g = settings.gateway
     wanted = [("gateway", g.host, g.port)]
@@ -66,25 +66,25 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _train_verifier(argv: list[str]) -> int:
-    from gateway.train_verifier import main_train
+    from gateway.offline.train_verifier import main_train
 
     return main_train(argv)
 
 
 def _calibrate(argv: list[str]) -> int:
-    from gateway.calibrate import main_calibrate
+    from gateway.offline.calibrate import main_calibrate
 
     return main_calibrate(argv)
 
 
 def _analyze(argv: list[str]) -> int:
-    from gateway.analyze import main_analyze
+    from gateway.offline.analyze import main_analyze
 
     return main_analyze(argv)
 
 
 def _export(argv: list[str]) -> int:
-    from gateway.analyze import main_export
+    from gateway.offline.analyze import main_export
 
     return main_export(argv)
 

@@ -13,9 +13,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, StrictBool
 
-from gateway.admin_store import AdminStore
 from gateway.bodies import StrictBody, parse_body
 from gateway.config import Settings
+from gateway.storage.admin_store import AdminStore
 from policies.canonicalize import RULES
 
 KEY = "runtime"

@@ -17,23 +17,23 @@ from configtools.cpus import format_cpus
 from embeddings.batcher import EmbeddingBatcher
 from embeddings.encoder import make_encoder
 from embeddings.index import ScopedIndex
-from gateway.admin_auth import resolve_admin_token
-from gateway.admin_store import AdminStore
-from gateway.app import build_app
-from gateway.audits import Auditor
-from gateway.backend_health import HealthProbes
-from gateway.cache import ResponseCache
-from gateway.cache_maintenance import HIT_FLUSH_S
+from gateway.api.app import build_app
+from gateway.api.metrics_http import metrics_app
+from gateway.cache.audits import Auditor
+from gateway.cache.error_control import ThresholdProvider
+from gateway.cache.maintenance import HIT_FLUSH_S
+from gateway.cache.response_cache import ResponseCache
+from gateway.cache.verifier_loader import load_verifier
 from gateway.config import BackendSpec, Settings
-from gateway.error_control import ThresholdProvider
-from gateway.evidence_store import EvidenceStore
 from gateway.live_settings import LiveSettings
-from gateway.metrics_http import metrics_app
-from gateway.pipeline import Gateway
-from gateway.proxy import Backends
-from gateway.store import Store
-from gateway.supervisor import BuiltinBackend, CoreSplit, split_cores
-from gateway.verifier_loader import load_verifier
+from gateway.request.admin_auth import resolve_admin_token
+from gateway.request.pipeline import Gateway
+from gateway.storage.admin_store import AdminStore
+from gateway.storage.evidence_store import EvidenceStore
+from gateway.storage.store import Store
+from gateway.upstream.health import HealthProbes
+from gateway.upstream.proxy import Backends
+from gateway.upstream.supervisor import BuiltinBackend, CoreSplit, split_cores
 
 log = logging.getLogger("cachegw.gateway")
 EXPIRY_EVERY_S = 60.0

@@ -42,7 +42,7 @@ Deliberately not rules:
   ``serve_temperature_above_zero`` the seed is part of the exact key like any parameter.
 - ``tool_choice`` ("required", a named function, "none"): the answer to an identical request, tools
   included, is the same tool call; the client still runs the tool itself. The gateway mints fresh
-  tool-call ids when it serves one (``gateway/hits.py``).
+  tool-call ids when it serves one (``gateway/request/hits.py``).
 - ``stream``: a stored answer can be replayed as a stream (usage chunk included).
 - ``top_p``, ``stop``, ``max_tokens``, ``response_format``...: part of the key, not of this decision.
 Headers are matched case-insensitively, repeated headers and comma lists are both read.
@@ -50,7 +50,7 @@ Headers are matched case-insensitively, repeated headers and comma lists are bot
 Exact tier only (``exact_only``): a turn whose last message is not a user's (a tool result, an
 assistant prefill) has no question to compare by meaning; what the tool returned is data, and a
 paraphrase of the conversation is not the same data. Such a turn hits only when it repeats exactly
-(tool-call ids aside: ``gateway/cache_keys.py`` keys them by position).
+(tool-call ids aside: ``policies/cache_keys.py`` keys them by position).
 
 What answer may be stored (``judge_answer``), after the request may be: one choice that completed
 well: finish_reason ``stop``, ``length`` (only for a request with a max_tokens, to be served to that

@@ -1,5 +1,5 @@
 """The semantic line from a false-hit bound: the lowest score at which hits are wrong at most
-``target`` of the time, with stated confidence (pure code; ``gateway/error_control.py`` feeds it).
+``target`` of the time, with stated confidence (pure code; ``gateway/cache/error_control.py`` feeds it).
 
 Evidence is audited pairs (score, right or wrong), where the score is what the serving decision
 thresholds on (the verifier's final probability, or the cosine when the verifier is off). For a

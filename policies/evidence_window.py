@@ -1,4 +1,4 @@
-"""False-hit evidence that ages: only the audits inside a window count (pure; ``gateway/error_control.py``
+"""False-hit evidence that ages: only the audits inside a window count (pure; ``error_control.py``
 keeps one window per scope and per entry).
 
 Traffic drifts and so does the model behind the gateway: an audit from last month says less about

@@ -9,7 +9,7 @@ evenly, and adding or removing a backend moves only the keys it owned. ``round_r
 with no affinity (for backends without a prefix cache); ``first`` sends everything to the first listed
 backend that serves the model and uses the others only when it is down.
 
-The candidates are the backends up: one the health probes marked down (``gateway/backend_health.py``)
+The candidates are the backends up: one the health probes marked down (``gateway/upstream/health.py``)
 is left out before the policy orders them, so with ``prefix`` only the keys it owned move.
 """
 

@@ -7,7 +7,7 @@ Cosine similarity alone tops out near 0.93 precision on QQP because hard negativ
 2. no hard guard fires (numbers, negation, antonyms, script, swap, time: ``guard_reason``);
 3. a small MLP over pair features gives probability >= ``DEFAULT_RULE.min_prob``; with the optional
    cross-encoder stage (a ``PairScorer``: ``embeddings/cross_onnx.py``, given by
-   ``gateway/verifier_loader.py``), the geometric mean of the MLP's and the cross-encoder's
+   ``gateway/cache/verifier_loader.py``), the geometric mean of the MLP's and the cross-encoder's
    probabilities must clear it instead.
 
 The MLP is numpy only; training uses torch (``train_verifier`` / ``cachegw train-verifier``).

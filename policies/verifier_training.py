@@ -1,7 +1,7 @@
 """Training the verifier's classifier: labelled pairs read and checked, features from the embeddings of
 an encoder the caller gives, a small MLP ensemble fitted with torch, and the artifact that
 ``policies.verifier.Verifier`` serves. Kept apart from the serving module: serving loads none of it.
-The command (``cachegw train-verifier``) is ``gateway/train_verifier.py``."""
+The command (``cachegw train-verifier``) is ``gateway/offline/train_verifier.py``."""
 
 from __future__ import annotations
 

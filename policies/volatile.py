@@ -12,7 +12,7 @@ matches out of the prompt like the listed ones (into the note on the last user m
 part of the cache scope).
 
 Pure: ``learn`` gets the recent prompts and returns a template or None, ``extract`` applies the
-patterns and templates to one text; the gateway keeps the state (``gateway/volatile_learner.py``).
+patterns and templates to one text; the gateway keeps the state (``gateway/request/volatile_learner.py``).
 Conservative: a prompt that differs widely from the others is a new template, not a volatile span; a
 span is short, on one line, with the same text on both sides in every prompt it was learned from; the
 constant text is most of the prompt.

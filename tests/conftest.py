@@ -54,7 +54,7 @@ def smol_tokenizer() -> Any:
     from transformers import AutoTokenizer
 
     from backend.config import load_engine_config
-    from backend.model_loader import resolve_model_dir
+    from backend.executor.model_loader import resolve_model_dir
 
     cfg = load_engine_config(None)
     return AutoTokenizer.from_pretrained(str(resolve_model_dir(cfg.model, cfg.resolved_cache_dir)))
@@ -66,9 +66,9 @@ def shared_engine() -> Iterator[Any]:
     puts in front of it shares its weights and KV cache. It runs the GGUF's own 4-bit weights
     (the default `quantization = "auto"`: Q4_1 as int4), which decode 2.5-4x faster here than float32: the
     gateway tests need a real engine, not float32 numbers (the parity tests keep float32 in `llm`)."""
-    from backend.async_engine import AsyncEngine
     from backend.config import load_engine_config
-    from backend.engine import LLMEngine
+    from backend.core.async_engine import AsyncEngine
+    from backend.core.engine import LLMEngine
 
     cfg = load_engine_config(
         None, device="cpu", dtype="float32", quantization="auto", kv_cache_tokens=8192, max_num_seqs=8
@@ -84,7 +84,7 @@ def shared_engine() -> Iterator[Any]:
 def shared_backend_url(shared_engine: Any) -> Iterator[str]:
     """The built-in engine behind its OpenAI HTTP server, for the gateway tests: they only send it
     requests (each gateway has its own data dir), so one engine serves every module."""
-    from backend.server import build_app
+    from backend.entrypoints.server import build_app
     from tests.servers import serve_in_thread
 
     with serve_in_thread(build_app(shared_engine, "SmolLM2-135M-Instruct", 1 << 20)) as url:

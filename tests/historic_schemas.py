@@ -1,5 +1,5 @@
 """Every database schema cachegw shipped before Alembic, transcribed from git history
-(``git log -p -- gateway/store.py gateway/tables.py``), for the migration tests.
+(``git log -p -- gateway/storage/store.py gateway/storage/tables.py``), for the migration tests.
 
 Written out here rather than taken from the migrations, so the tests check the migrations against the
 history and not against themselves. Each shape is a list of changes applied in order to the first one.

@@ -1,6 +1,6 @@
 """`cachegw analyze` and `cachegw export` on a small request log written here, in a real SQLite file.
 
-The expected numbers are computed in this file from the rows it wrote (not through gateway.stats), so
+The expected numbers are computed in this file from the rows it wrote (not through gateway.storage.stats), so
 a wrong formula in the report shows up as a mismatch.
 """
 
@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from gateway.analyze import main_analyze, main_export
-from gateway.request_record import RequestRecord
-from gateway.store import Store
-from gateway.tables import Feedback, RequestRow
+from gateway.offline.analyze import main_analyze, main_export
+from gateway.storage.request_record import RequestRecord
+from gateway.storage.store import Store
+from gateway.storage.tables import Feedback, RequestRow
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = datetime(2025, 3, 1, 10, 0, tzinfo=UTC).timestamp()

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from backend import LLM, SamplingParams
-from backend.layers.attention import AttentionMetadata, store_kv_torch
-from backend.layers.kv_quant import KVCacheFormat
-from backend.layers.rotary import RotaryEmbedding
-from backend.layers.sinks import sink_attention
+from backend.executor.layers.attention import AttentionMetadata, store_kv_torch
+from backend.executor.layers.kv_quant import KVCacheFormat
+from backend.executor.layers.rotary import RotaryEmbedding
+from backend.executor.layers.sinks import sink_attention
 from tests.test_model_families import COMMON
 
 SINKS, WINDOW, BS = 4, 12, 8

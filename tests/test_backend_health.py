@@ -18,9 +18,9 @@ from pathlib import Path
 
 import httpx
 
-from gateway.backend_health import HealthProbes, health_url
 from gateway.metrics import BackendCounts, GatewayMetrics
-from gateway.proxy import Backends
+from gateway.upstream.health import HealthProbes, health_url
+from gateway.upstream.proxy import Backends
 from tests.servers import Upstream, recording_upstream, serve_in_thread
 from tests.test_gateway import gateway, settings_for
 

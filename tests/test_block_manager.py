@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from backend.block_manager import BlockManager
-from backend.sampling_params import SamplingParams
-from backend.sequence import Sequence
+from backend.core.block_manager import BlockManager
+from backend.core.sampling_params import SamplingParams
+from backend.core.sequence import Sequence
 
 BS = 4
 

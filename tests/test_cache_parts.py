@@ -9,13 +9,13 @@ from dataclasses import dataclass
 import pytest
 
 from embeddings.index import ScopedIndex
-from gateway.cache import ResponseCache
-from gateway.cache_exact import ExactTier
-from gateway.cache_keys import request_keys
+from gateway.cache.exact import ExactTier
+from gateway.cache.memo import EntryMemo
+from gateway.cache.response_cache import ResponseCache
 from gateway.config import load_settings
-from gateway.entry_memo import EntryMemo
-from gateway.store import Store
-from gateway.tables import CacheEntry
+from gateway.storage.store import Store
+from gateway.storage.tables import CacheEntry
+from policies.cache_keys import request_keys
 from policies.cacheability import UNKNOWN_LENGTH, Freshness, answer_length, unservable
 
 

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from embeddings.encoder import Encoder
-from gateway.calibrate import THRESHOLDS, gateway_query, main_calibrate
+from gateway.cache.verifier_loader import load_verifier
 from gateway.config import load_settings
-from gateway.verifier_loader import load_verifier
+from gateway.offline.calibrate import THRESHOLDS, gateway_query, main_calibrate
 from policies.verifier import DecisionRule
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -225,9 +225,9 @@ def test_cli_reports_bad_input_without_traceback(tmp_path):
 def test_seed_evidence_writes_the_candidates_for_the_error_bound(capsys, pairs_csv, tmp_path):
     """`--seed-evidence MODEL`: candidate pairs (over the cosine threshold, no guard) become rows of
     the gateway's hit_audits table, duplicates as right hits; a gateway reads them at start."""
-    from gateway.error_control import ThresholdProvider
-    from gateway.evidence_store import EvidenceStore
-    from gateway.store import Store
+    from gateway.cache.error_control import ThresholdProvider
+    from gateway.storage.evidence_store import EvidenceStore
+    from gateway.storage.store import Store
 
     cfg = tmp_path / "my.toml"
     cfg.write_text(f'[gateway]\ndata_dir = "{tmp_path / "data"}"\n', encoding="utf-8")

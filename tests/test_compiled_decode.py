@@ -1,4 +1,4 @@
-"""The compiled decode step (backend/compiled_decode.py) gives the eager engine's tokens and logprobs.
+"""The compiled decode step (executor/compiled_decode.py) gives the eager engine's tokens and logprobs.
 
 A tiny random Mistral (2 layers, a 16-token sliding window, blocks of 8; the sliding-window tests'
 model) stands in for a real checkpoint, so that Inductor compiles in seconds rather than the
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from backend import LLM, SamplingParams
-from backend.compiled_decode import will_compile
-from backend.layers.attention import AttentionMetadata
+from backend.executor.compiled_decode import will_compile
+from backend.executor.layers.attention import AttentionMetadata
 from tests.test_sliding_window import prompt_of, reference, tiny_windowed
 
 
@@ -55,8 +55,8 @@ def test_compiled_decodes_match_transformers(compiled, lengths):
     """Decodes of similar context lengths share the graph: contexts under one block (a table width of
     1) and past the window. Its attention is cachegw's paged kernel where this CPU runs cachegw's
     kernels (``[engine] cpu_kernels = "auto"``), torch's tensor ops elsewhere."""
-    from backend.layers import cpu_kernels
-    from backend.layers.attention import PagedAttention
+    from backend.executor.layers import cpu_kernels
+    from backend.executor.layers.attention import PagedAttention
 
     hf, llm = compiled
     layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, PagedAttention)]

@@ -1,4 +1,4 @@
-"""Where the engine's threads run (backend/cpu_threads.py) and how `cachegw serve` splits the cores
+"""Where the engine's threads run (backend/executor/cpu_threads.py) and how `cachegw serve` splits the cores
 between itself and its built-in engine (gateway/supervisor.split_cores): pure decisions, no torch."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from backend.config import load_engine_config
-from backend.cpu_threads import plan
+from backend.executor.cpu_threads import plan
 from configtools.cpus import format_cpus, parse_cpus
-from gateway.supervisor import CoreSplit, split_cores
+from gateway.upstream.supervisor import CoreSplit, split_cores
 
 ALL = frozenset({0, 1, 2, 3})
 

@@ -18,8 +18,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from embeddings.cross_encoder import ARTIFACT_PATH, CrossEncoder  # noqa: E402
 from embeddings.cross_onnx import PROBE_TOLERANCE, CrossScorer  # noqa: E402
 from embeddings.onnx_encoder import OnnxEncoder  # noqa: E402
-from gateway.train_verifier import main_train  # noqa: E402
-from gateway.verifier_loader import load_verifier  # noqa: E402
+from gateway.cache.verifier_loader import load_verifier  # noqa: E402
+from gateway.offline.train_verifier import main_train  # noqa: E402
 from policies.verifier import DEFAULT_RULE, Verifier  # noqa: E402
 
 SAME = ("How do I invest my money wisely?", "How can I invest my money wisely?")

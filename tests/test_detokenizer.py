@@ -7,8 +7,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from backend.config import load_engine_config
-from backend.detokenizer import IncrementalDetokenizer
-from backend.model_loader import resolve_model_dir
+from backend.core.detokenizer import IncrementalDetokenizer
+from backend.executor.model_loader import resolve_model_dir
 
 TEXTS = ["Hello world, how are you?", "naïve café — 東京 🙂 done", "  leading spaces\nand lines"]
 

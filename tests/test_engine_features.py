@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from backend import LLM, InvalidParameter, SamplingParams
-from backend.block_manager import BlockManager
-from backend.engine import ContextLengthExceeded
-from backend.layers.kv_quant import KVCacheFormat
-from backend.scheduler import ScheduledBatch
-from backend.sequence import Sequence
+from backend.core.block_manager import BlockManager
+from backend.core.engine import ContextLengthExceeded
+from backend.core.scheduler import ScheduledBatch
+from backend.core.sequence import Sequence
+from backend.executor.layers.kv_quant import KVCacheFormat
 
 BS = 16
 

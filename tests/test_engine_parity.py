@@ -93,8 +93,8 @@ def test_echo_prompt_logprobs_match_an_hf_forward_pass(llm, hf_model) -> None:
     runs int4)."""
     import openai
 
-    from backend.async_engine import AsyncEngine
-    from backend.server import build_app
+    from backend.core.async_engine import AsyncEngine
+    from backend.entrypoints.server import build_app
     from tests.servers import serve_in_thread
 
     ids = prompts_for(llm)[5]  # the long document: several blocks, every position scored

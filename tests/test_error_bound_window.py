@@ -1,4 +1,4 @@
-"""Per-entry lines and evidence ageing (gateway/error_control.py, policies/evidence_window.py): the
+"""Per-entry lines and evidence ageing (gateway/cache/error_control.py, policies/evidence_window.py): the
 threshold provider over a real SQLite evidence table, an injectable clock, no model, no server."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from gateway.cache.error_control import ThresholdProvider, evidence_of
 from gateway.config import CacheConfig, load_settings
-from gateway.error_control import ThresholdProvider, evidence_of
-from gateway.evidence_store import EvidenceRow, EvidenceStore
-from gateway.store import Store
+from gateway.storage.evidence_store import EvidenceRow, EvidenceStore
+from gateway.storage.store import Store
 from policies.error_bound import min_audits
 from policies.evidence_window import Ageing
 
@@ -49,8 +49,8 @@ def test_an_entry_with_enough_evidence_of_its_own_gets_its_own_line(tmp_path) ->
 
 def test_a_bad_hit_report_counts_against_the_entry_too(tmp_path) -> None:
     """Reports find the hit's entry through the auditor's memory of recent hits."""
-    from gateway.audits import AuditJob, Auditor
-    from gateway.tables import CacheEntry
+    from gateway.cache.audits import AuditJob, Auditor
+    from gateway.storage.tables import CacheEntry
 
     lines = provider(tmp_path, [0.0])
     c = config().model_copy(update={"audit_fraction": 0.0})

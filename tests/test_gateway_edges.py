@@ -19,12 +19,12 @@ import pytest
 from fastapi import FastAPI, Request
 
 from embeddings.index import ScopedIndex
-from gateway.cache import ResponseCache
-from gateway.cache_keys import request_keys
+from gateway.cache.response_cache import ResponseCache
 from gateway.config import load_settings
-from gateway.store import Store
-from gateway.streams import SseRecorder
-from gateway.tables import CacheEntry
+from gateway.storage.store import Store
+from gateway.storage.tables import CacheEntry
+from gateway.upstream.streams import SseRecorder
+from policies.cache_keys import request_keys
 from tests.servers import serve_in_thread
 from tests.test_gateway import (  # noqa: F401
     MODEL,

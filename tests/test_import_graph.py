@@ -23,7 +23,10 @@ ALLOWED = {
     "policies": {"protocol", "configtools"},  # pure: models reach a policy as arguments
     "gateway": {"policies", "embeddings", "protocol", "configtools"},
 }
-GATEWAY_TO_BACKEND = {("gateway/config.py", "backend.config"), ("gateway/cli.py", "backend.command")}
+GATEWAY_TO_BACKEND = {
+    ("gateway/config.py", "backend.config"),
+    ("gateway/cli.py", "backend.entrypoints.command"),
+}
 
 
 def imports() -> list[tuple[str, str, str]]:
@@ -59,7 +62,8 @@ def test_imports_follow_the_request_flow() -> None:
 
 NO_ENGINE = """
 import sys
-import gateway.app, gateway.serve, gateway.cli, gateway.admin_api, gateway.supervisor, gateway.proxy
+import gateway.api.app, gateway.serve, gateway.cli, gateway.api.admin_api
+import gateway.upstream.supervisor, gateway.upstream.proxy
 heavy = ("torch", "transformers", "sentence_transformers")
 loaded = sorted(m for m in sys.modules
                 if m.split(".")[0] in heavy or (m.startswith("backend.") and m != "backend.config"))

@@ -1,4 +1,4 @@
-"""The quantized KV cache (``[engine] kv_cache_dtype``, backend/layers/kv_quant.py) without the real model:
+"""The quantized KV cache (``[engine] kv_cache_dtype``, layers/kv_quant.py) without the real model:
 the int8/fp8 round trip through the torch path's store and reads, capacity counted in stored bytes, the
 tier's block files carrying the scales, and the config check. The runner tests use a tiny random-weight
 Llama (load_format "dummy") with SmolLM2's head_dim of 64; the real model's greedy tokens are checked in
@@ -10,16 +10,16 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from backend.block_manager import BlockManager
 from backend.config import load_engine_config
-from backend.kv_disk import BlockFormat, decode, encode
-from backend.layers import kv_quant
-from backend.layers.attention import _gather_blocks, read_blocks, store_kv_torch
-from backend.model_runner import ModelRunner
-from backend.models.llama import ModelSpec
-from backend.sampling_params import SamplingParams
-from backend.scheduler import ScheduledBatch
-from backend.sequence import Sequence
+from backend.core.block_manager import BlockManager
+from backend.core.kv_disk import BlockFormat, decode, encode
+from backend.core.sampling_params import SamplingParams
+from backend.core.scheduler import ScheduledBatch
+from backend.core.sequence import Sequence
+from backend.executor.layers import kv_quant
+from backend.executor.layers.attention import _gather_blocks, read_blocks, store_kv_torch
+from backend.executor.model_runner import ModelRunner
+from backend.executor.models.llama import ModelSpec
 
 BS = 4
 

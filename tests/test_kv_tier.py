@@ -9,11 +9,11 @@ import os
 import pytest
 import torch
 
-from backend.block_manager import BlockManager
-from backend.kv_disk import BlockFormat, DiskTier, decode, encode
-from backend.kv_tier import KVOffload
-from backend.sampling_params import SamplingParams
-from backend.sequence import Sequence
+from backend.core.block_manager import BlockManager
+from backend.core.kv_disk import BlockFormat, DiskTier, decode, encode
+from backend.core.kv_tier import KVOffload
+from backend.core.sampling_params import SamplingParams
+from backend.core.sequence import Sequence
 
 BS = 4
 SHAPE = (2, 2, BS, 1, 3)  # layers, K/V, block_size, kv_heads, head_dim

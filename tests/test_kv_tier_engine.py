@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from backend import LLM, SamplingParams
-from backend.metrics import ServerMetrics
-from backend.sequence import Sequence
+from backend.core.sequence import Sequence
+from backend.entrypoints.metrics import ServerMetrics
 
 BS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -157,10 +157,10 @@ def test_usage_cached_tokens_count_the_disk_tier_through_the_server(model_dir, t
     to disk, and after a restart usage.prompt_tokens_details.cached_tokens counts the disk tier's tokens."""
     import openai
 
-    from backend.async_engine import AsyncEngine
     from backend.config import load_engine_config
-    from backend.engine import LLMEngine
-    from backend.server import build_app
+    from backend.core.async_engine import AsyncEngine
+    from backend.core.engine import LLMEngine
+    from backend.entrypoints.server import build_app
     from tests.servers import serve_in_thread
 
     cfg = load_engine_config(

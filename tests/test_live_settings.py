@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from gateway.admin_store import AdminStore
 from gateway.config import load_settings
 from gateway.live_settings import LiveSettings, view
-from gateway.store import Store
+from gateway.storage.admin_store import AdminStore
+from gateway.storage.store import Store
 from protocol.errors import ApiError
 
 

@@ -16,9 +16,9 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Engine, MetaData, create_engine, insert, select, text
 
-from gateway import migrate
-from gateway.store import Store
-from gateway.tables import Base, CacheEntry, EntryDeletion
+from gateway.storage import migrate
+from gateway.storage.store import Store
+from gateway.storage.tables import Base, CacheEntry, EntryDeletion
 from tests.historic_schemas import SHAPES, shape
 from tests.test_shared_store import fresh_database
 
@@ -126,7 +126,7 @@ def test_every_shipped_schema_is_upgraded_on_postgresql(name: str, postgres: str
 
 @pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
 def test_the_revisions_alone_build_the_models_schema(dialect: str, tmp_path: Path, request) -> None:
-    """What ``make migration`` diffs against: a new table in gateway/tables.py without its revision
+    """What ``make migration`` diffs against: a new table in gateway/storage/tables.py without its revision
     fails here."""
     url = f"sqlite:///{tmp_path / 'new.db'}"
     if dialect == "postgresql":

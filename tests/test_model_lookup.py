@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from gateway.proxy import RELIST_AFTER_S, Backends
+from gateway.upstream.proxy import RELIST_AFTER_S, Backends
 from protocol.errors import ApiError
 from tests.servers import Upstream, recording_upstream, serve_in_thread
 

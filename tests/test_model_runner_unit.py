@@ -7,12 +7,12 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from backend.block_manager import BlockManager
 from backend.config import load_engine_config
-from backend.model_runner import ModelRunner
-from backend.sampling_params import SamplingParams
-from backend.scheduler import ScheduledBatch
-from backend.sequence import Sequence
+from backend.core.block_manager import BlockManager
+from backend.core.sampling_params import SamplingParams
+from backend.core.scheduler import ScheduledBatch
+from backend.core.sequence import Sequence
+from backend.executor.model_runner import ModelRunner
 
 BS = 4
 TOL = dict(rtol=1e-4, atol=1e-5)

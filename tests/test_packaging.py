@@ -43,7 +43,7 @@ class Block(importlib.abc.MetaPathFinder):
         if name.split(".")[0] in BLOCKED:
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 sys.meta_path.insert(0, Block())
-import gateway.app, gateway.serve, gateway.cli, gateway.admin_api, gateway.supervisor
+import gateway.api.app, gateway.serve, gateway.cli, gateway.api.admin_api, gateway.upstream.supervisor
 print("ok")
 """
 
@@ -77,8 +77,8 @@ def test_license_file_matches_declared_license() -> None:
 
 MIGRATE_FROM_WHEEL = """
 import sys, gateway
-from gateway.migrate import head
-from gateway.store import Store
+from gateway.storage.migrate import head
+from gateway.storage.store import Store
 assert gateway.__file__.startswith(sys.argv[1]), gateway.__file__
 Store(f"sqlite:///{sys.argv[2]}").close()
 print(head())

@@ -14,11 +14,11 @@ from gguf.quants import dequantize, quantize
 from transformers import LlamaConfig
 
 from backend.config import load_engine_config
-from backend.gguf_weights import decode_blocks
-from backend.layers import cpu_kernels
-from backend.layers.quantized_linear import BlockLinear, Int4Linear, Int8Linear
-from backend.model_loader import embedded_gguf_path
-from backend.model_runner import ModelRunner
+from backend.executor.gguf_weights import decode_blocks
+from backend.executor.layers import cpu_kernels
+from backend.executor.layers.quantized_linear import BlockLinear, Int4Linear, Int8Linear
+from backend.executor.model_loader import embedded_gguf_path
+from backend.executor.model_runner import ModelRunner
 
 
 def _weights(rows: int = 48, cols: int = 96, seed: int = 0) -> np.ndarray:

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select
 
-from gateway.recorder import Recorder
-from gateway.request_record import RequestRecord
-from gateway.store import Store
-from gateway.tables import RequestRow
+from gateway.storage.recorder import Recorder
+from gateway.storage.request_record import RequestRecord
+from gateway.storage.store import Store
+from gateway.storage.tables import RequestRow
 
 
 def row(i: int) -> dict:

@@ -5,14 +5,15 @@ from __future__ import annotations
 import asyncio
 import time
 
-from gateway.admin_store import AdminStore
-from gateway.cache_keys import request_keys
-from gateway.cache_result import CacheResult, Lookup
-from gateway.entry_ids import EntryIds
-from gateway.flow import Flow
-from gateway.recorder import Recorder
-from gateway.store import Store
-from gateway.tenants import Tenant
+from gateway.cache.lookup import Lookup
+from gateway.request.flow import Flow
+from gateway.request.tenants import Tenant
+from gateway.storage.admin_store import AdminStore
+from gateway.storage.entry_ids import EntryIds
+from gateway.storage.recorder import Recorder
+from gateway.storage.request_record import CacheResult
+from gateway.storage.store import Store
+from policies.cache_keys import request_keys
 from policies.cacheability import OK
 
 

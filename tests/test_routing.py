@@ -21,11 +21,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import httpx  # noqa: E402
 import pytest  # noqa: E402
 
-from backend.async_engine import AsyncEngine  # noqa: E402
 from backend.config import load_engine_config  # noqa: E402
-from backend.engine import LLMEngine  # noqa: E402
-from backend.server import build_app as build_backend_app  # noqa: E402
-from gateway.proxy import Backends  # noqa: E402
+from backend.core.async_engine import AsyncEngine  # noqa: E402
+from backend.core.engine import LLMEngine  # noqa: E402
+from backend.entrypoints.server import build_app as build_backend_app  # noqa: E402
+from gateway.upstream.proxy import Backends  # noqa: E402
 from policies.routing import PROMPT_PREFIX_CHARS, Router, rendezvous, routing_key  # noqa: E402
 from tests.servers import free_port, serve_in_thread  # noqa: E402
 from tests.test_gateway import MODEL, SYSTEM, backend_url, gateway, settings_for  # noqa: E402,F401
@@ -229,8 +229,8 @@ def test_prefix_routing_keeps_conversations_on_the_backend_that_cached_them(
         assert blocks >= 4 and second[3] >= 16 * blocks, (first, second)
     seen = {r[0] for r in rows}
     # the report's per-backend table counts the same requests (`cachegw analyze`, admin stats)
-    from gateway.analyze_summary import build_summary
-    from gateway.request_log_read import read_database
+    from gateway.offline.analyze_summary import build_summary
+    from gateway.storage.request_log import read_database
 
     summary = build_summary(read_database(f"sqlite:///{tmp_path / 'cachegw.db'}", None, None), s)
     per = summary["by_backend"]

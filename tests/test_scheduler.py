@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from backend.block_manager import BlockManager
-from backend.sampling_params import SamplingParams
-from backend.scheduler import Scheduler
-from backend.sequence import Sequence, SequenceStatus
+from backend.core.block_manager import BlockManager
+from backend.core.sampling_params import SamplingParams
+from backend.core.scheduler import Scheduler
+from backend.core.sequence import Sequence, SequenceStatus
 
 BS = 4
 

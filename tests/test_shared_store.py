@@ -15,10 +15,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.analyze_summary import build_summary
 from gateway.config import Settings
-from gateway.request_log_read import read_database
-from gateway.store import Store
+from gateway.offline.analyze_summary import build_summary
+from gateway.storage.request_log import read_database
+from gateway.storage.store import Store
 from tests.test_admin import TOKEN, admin_settings, api
 from tests.test_gateway import ask, backend_url, chat, gateway  # noqa: F401
 
@@ -142,9 +142,9 @@ async def test_sync_moves_the_counts_and_the_index_with_other_replicas(tmp_path)
     import numpy as np
 
     from embeddings.index import ScopedIndex
-    from gateway.cache import ResponseCache
+    from gateway.cache.response_cache import ResponseCache
     from gateway.config import load_settings
-    from gateway.tables import CacheEntry
+    from gateway.storage.tables import CacheEntry
 
     url = f"sqlite:///{tmp_path / 'shared.db'}"
     config = load_settings(None).cache

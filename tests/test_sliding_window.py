@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from backend import LLM, SamplingParams
-from backend.block_manager import FREED, BlockManager
-from backend.models.llama import layer_windows
-from backend.sequence import Sequence
+from backend.core.block_manager import FREED, BlockManager
+from backend.core.sequence import Sequence
+from backend.executor.models.llama import layer_windows
 from tests.test_model_families import COMMON
 
 WINDOW = 16

@@ -16,7 +16,7 @@ import jsonschema
 import openai
 import pytest
 
-from backend.sampling_params import SamplingParams, StructuredOutput
+from backend.core.sampling_params import SamplingParams, StructuredOutput
 
 MODEL = "SmolLM2-135M-Instruct"
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.supervisor import BuiltinBackend
+from gateway.upstream.supervisor import BuiltinBackend
 from tests.servers import free_port
 
 

@@ -134,7 +134,7 @@ def test_tenants_in_one_prefix_group_share_the_prefix_cache_and_no_one_else(
 ) -> None:
     """[tenants] prefix_groups: the operator lets A and B share a system prompt's prefix; C stays apart,
     and the group shares no cached answers."""
-    from gateway.tenants import key_hash
+    from gateway.request.tenants import key_hash
 
     s = isolated(tmp_path, backend_url, True)
     groups = {"team": [key_hash("tenant-a"), key_hash("tenant-b")]}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.config import TenantsConfig
-from gateway.tenants import ANONYMOUS, Tenants, key_hash
+from gateway.request.tenants import ANONYMOUS, Tenants, key_hash
 from protocol.errors import ApiError
 
 KEYS = {"alice": "sk-alice-1", "bob": "sk-bob-2"}

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from backend.structured import GrammarCompiler
-from backend.tool_parser import HERMES, scan
-from backend.tool_prompt import chat_prompt_ids, template_format
-from backend.tool_responses import ToolDeltas, tool_message
-from backend.tools import ToolRequest, tool_request
+from backend.core.structured import GrammarCompiler
+from backend.entrypoints.tool_parser import HERMES, scan
+from backend.entrypoints.tool_prompt import chat_prompt_ids, template_format
+from backend.entrypoints.tool_responses import ToolDeltas, tool_message
+from backend.entrypoints.tools import ToolRequest, tool_request
 from protocol.requests import ChatMessage
 from tests.tool_server import weather_tool
 from tests.tool_templates import HERMES_STYLE, with_template

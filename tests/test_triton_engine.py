@@ -26,7 +26,7 @@ SCRIPT = textwrap.dedent(
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     prompts = [list(range(100, 140)), list(range(100, 120)) + list(range(300, 310))]
     torch_out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, cache_salt="torch")]
-    from backend.layers.kernel_check import self_check
+    from backend.executor.layers.kernel_check import self_check
     checked = self_check(torch.device("cpu"), torch.float32, llm.engine.runner.spec, 16)
     for layer in llm.engine.runner.model.layers:
         layer.self_attn.attn.use_triton = True

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.tenants import key_hash
+from gateway.request.tenants import key_hash
 from tests.test_cache_reasons import logged_reason
 from tests.test_gateway import MODEL, ask, backend_url, client, gateway, settings_for  # noqa: F401
 

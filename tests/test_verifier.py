@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from embeddings.encoder import Encoder  # noqa: E402
-from gateway.train_verifier import main_train  # noqa: E402
+from gateway.offline.train_verifier import main_train  # noqa: E402
 from policies.pair_guards import guard_reason  # noqa: E402
 from policies.verifier import ARTIFACT_PATH, DEFAULT_RULE, Verifier  # noqa: E402
 from policies.verifier_training import train_verifier  # noqa: E402

@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from gateway.cache_keys import request_keys
-from gateway.volatile_learner import VolatileLearner
+from gateway.request.volatile_learner import VolatileLearner
+from policies.cache_keys import request_keys
 from policies.canonicalize import canonicalize, canonicalize_detail
 from policies.canonicalize_config import CanonicalizeConfig
 from policies.volatile import LearnConfig, differences, learn

@@ -14,9 +14,9 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from backend.sampling_params import StructuredOutput
-from backend.structured import GrammarCompiler
-from backend.tools import ToolRequest
+from backend.core.sampling_params import StructuredOutput
+from backend.core.structured import GrammarCompiler
+from backend.entrypoints.tools import ToolRequest
 
 HERMES_STYLE = """
 {%- if tools -%}

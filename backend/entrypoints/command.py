@@ -1,0 +1,30 @@
+"""The `cachegw backend` command: settle the engine's threads, then load it and serve.
+
+Torch-free until the threads are settled: OpenMP reads its environment (the wait policy) once, when
+torch first runs in parallel, and threads inherit the cores of the thread that starts them."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from backend.config import load_engine_config
+from backend.executor import cpu_threads
+
+
+def main(
+    config_path: str | None,
+    host: str | None,
+    port: int | None,
+    model: str | None,
+    cpus: str | None,
+    quantization: str | None = None,
+) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = load_engine_config(config_path, model=model, cpus=cpus, quantization=quantization)
+    threads = cpu_threads.plan(cfg, frozenset(os.sched_getaffinity(0)))
+    cpu_threads.apply(threads)
+
+    from backend.entrypoints.server import run_backend
+
+    run_backend(cfg, config_path, host, port, threads)

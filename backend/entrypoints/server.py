@@ -1,0 +1,371 @@
+"""The OpenAI-compatible HTTP server in front of the engine (`cachegw backend`).
+
+Every answer that is not a success is OpenAI's error JSON with a 4xx/5xx status: bad input is
+rejected before a stream starts (the engine validates on add), and an engine failure fails only
+the requests it hit. A client that goes away, streaming or not, aborts its request so its KV
+blocks are freed at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from backend.config import EngineConfig, load_backend_server_config
+from backend.core.async_engine import AsyncEngine, EngineDeadError, EngineError, RequestStream
+from backend.core.outputs import CompletionOutput, RequestOutput
+from backend.core.sampling_params import InvalidParameter, SamplingParams
+from backend.entrypoints.choices import CompletionShaper, Cursors, Echo, Shaper
+from backend.entrypoints.metrics import ServerMetrics
+from backend.entrypoints.openai_mapping import (
+    TokenTexts,
+    chat_logprobs,
+    invalid_parameter,
+    sampling_params,
+    usage,
+)
+from backend.entrypoints.request_fields import EngineChatRequest, EngineCompletionRequest, check_fields
+from backend.entrypoints.tool_prompt import answer_constraint, chat_prompt_ids, request_tools
+from backend.entrypoints.tool_responses import tool_chunks, tool_message
+from backend.entrypoints.tools import ToolRequest
+from backend.executor.cpu_threads import ThreadPlan
+from backend.executor.model_loader import EMBEDDED_GGUF
+from protocol import sse
+from protocol.errors import ApiError, error_body
+from protocol.http import ClientGone, install_error_handlers, read_limited_body
+from protocol.requests import ChatCompletionRequest, CompletionRequest, parse_request
+
+log = logging.getLogger("cachegw.backend")
+
+DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
+T = TypeVar("T")
+
+
+class _EventStream(StreamingResponse):
+    """SSE response that closes the request's stream however the response ends.
+
+    Starlette cancels the body on disconnect but never closes the generator, so the abort must
+    not depend on garbage collection.
+    """
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def _own_tokenizer(engine: AsyncEngine) -> Any:
+    """A tokenizer the engine thread never touches: a copy, else a fresh load of the same files."""
+    shared = engine.engine.tokenizer
+    if shared is None:
+        return None
+    try:
+        return copy.deepcopy(shared)
+    except Exception:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(engine.engine.model_dir))
+
+
+async def _last_output(stream: RequestStream) -> RequestOutput:
+    last: RequestOutput | None = None
+    async for out in stream:
+        last = out
+    if last is None:
+        raise EngineError("the request ended without output")
+    return last
+
+
+class _Server:
+    """Endpoint handlers and the state they share."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str, max_request_bytes: int) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.max_request_bytes = max_request_bytes
+        self.created = int(time.time())
+        # The engine thread owns the engine's tokenizer (fast tokenizers are not safe to share
+        # across threads), so the HTTP side works on its own copy, in one worker thread so that
+        # long prompts never block the event loop.
+        self.tokenizer = _own_tokenizer(engine)
+        self.tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cachegw-tokenizer")
+        self.texts = TokenTexts(self.tokenizer)
+        self.metrics = ServerMetrics(engine.stats)
+        engine.add_finish_listener(self.metrics.observe_finished)
+
+    # --- request plumbing ----------------------------------------------------------------------
+
+    async def read_body(self, request: Request) -> bytes:
+        return await read_limited_body(request, self.max_request_bytes)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(
+                404, f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
+                param="model", code="model_not_found",
+            )  # fmt: skip
+
+    async def in_tokenizer_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
+
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ApiError(400, "This model has no tokenizer: send the prompt as token ids.", param="prompt")
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.decode(ids)
+
+    def chat_ids(self, req: ChatCompletionRequest, tools: ToolRequest | None) -> list[int]:
+        if self.tokenizer is None:
+            raise ApiError(400, "This model has no tokenizer and cannot chat.", param="messages")
+        return chat_prompt_ids(self.tokenizer, req.messages, tools)
+
+    @staticmethod
+    def sampling_params(
+        req: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None
+    ) -> SamplingParams:
+        try:
+            return sampling_params(req, max_tokens, logprobs)
+        except InvalidParameter as exc:
+            raise invalid_parameter(exc) from None
+
+    async def start(
+        self, request_id: str, prompt: list[int], params: SamplingParams, salt: str | None
+    ) -> RequestStream:
+        try:
+            return await self.engine.add_request(request_id, prompt, params, salt)
+        except InvalidParameter as exc:
+            raise invalid_parameter(exc) from None
+        except EngineDeadError as exc:
+            raise ApiError(503, str(exc), type="server_error", code="engine_unavailable") from None
+
+    async def final_output(self, request: Request, stream: RequestStream) -> RequestOutput:
+        """Wait for the last output, aborting the request if the client disconnects meanwhile."""
+        task = asyncio.ensure_future(_last_output(stream))
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    raise ClientGone
+        except EngineError as exc:
+            raise ApiError(500, str(exc), type="server_error", code="engine_error") from None
+        finally:
+            task.cancel()
+            stream.close()
+
+    def event_stream(self, stream: RequestStream, events: AsyncIterator[dict[str, Any]]) -> _EventStream:
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                async for event in events:
+                    yield sse.event(event)
+            except EngineError as exc:
+                yield sse.error_event(str(exc), "engine_error")
+            except Exception as exc:
+                log.exception("stream failed")
+                yield sse.error_event(f"internal error: {type(exc).__name__}", "internal_error")
+            yield sse.DONE
+
+        return _EventStream(body(), stream.close)
+
+    # --- endpoints -----------------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        req = parse_request(EngineCompletionRequest, await self.read_body(request))
+        self.check_model(req.model)
+        check_fields(req)
+        prompt = req.prompt_input()
+        ids = await self.in_tokenizer_thread(self.encode, prompt) if isinstance(prompt, str) else prompt
+        params = self.sampling_params(req, req.resolved_max_tokens(), req.logprobs)
+        echo = None
+        if req.echo:
+            text = prompt if isinstance(prompt, str) else await self.in_tokenizer_thread(self.decode, prompt)
+            echo = Echo(text, req.logprobs is not None)
+        shaper = CompletionShaper(
+            f"cmpl-{uuid.uuid4().hex}", self.model_name, self.texts, req.include_usage, echo
+        )
+        stream = await self.start(shaper.id, ids, params, req.cache_salt)
+        if req.stream:
+            return self.event_stream(stream, shaper.chunks(stream))
+        return JSONResponse(shaper.response(await self.final_output(request, stream)))
+
+    async def chat_completions(self, request: Request) -> Response:
+        req = parse_request(EngineChatRequest, await self.read_body(request))
+        self.check_model(req.model)
+        check_fields(req)
+        top = req.logprobs_k()
+        tools = request_tools(req, self.tokenizer)
+        ids = await self.in_tokenizer_thread(self.chat_ids, req, tools)
+        room = self.engine.longest_request - len(ids)
+        params = self.sampling_params(req, req.resolved_max_tokens(room), top)
+        params.structured = answer_constraint(tools, params.structured)
+        params.skip_special_tokens = not (tools and tools.calls_possible and tools.special)
+        shaper = _ChatShaper(
+            f"chatcmpl-{uuid.uuid4().hex}",
+            self.model_name,
+            self.texts,
+            req.include_usage,
+            top,
+            tools if tools is not None and tools.calls_possible else None,
+        )
+        stream = await self.start(shaper.id, ids, params, req.cache_salt)
+        if req.stream:
+            return self.event_stream(stream, shaper.chunks(stream))
+        return JSONResponse(shaper.response(await self.final_output(request, stream)))
+
+    def model_card(self) -> dict[str, Any]:
+        return {
+            "id": self.model_name, "object": "model", "created": self.created, "owned_by": "cachegw",
+            "max_model_len": self.engine.max_model_len,
+        }  # fmt: skip
+
+    async def list_models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self.model_card()]}
+
+    async def get_model(self, model: str) -> dict[str, Any]:
+        self.check_model(model)
+        return self.model_card()
+
+    async def health(self) -> Response:
+        if not self.engine.is_alive:
+            return JSONResponse(error_body("The engine is not running.", "server_error"), status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def metrics_text(self) -> Response:
+        content, content_type = self.metrics.render()
+        return Response(content, media_type=content_type)
+
+
+class _ChatShaper(Shaper):
+    object_name = "chat.completion.chunk"
+
+    def __init__(
+        self, request_id: str, model: str, texts: TokenTexts, include_usage: bool, top: int | None,
+        tools: ToolRequest | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(request_id, model, texts, include_usage)
+        self.top = top  # None: no logprobs
+        self.tools = tools  # the answer may be tool calls (backend/entrypoints/tool_responses.py)
+
+    def logprobs(self, entries: list[dict] | None) -> dict[str, Any] | None:
+        return None if self.top is None or entries is None else chat_logprobs(entries, self.texts, self.top)
+
+    def message_choice(self, c: CompletionOutput) -> dict[str, Any]:
+        message, finish = {"role": "assistant", "content": c.text, "refusal": None}, c.finish_reason
+        if self.tools is not None:
+            message, finish = tool_message(c.text, c.finish_reason, self.tools.format)
+        return {
+            "index": c.index,
+            "message": message,
+            "logprobs": self.logprobs(c.logprobs),
+            "finish_reason": finish,
+        }
+
+    def response(self, out: RequestOutput) -> dict[str, Any]:
+        choices = [self.message_choice(c) for c in out.outputs]
+        return {**self.envelope("chat.completion", choices), "usage": usage(out)}
+
+    def choice(
+        self, delta: dict[str, Any], logprobs: dict | None = None, finish: str | None = None, index: int = 0
+    ) -> dict:
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+    async def chunks(self, stream: RequestStream) -> AsyncIterator[dict[str, Any]]:
+        if self.tools is not None:
+            async for chunk in tool_chunks(self, stream, self.tools.format):
+                yield chunk
+            return
+        cursors = Cursors()  # one per choice (n > 1): each starts with its role, ends with its reason
+        cursors[0].started = True  # the first choice's role goes out at once, before any token
+        yield self.chunk(self.choice({"role": "assistant", "content": ""}))
+        async for out in stream:
+            for c in out.outputs:
+                cursor = cursors[c.index]
+                if not cursor.started:
+                    cursor.started = True
+                    yield self.chunk(self.choice({"role": "assistant", "content": ""}, index=c.index))
+                if cursor.done:
+                    continue
+                delta, entries = cursor.advance(c)
+                if delta or entries:
+                    yield self.chunk(self.choice({"content": delta}, self.logprobs(entries), index=c.index))
+                if c.finish_reason is not None:
+                    cursor.done = True
+                    yield self.chunk(self.choice({}, finish=c.finish_reason, index=c.index))
+            if out.finished and self.include_usage:
+                yield self.usage_chunk(out)
+
+
+# --- app -------------------------------------------------------------------------------------
+
+
+def build_app(engine: AsyncEngine, served_model_name: str, max_request_bytes: int) -> FastAPI:
+    """The HTTP app over a running AsyncEngine (the caller owns the engine and shuts it down)."""
+    app = FastAPI(title="cachegw backend", docs_url=None, redoc_url=None, openapi_url=None)
+    server = _Server(engine, served_model_name, max_request_bytes)
+    app.state.server = server
+    install_error_handlers(app)
+    app.add_api_route("/v1/completions", server.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/models", server.list_models, methods=["GET"])
+    app.add_api_route("/v1/models/{model:path}", server.get_model, methods=["GET"])
+    app.add_api_route("/health", server.health, methods=["GET"])
+    app.add_api_route("/metrics", server.metrics_text, methods=["GET"])
+    return app
+
+
+def default_served_name(model: str) -> str:
+    """'SmolLM2-135M-Instruct' for the embedded model; else the file or folder name, minus a quant tag."""
+    name = Path(model or EMBEDDED_GGUF).name.removesuffix(".gguf")
+    return re.sub(r"[.-](I?Q\d\w*|BF16|F16|F32)$", "", name, flags=re.IGNORECASE) or name
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def run_backend(
+    engine_cfg: EngineConfig,
+    config_path: str | None = None,
+    host: str | None = None,
+    port: int | None = None,
+    threads: ThreadPlan | None = None,
+) -> None:
+    """Load the engine, then serve until interrupted (the `cachegw backend` command, which has read
+    the config and settled the threads already)."""
+    from backend.core.engine import LLMEngine
+    from backend.executor.cpu_threads import set_threads
+
+    server_cfg = load_backend_server_config(config_path)
+    if threads is not None:
+        set_threads(threads)
+    engine = AsyncEngine(LLMEngine(engine_cfg))
+    name = server_cfg.served_model_name or default_served_name(engine_cfg.model)
+    app = build_app(engine, name, server_cfg.max_request_bytes)
+    host = host or server_cfg.host
+    port = server_cfg.port if port is None else port
+    log.info("serving %s at %s/v1 (health %s/health, metrics %s/metrics)", name, *[_url(host, port)] * 3)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="info")
+    finally:
+        engine.shutdown()

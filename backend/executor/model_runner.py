@@ -1,0 +1,383 @@
+"""Runs the model on one scheduled batch: flat inputs in, logits of the sampled positions out.
+
+It owns the weights and the KV cache (one K and one V tensor per layer, shaped
+[num_blocks, block_size, kv_heads, head_dim]) and, on CUDA, the captured decode graphs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from backend.config import EngineConfig
+from backend.core.block_manager import FREED, cdiv
+from backend.core.scheduler import ScheduledBatch
+from backend.executor.compiled_decode import CompiledDecode, start_compiling, will_compile
+from backend.executor.layers import kv_quant
+from backend.executor.layers.attention import AttentionMetadata, PagedAttention
+from backend.executor.layers.rotary import RotaryEmbedding
+from backend.executor.model_loader import iter_safetensors
+from backend.executor.models.llama import LlamaForCausalLM, ModelSpec
+from backend.executor.quantization import apply_quantization, use_native_kernels
+
+log = logging.getLogger("cachegw.backend")
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_indices: torch.Tensor  # rows of the flat batch whose logits are sampled
+    sample_seq_indices: list[int]  # which batch entries those rows belong to (1 + its drafts each)
+    # batch entry -> (flat rows, first position): prompt positions whose logits score the next prompt token
+    prompt_rows: dict[int, tuple[torch.Tensor, int]]
+
+
+@dataclass
+class StepOutput:
+    logits: torch.Tensor  # float32 [rows, vocab] of the sampled positions
+    rows: list[int]  # the batch entries they belong to (consecutive rows for a sequence's drafts)
+    # batch entry -> (first position, hidden states of its prompt positions): see ModelRunner.logits
+    prompt_hidden: dict[int, tuple[int, torch.Tensor]]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: EngineConfig,
+        hf_config,
+        model_dir,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_model_len: int,
+        gguf_path: Path | None = None,
+        context: int | None = None,
+    ) -> None:
+        """``max_model_len``: the longest sequence; ``context``: the most positions one query may
+        span, when attention sinks let sequences run past it (``[engine] attention_sinks``)."""
+        self.config, self.device, self.dtype = config, device, dtype
+        self.block_size = config.block_size
+        self.max_model_len = max_model_len
+        self.spec = ModelSpec.from_hf_config(hf_config)
+        kv_quant.check_supported(config.kv_cache_dtype, device)
+        self.kv_format = kv_quant.KVCacheFormat(config.kv_cache_dtype, dtype, self.spec.head_dim)
+        self.max_blocks_per_seq = cdiv(max_model_len, self.block_size)
+        placeholder = RotaryEmbedding(hf_config, self.spec.head_dim, 1)  # replaced after to_empty
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device("meta"):
+                model = LlamaForCausalLM(self.spec, placeholder)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        model.to_empty(device=device)
+        model.tie_weights()
+        rotary = RotaryEmbedding(hf_config, self.spec.head_dim, max(max_model_len, 1)).to(device)
+        for layer in model.layers:
+            layer.self_attn.rotary = rotary
+        if config.load_format == "dummy":
+            model.init_dummy_weights(config.seed)
+        else:
+            model.load_weights(iter_safetensors(model_dir))
+        # what the projections run: "none" (float), "int4", "int8" or "mixed" ([engine] quantization)
+        gguf = gguf_path if config.load_format != "dummy" else None
+        self.quantization = apply_quantization(model, config.quantization, device, gguf, config.cpu_kernels)
+        self.model = model.eval()
+        self.window_everywhere, self.sinks = self.spec.window_everywhere, 0
+        if config.attention_sinks:
+            self._use_sinks(config.attention_sinks, context or max_model_len)
+        self.attention_backend = self._choose_attention_backend()
+        self.num_blocks = self._num_kv_blocks()
+        # CPU only: CUDA has its Triton kernels and CUDA graphs; attention sinks keep the eager path.
+        compiling = device.type == "cpu" and not self.sinks and will_compile(config.compile)
+        # With a compiled decode step, one more block than the block manager hands out: the
+        # compile's warm-up writes there while sequences may already be running.
+        self.kv_caches = self._allocate_kv_cache(self.num_blocks + compiling)
+        self.compiled: CompiledDecode | None = None
+        # the compiled decode step's attention on cachegw's kernel (float32 caches)
+        self.native_decode = False
+        if compiling:
+            head_dim = self.spec.head_dim
+            self.native_decode = (
+                use_native_kernels(config.cpu_kernels)
+                and self.kv_caches[0][0].dtype == dtype == torch.float32
+                and head_dim % 16 == 0
+                and head_dim <= 256
+            )
+            for module in self.model.modules():
+                if isinstance(module, PagedAttention):
+                    module.native_decode = self.native_decode
+            self.compiled = start_compiling(self.model, self.block_size, self.num_blocks, config.compile)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if self.attention_backend == "triton" and not config.enforce_eager:
+            try:
+                self._capture_decode_graphs()
+            except Exception:  # a driver or capture problem must not keep the engine from serving
+                log.exception("CUDA graph capture failed: running decode eagerly")
+                self.graphs = {}
+
+    def _use_sinks(self, sinks: int, context: int) -> None:
+        """StreamingLLM: each layer keeps ``sinks`` first positions and a window that fits the rest
+        of the context (or its own window, if smaller): ``layers/sinks.py``."""
+        if sinks >= context:
+            raise ValueError(f"attention_sinks={sinks} leaves no window in a context of {context}")
+        windows = []
+        for layer in self.model.layers:
+            attn = layer.self_attn.attn
+            assert isinstance(attn, PagedAttention)
+            attn.sinks = sinks
+            attn.sliding_window = min(attn.sliding_window or context, context - sinks)
+            windows.append(attn.sliding_window)
+        self.window_everywhere = windows[0] if len(set(windows)) == 1 else None
+        self.sinks = sinks
+
+    def _choose_attention_backend(self) -> str:
+        """ "triton" on CUDA when the kernels pass a self-check against the torch path, else "torch"."""
+        use = False
+        # Attention sinks and an int8 KV cache: torch path only.
+        if self.device.type == "cuda" and not self.sinks and self.kv_format.kind != "int8":
+            from backend.executor.layers.kernel_check import self_check
+            from backend.executor.layers.triton_attention import triton_available
+
+            try:
+                use = triton_available() and self_check(
+                    self.device, self.dtype, self.spec, self.block_size, self.kv_format.storage_dtype
+                )
+            except Exception:
+                log.exception("Triton attention failed its self-check")
+            if not use:
+                log.warning("using the torch attention path on CUDA (slower; no CUDA graphs)")
+        for layer in self.model.layers:
+            layer.self_attn.attn.use_triton = use
+        return "triton" if use else "torch"
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.spec.kv_bytes_per_token(self.dtype, self.kv_format.kind)
+
+    def _num_kv_blocks(self) -> int:
+        cfg, per_block = self.config, self.kv_bytes_per_token * self.block_size
+        if cfg.kv_cache_tokens:
+            return max(1, cfg.kv_cache_tokens // self.block_size)
+        if self.device.type != "cuda":
+            return max(1, cfg.kv_cache_bytes // per_block)
+        # CUDA: what the weights and a full-size step's activations leave of the allowed fraction.
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._warmup_forward()
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_now = total - free
+        activation_peak = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(
+            self.device
+        )
+        budget = total * cfg.gpu_memory_utilization - used_now - activation_peak
+        if budget < per_block:
+            raise RuntimeError("no GPU memory left for the KV cache: raise gpu_memory_utilization")
+        return int(budget // per_block)
+
+    def _warmup_forward(self) -> None:
+        n = min(self.config.max_num_batched_tokens, self.max_model_len)
+        blocks = cdiv(n, self.block_size)
+        self.kv_caches = self._allocate_kv_cache(blocks)
+        meta = AttentionMetadata.one_prefill(n, self.block_size, self.device)
+        with torch.inference_mode():
+            ids = torch.zeros(n, dtype=torch.long, device=self.device)
+            self.model.compute_logits(self.model(ids, torch.arange(n, device=self.device), meta)[-1:])
+        self.kv_caches = []
+        torch.cuda.empty_cache()
+
+    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        s, fmt = self.spec, self.kv_format
+        shape = (num_blocks, self.block_size, s.num_kv_heads, fmt.row_width)
+        # zeros, not empty: attention multiplies masked-out slots by 0, and 0 x NaN would be NaN.
+        caches = [
+            (
+                torch.zeros(shape, dtype=fmt.storage_dtype, device=self.device),
+                torch.zeros(shape, dtype=fmt.storage_dtype, device=self.device),
+            )
+            for _ in range(s.num_layers)
+        ]
+        for layer, (k, v) in zip(self.model.layers, caches, strict=True):
+            layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache = k, v
+        return caches
+
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts, seq_lens, query_lens = [0], [], []
+        sample_rows: list[int] = []
+        sample_seqs: list[int] = []
+        prompt_rows: dict[int, tuple[list[int], int]] = {}
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens, strict=True)):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            ids.extend((seq.token_ids + seq.draft if seq.draft else seq.token_ids)[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            starts.append(starts[-1] + n)
+            seq_lens.append(end)
+            query_lens.append(n)
+            scored_end = min(end, seq.num_prompt_tokens - 1)
+            if seq.needs_prompt_logprobs and scored_end > start:
+                prompt_rows[i] = (list(range(starts[-1] - n, starts[-1] - n + scored_end - start)), start)
+            if end == seq.num_tokens + len(seq.draft):  # the last token, and each draft token
+                sample_rows.extend(range(starts[-1] - 1 - len(seq.draft), starts[-1]))
+                sample_seqs.extend([i] * (1 + len(seq.draft)))
+        width = max(len(s.block_table) for s in batch.seqs)
+        # Entries of blocks freed before a sliding window (FREED, never read) point at block 0.
+        tables = [
+            (s.block_table if min(s.block_table) != FREED else [max(b, 0) for b in s.block_table])
+            + [0] * (width - len(s.block_table))
+            for s in batch.seqs
+        ]
+        dev = self.device
+
+        def tensor(data, dtype):
+            return torch.tensor(data, dtype=dtype, device=dev)
+
+        meta = AttentionMetadata(
+            slot_mapping=tensor(slots, torch.long),
+            query_start_loc=tensor(starts, torch.int32),
+            seq_lens=tensor(seq_lens, torch.int32),
+            block_tables=tensor(tables, torch.int32),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            num_decodes=sum(1 for n in query_lens if n == 1),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+        )
+        return StepInputs(
+            tensor(ids, torch.long),
+            tensor(positions, torch.long),
+            meta,
+            tensor(sample_rows, torch.long),
+            sample_seqs,
+            {i: (tensor(rows, torch.long), first) for i, (rows, first) in prompt_rows.items()},
+        )
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> StepOutput:
+        """Logits of the sequences that sample; hidden states of the prompt positions that are scored
+        (requests asking for prompt logprobs only: the others pay nothing)."""
+        inputs = self.prepare(batch)
+        n = len(batch.seqs)
+        graph_size = next((size for size in sorted(self.graphs) if size >= n), None)
+        if (
+            graph_size is not None
+            and inputs.meta.max_query_len == 1
+            and inputs.sample_seq_indices
+            and not inputs.prompt_rows
+        ):
+            hidden = self._replay_graph(graph_size, inputs)
+            return StepOutput(self.model.compute_logits(hidden), inputs.sample_seq_indices, {})
+        if (
+            self.compiled is not None
+            and inputs.meta.max_query_len == 1
+            and inputs.sample_seq_indices
+            and not inputs.prompt_rows
+            # torch's attention in the graph pads every decode to the longest context: then only a
+            # batch that is one group (the eager path's groups of similar length, padding under
+            # 25%); cachegw's kernel reads each sequence's own length, so any decode batch
+            and (self.native_decode or len(inputs.meta.groups()) == 1)
+        ):
+            compiled = self.compiled(inputs.input_ids, inputs.positions, inputs.meta)
+            if compiled is not None:
+                logits = self.model.compute_logits(compiled[inputs.sample_indices])
+                return StepOutput(logits, inputs.sample_seq_indices, {})
+        flat = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        prompt = {i: (first, flat[rows]) for i, (rows, first) in inputs.prompt_rows.items()}
+        if not inputs.sample_seq_indices:
+            return StepOutput(torch.empty(0, self.spec.vocab_size), [], prompt)
+        logits = self.model.compute_logits(flat[inputs.sample_indices])
+        return StepOutput(logits, inputs.sample_seq_indices, prompt)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of hidden states (the LM head alone)."""
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy one KV block in every layer (a forked sample's own copy of a shared partial block)."""
+        for k, v in self.kv_caches:
+            k[dst].copy_(k[src])
+            v[dst].copy_(v[src])
+
+    @torch.inference_mode()
+    def read_block(self, block_id: int) -> torch.Tensor:
+        """One block's K/V in every layer, on the host, as stored: [layers, 2, block_size, kv_heads,
+        row_width] (an int8 block carries its scales: ``kv_format``)."""
+        return torch.stack([torch.stack((k[block_id], v[block_id])) for k, v in self.kv_caches]).cpu()
+
+    @torch.inference_mode()
+    def write_block(self, block_id: int, data: torch.Tensor) -> None:
+        """Put a block read by ``read_block`` (here or in an earlier run) back into block ``block_id``."""
+        data = data.to(self.device, non_blocking=True)
+        for (k, v), layer in zip(self.kv_caches, data, strict=True):
+            k[block_id].copy_(layer[0])
+            v[block_id].copy_(layer[1])
+
+    # CUDA graphs: decode steps are captured once per batch size and replayed with new inputs.
+
+    def _graph_sizes(self) -> list[int]:
+        limit = self.config.max_num_seqs
+        return sorted({s for s in [1, 2, 4, 8, *range(16, 513, 16)] if s <= limit} | {limit})
+
+    def _capture_decode_graphs(self) -> None:
+        sizes = self._graph_sizes()
+        top = max(sizes)
+        dev = self.device
+        self._static = {
+            "ids": torch.zeros(top, dtype=torch.long, device=dev),
+            "pos": torch.zeros(top, dtype=torch.long, device=dev),
+            "slots": torch.full((top,), -1, dtype=torch.long, device=dev),
+            "starts": torch.arange(top + 1, dtype=torch.int32, device=dev),
+            "lens": torch.ones(top, dtype=torch.int32, device=dev),
+            "tables": torch.zeros(top, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
+            "out": torch.zeros(top, self.spec.hidden_size, dtype=self.dtype, device=dev),
+        }
+        pool = None
+        with torch.inference_mode():
+            for size in reversed(sizes):
+                meta = self._graph_meta(size)
+                st = self._static
+                self.model(st["ids"][:size], st["pos"][:size], meta)  # warm up kernels before capture
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    st["out"][:size] = self.model(st["ids"][:size], st["pos"][:size], meta)
+                pool = graph.pool()
+                self.graphs[size] = graph
+        torch.cuda.synchronize(dev)
+        log.info("captured CUDA graphs for decode batch sizes %s", sizes)
+
+    def _graph_meta(self, size: int) -> AttentionMetadata:
+        st = self._static
+        return AttentionMetadata(
+            slot_mapping=st["slots"][:size],
+            query_start_loc=st["starts"][: size + 1],
+            seq_lens=st["lens"][:size],
+            block_tables=st["tables"][:size],
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            num_decodes=size,
+            query_lens_cpu=[1] * size,
+            seq_lens_cpu=[self.max_model_len] * size,
+        )
+
+    def _replay_graph(self, size: int, inputs: StepInputs) -> torch.Tensor:
+        st, n, meta = self._static, inputs.input_ids.shape[0], inputs.meta
+        st["ids"][:n] = inputs.input_ids
+        st["pos"][:n] = inputs.positions
+        st["slots"][:size].fill_(-1)
+        st["slots"][:n] = meta.slot_mapping
+        st["lens"][:size].fill_(1)
+        st["lens"][:n] = meta.seq_lens
+        st["tables"][:size].zero_()
+        st["tables"][:n, : meta.block_tables.shape[1]] = meta.block_tables
+        self.graphs[size].replay()
+        return st["out"][:n][inputs.sample_indices]

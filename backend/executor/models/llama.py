@@ -1,0 +1,276 @@
+"""The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5) as plain torch modules.
+
+The model runs on a flat batch of tokens from many sequences at once (no padding): ``input_ids``
+and ``positions`` are [T]; attention reads and writes the paged KV cache through the step's
+``AttentionMetadata`` (``DecodeMetadata`` in the compiled decode step). Q/K/V and gate/up are
+fused into one matmul each, which matters on CPU where a batch-1 decode step is bound by per-op
+overhead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backend.executor.layers.attention import PagedAttention, StepMetadata
+from backend.executor.layers.kv_quant import KVCacheFormat
+from backend.executor.layers.rotary import RotaryEmbedding
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape of a model, read from its Hugging Face config."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    # Per layer: how many positions (itself included) a query sees, or None for the whole context.
+    sliding_windows: tuple[int | None, ...] = ()
+
+    @property
+    def window_everywhere(self) -> int | None:
+        """The window when every layer has the same one: only then can old KV blocks be freed."""
+        windows = set(self.sliding_windows)
+        return windows.pop() if len(windows) == 1 and None not in windows else None
+
+    @classmethod
+    def from_hf_config(cls, config) -> ModelSpec:
+        arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {arch}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        heads = config.num_attention_heads
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        return cls(
+            architecture=arch,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            rms_norm_eps=config.rms_norm_eps,
+            max_position_embeddings=config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases and no o_proj bias; Llama's flag covers all four.
+            qkv_bias=attention_bias or arch == "Qwen2ForCausalLM",
+            o_bias=attention_bias and arch != "Qwen2ForCausalLM",
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            sliding_windows=layer_windows(config, arch),
+        )
+
+    def kv_bytes_per_token(self, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+        """K and V, every layer: 2 x layers x kv_heads x the bytes of one stored row (``head_dim``
+        elements of ``dtype``, or their int8/fp8 form and its scale: ``layers/kv_quant.py``)."""
+        row = KVCacheFormat(kv_cache_dtype, dtype, self.head_dim).row_bytes
+        return 2 * self.num_layers * self.num_kv_heads * row
+
+
+def layer_windows(config, arch: str) -> tuple[int | None, ...]:
+    """Each layer's sliding window, as transformers' own model of ``arch`` applies it.
+
+    Llama ignores ``sliding_window``; Mistral applies it to every layer (its model ignores
+    ``layer_types``); Qwen2 follows ``layer_types``, which its config derives from
+    ``use_sliding_window`` and ``max_window_layers`` (layers from that index on slide).
+    """
+    layers = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    if arch == "LlamaForCausalLM" or not window:
+        return (None,) * layers
+    if arch == "MistralForCausalLM":
+        return (int(window),) * layers
+    if not getattr(config, "use_sliding_window", True):
+        return (None,) * layers
+    types = getattr(config, "layer_types", None) or [
+        "sliding_attention" if i >= getattr(config, "max_window_layers", layers) else "full_attention"
+        for i in range(layers)
+    ]
+    return tuple(int(window) if t == "sliding_attention" else None for t in types)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm in float32 whatever the weights' dtype; optionally adds the residual first."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+            residual = x
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * h.to(dtype)
+        return out if residual is None else (out, residual)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, window: int | None = None) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
+        self.rotary = rotary
+        self.attn = PagedAttention(
+            spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5, sliding_window=window
+        )
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        # Attention sinks see each query as if at the last position of a full cache: see layers/sinks.py.
+        q_sink = self.rotary.rotate(positions.clamp(max=self.attn.span - 1), q) if self.attn.sinks else None
+        q, k = self.rotary(positions, q, k)
+        o = self.attn(q, k, v.view(n, self.num_kv_heads, self.head_dim), meta, q_sink)
+        return self.o_proj(o.view(n, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, window: int | None = None) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(spec, rotary, window)
+        self.mlp = LlamaMLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: StepMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(positions, h, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name -> (our fused parameter, shard index)
+    _FUSED = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        windows = spec.sliding_windows or (None,) * spec.num_layers
+        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, rotary, w) for w in windows)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        # an nn.Linear, or a weight-only quantized layer (backend/executor/quantization.py)
+        self.lm_head: nn.Module = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head; again after ``to_empty``, which unties them."""
+        if self.spec.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm."""
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        return self.norm(x, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def _shard_sizes(self, fused: str) -> list[int]:
+        s = self.spec
+        if fused == "qkv_proj":
+            return [s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim]
+        return [s.intermediate_size, s.intermediate_size]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face checkpoint tensors into our (partly fused) parameters."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.spec.tie_word_embeddings):
+                continue
+            name = name.removeprefix("model.")
+            parts = name.split(".")
+            target = name
+            shard = None
+            for i, part in enumerate(parts):
+                if part in self._FUSED:
+                    fused, shard = self._FUSED[part]
+                    target = ".".join(parts[:i] + [fused] + parts[i + 1 :])
+                    break
+            if target not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
+            param = params[target]
+            with torch.no_grad():
+                if shard is None:
+                    param.copy_(tensor)
+                else:
+                    sizes = self._shard_sizes(target.split(".")[-2])
+                    param.narrow(0, sum(sizes[:shard]), sizes[shard]).copy_(tensor)
+            loaded.add(f"{target}#{shard}")
+        expected = set()
+        for pname in params:
+            if self.spec.tie_word_embeddings and pname == "lm_head.weight":
+                continue
+            fused = pname.split(".")[-2] if "." in pname else ""
+            n = len(self._shard_sizes(fused)) if fused in ("qkv_proj", "gate_up_proj") else 0
+            expected |= {f"{pname}#{i}" for i in range(n)} if n else {f"{pname}#None"}
+        missing = expected - loaded
+        if missing:
+            raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+    def init_dummy_weights(self, seed: int = 0) -> None:
+        """Small random weights: for benchmarks of large shapes without a checkpoint."""
+        gen = torch.Generator(device=self.embed_tokens.weight.device).manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("norm.weight") or "layernorm" in name:
+                    p.fill_(1.0)
+                else:
+                    p.uniform_(-0.02, 0.02, generator=gen)

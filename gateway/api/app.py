@@ -1,0 +1,104 @@
+"""The gateway's HTTP app: the OpenAI routes, feedback, health and metrics, and the admin router.
+
+Routes declare the parts they use (``gateway/api/deps.py``); the request pipeline itself is
+``gateway/request/pipeline.py``.
+"""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from gateway.api.admin_api import admin_router, dashboard_page, json_body
+from gateway.api.deps import (
+    AuthDep,
+    BackendsDep,
+    CacheDep,
+    MetricsDep,
+    PipelineDep,
+    ReportsDep,
+    SettingsDep,
+    TenantsDep,
+)
+from gateway.api.metrics_http import metrics_response
+from gateway.cache.feedback import parse_feedback
+from gateway.request.pipeline import Gateway
+from protocol.errors import ApiError
+from protocol.http import install_error_handlers
+
+
+def build_app(gateway_factory) -> FastAPI:
+    """``gateway_factory`` is an async context manager yielding a started Gateway (see serve.py)."""
+    state: dict[str, Gateway] = {}
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        async with gateway_factory() as gw:
+            state["gw"] = gw
+            yield
+
+    # /openapi.json documents the API; FastAPI's /docs pages would load their scripts from a CDN.
+    app = FastAPI(title="cachegw gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # what the providers of gateway/api/deps.py read; also the separate metrics listener's way in
+    app.state.gateway = lambda: state.get("gw")
+    install_error_handlers(
+        app, lambda status, code: state["gw"].metrics.count_error(status, code) if state else None
+    )
+    app.include_router(admin_router())
+
+    @app.get("/admin", include_in_schema=False)
+    async def dashboard() -> Response:
+        return dashboard_page()
+
+    @app.post("/v1/cache/feedback")
+    async def feedback(request: Request, tenants: TenantsDep, reports: ReportsDep) -> dict[str, Any]:
+        """A tenant flags one of its own answers as bad (by the response id or x-request-id, or the
+        x-cache-entry id of a hit)."""
+        tenant = tenants.from_headers(request.headers)
+        request_id, entry_id = parse_feedback(await json_body(request), admin=False)
+        return await reports.report_bad(f"tenant:{tenant.name[:16]}", request_id, entry_id, tenant=tenant)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request, gw: PipelineDep) -> Response:
+        return await gw.handle(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, gw: PipelineDep) -> Response:
+        return await gw.handle(request, "completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request, tenants: TenantsDep, backends: BackendsDep) -> dict[str, Any]:
+        tenants.from_headers(request.headers)
+        return {"object": "list", "data": await backends.list_models()}
+
+    @app.get("/health")
+    async def health(request: Request, auth: AuthDep, b: BackendsDep, cache: CacheDep) -> JSONResponse:
+        """Liveness for anyone; counts and backend addresses only with the admin token (they tell
+        other tenants' activity). 503 "degraded" while a served model has no reachable backend:
+        cached answers are still served on the API routes."""
+        unreachable = b.unreachable_models()
+        status = "degraded" if unreachable else "ok"
+        body: dict[str, Any] = {"status": status}
+        try:
+            auth.check(request.headers.get("authorization"))
+        except ApiError:
+            return JSONResponse(body, status_code=503 if unreachable else 200)
+        body |= {
+            "unreachable_models": unreachable,
+            "backends": b.urls,
+            "backends_refusing": b.refusing(),
+            "backends_down": sorted(b.down),  # by the health probes (docs/reliability.md)
+            "cache_entries": cache.entries,
+            "index_entries": len(cache.index),  # vectors this replica searches (docs/replicas.md)
+        }
+        return JSONResponse(body, status_code=503 if unreachable else 200)
+
+    @app.get("/metrics")
+    async def metrics(request: Request, settings: SettingsDep, m: MetricsDep) -> Response:
+        """Prometheus; 404 here when ``metrics_port`` serves it elsewhere (gateway/api/metrics_http.py)."""
+        return metrics_response(settings.gateway, m, request, own_port=False)
+
+    return app

@@ -1,0 +1,64 @@
+"""FastAPI dependencies: each route declares the parts it uses (``cache: CacheDep`` is
+``Depends`` on a provider of the cache), and the providers read them from the app's state, where the
+lifespan put the started gateway."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Annotated, TypeVar
+
+from fastapi import Depends, Request
+
+from gateway.cache.audits import Auditor
+from gateway.cache.feedback import BadHitReports
+from gateway.cache.response_cache import ResponseCache
+from gateway.config import Settings
+from gateway.live_settings import LiveSettings
+from gateway.metrics import GatewayMetrics
+from gateway.request.admin_auth import AdminAuth
+from gateway.request.pipeline import Gateway
+from gateway.request.tenants import Tenants
+from gateway.request.volatile_learner import VolatileLearner
+from gateway.storage.admin_store import AdminStore
+from gateway.storage.entry_ids import EntryIds
+from gateway.storage.store import Store
+from gateway.upstream.proxy import Backends
+from protocol.errors import ApiError
+
+T = TypeVar("T")
+
+
+def pipeline(request: Request) -> Gateway:
+    gw = request.app.state.gateway()
+    if gw is None:
+        raise ApiError(503, "The gateway is starting.", type="server_error", code="starting")
+    return gw
+
+
+def _part(get: Callable[[Gateway], T]) -> Callable[[Request], T]:
+    """A provider of one part of the started gateway."""
+
+    def provide(request: Request) -> T:
+        return get(pipeline(request))
+
+    return provide
+
+
+PipelineDep = Annotated[Gateway, Depends(pipeline)]
+# what is stored, and the cache over it
+CacheDep = Annotated[ResponseCache, Depends(_part(lambda gw: gw.cache))]
+StoreDep = Annotated[Store, Depends(_part(lambda gw: gw.store))]
+AdminStoreDep = Annotated[AdminStore, Depends(_part(lambda gw: gw.admin))]
+ReportsDep = Annotated[BadHitReports, Depends(_part(lambda gw: gw.feedback))]
+# the settings: in force (config.toml with run-time changes), and where changes go
+SettingsDep = Annotated[Settings, Depends(_part(lambda gw: gw.live.current))]
+LiveDep = Annotated[LiveSettings, Depends(_part(lambda gw: gw.live))]
+# who is asking, and what each may see
+TenantsDep = Annotated[Tenants, Depends(_part(lambda gw: gw.tenants))]
+AuthDep = Annotated[AdminAuth, Depends(_part(lambda gw: gw.auth))]
+EntryIdsDep = Annotated[EntryIds, Depends(_part(lambda gw: gw.entry_ids))]
+# the rest of the gateway's state
+VolatileDep = Annotated[VolatileLearner, Depends(_part(lambda gw: gw.volatile))]
+MetricsDep = Annotated[GatewayMetrics, Depends(_part(lambda gw: gw.metrics))]
+BackendsDep = Annotated[Backends, Depends(_part(lambda gw: gw.backends))]
+AuditorDep = Annotated[Auditor | None, Depends(_part(lambda gw: gw.auditor))]

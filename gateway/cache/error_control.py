@@ -1,0 +1,270 @@
+"""Per scope (model, tenant), the semantic line that keeps the false-hit rate under its target.
+
+The semantic tier asks ``ThresholdProvider.line`` once per lookup; None means the operator set no
+target there (``max_false_hit_rate`` 0) and the static thresholds decide, as before. Otherwise the
+line comes from ``policies.error_bound.choose_line`` over the scope's evidence: audits (``gateway/
+audits.py``), bad-hit reports and seeds from ``cachegw calibrate``. The evidence lives in the
+``hit_audits`` table: it survives restarts, and replicas on one database read each other's rows on
+the sync cycle (each row is applied once, by id).
+
+Per entry: an entry with at least ``min_audits(target)`` audits and reports of its own (59 at a 5%
+target, 149 at 2%, at 95% confidence: the fewest that can pass with no wrong one) gets its own line
+from its own evidence, by the same fixed-sequence test; one with fewer is judged by its scope's line.
+An entry whose own evidence fails the bound serves no semantic hit however good its scope. Each
+entry's line holds for that entry's hits at the stated confidence (a per-entry guarantee, not a joint
+one over all entries); the scope's line keeps holding for the hits it decides.
+
+Evidence ages (``[cache] evidence_max_age_s``, ``evidence_max_audits``: ``policies/evidence_window.py``):
+the same window applies to each scope and each entry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from gateway.config import CacheConfig
+from gateway.storage.evidence_store import EvidenceRow, EvidenceStore
+from policies.error_bound import Choice, Evidence, choose_line, interval, min_audits
+from policies.evidence_window import Ageing, WindowedEvidence
+
+SYNC_OVERLAP_S = 60.0  # each sync re-reads this far back: late commits, replica clocks that differ
+ENTRIES = 20_000  # entries whose own evidence is kept (least recently audited dropped: the scope decides)
+Scope = tuple[str, str]  # (model, tenant name)
+
+
+def _no_entry_line(entry_id: int | None) -> Choice | None:
+    return None
+
+
+@dataclass(frozen=True)
+class ScopeLine:
+    """The line in force for one scope: hits need ``score >= line``; with no line, none is served."""
+
+    target: float
+    choice: Choice
+    # an entry's own choice when it has enough evidence of its own, else None (the scope's decides)
+    own: Callable[[int | None], Choice | None] = field(default=_no_entry_line, compare=False)
+
+    @property
+    def line(self) -> float | None:
+        return self.choice.line
+
+    def serves(self, score: float, entry_id: int | None = None) -> bool:
+        choice = self.own(entry_id) or self.choice
+        return choice.line is not None and score >= choice.line
+
+
+@dataclass(frozen=True)
+class RateView:
+    """What the stats show of a scope (or of all): the false-hit rate of hits at the line in force."""
+
+    target: float
+    line: float | None
+    estimate: float | None  # wrong / audits at the line
+    interval: tuple[float, float] | None  # two-sided Clopper-Pearson at the configured confidence
+    audits: int  # audited pairs at or above the line
+    wrong: int
+    evidence: int  # every audited pair of the scope, above the line or not
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "target": self.target,
+            "line": self.line,
+            "estimate": self.estimate,
+            "interval": list(self.interval) if self.interval else None,
+            "audits": self.audits,
+            "wrong": self.wrong,
+            "evidence": self.evidence,
+        }
+
+
+def rate_view(
+    target: float, line: float | None, wrong: int, audits: int, total: int, conf: float
+) -> RateView:
+    if audits == 0:
+        return RateView(target, line, None, None, 0, 0, total)
+    return RateView(target, line, wrong / audits, interval(wrong, audits, conf), audits, wrong, total)
+
+
+class ThresholdProvider:
+    def __init__(
+        self, store: EvidenceStore, clock: Callable[[], float], ageing: Ageing | None = None
+    ) -> None:
+        self.store = store
+        self.clock = clock
+        self.ageing = ageing or Ageing()
+        self.windows: dict[Scope, WindowedEvidence] = {}
+        self.entries: OrderedDict[int, WindowedEvidence] = OrderedDict()
+        self.entry_scope: dict[int, Scope] = {}
+        self._choices: dict[tuple[Scope | int, float, float], Choice] = {}
+        self._seen: dict[int, float] = {}  # row id -> its ts, for the overlap window only
+        self.synced_at = 0.0
+
+    @property
+    def evidence(self) -> dict[Scope, Evidence]:
+        return {scope: w.evidence for scope, w in self.windows.items()}
+
+    def line(self, model: str, tenant_name: str, config: CacheConfig) -> ScopeLine | None:
+        """The semantic tier's one question: which score line holds this scope's target (None: off)."""
+        target = config.false_hit_target(model, tenant_name)
+        if target <= 0:
+            return None
+        conf = config.false_hit_confidence
+        scope = (model, tenant_name)
+        window = self.windows.get(scope)
+        if window is not None and window.expire(self.clock()):
+            self._forget(scope)
+        ev = window.evidence if window is not None else Evidence()
+
+        def own(entry_id: int | None) -> Choice | None:
+            return self._entry_choice(entry_id, target, conf)
+
+        return ScopeLine(target, self._choice(scope, ev, target, conf), own)
+
+    def _choice(self, key: Scope | int, ev: Evidence, target: float, conf: float) -> Choice:
+        k = (key, target, conf)
+        if k not in self._choices:
+            self._choices[k] = choose_line(ev, target, conf)
+        return self._choices[k]
+
+    def _entry_choice(self, entry_id: int | None, target: float, conf: float) -> Choice | None:
+        window = self.entries.get(entry_id) if entry_id is not None else None
+        if window is None or entry_id is None:
+            return None
+        if window.expire(self.clock()):
+            self._forget(entry_id)
+        if window.evidence.total < min_audits(target, conf):
+            return None  # too little of its own: the scope's line decides
+        return self._choice(entry_id, window.evidence, target, conf)
+
+    def _forget(self, key: Scope | int) -> None:
+        self._choices = {k: v for k, v in self._choices.items() if k[0] != key}
+
+    def apply(self, rows: list[EvidenceRow]) -> int:
+        """Count rows not counted yet (by id); returns how many were new."""
+        new = 0
+        for r in rows:
+            if r.id is not None:
+                if r.id in self._seen:
+                    continue
+                self._seen[r.id] = r.ts
+            scope = (r.model, r.tenant)
+            self.windows.setdefault(scope, WindowedEvidence(self.ageing)).add(r.ts, r.score, r.right)
+            self._forget(scope)
+            if r.entry_id is not None:
+                window = self.entries.pop(r.entry_id, None) or WindowedEvidence(self.ageing)
+                self.entries[r.entry_id] = window  # most recently audited last
+                window.add(r.ts, r.score, r.right)
+                self._forget(r.entry_id)
+                self.entry_scope[r.entry_id] = scope
+                if len(self.entries) > ENTRIES:
+                    gone = self.entries.popitem(last=False)[0]
+                    self.entry_scope.pop(gone, None)
+                    self._forget(gone)
+            new += 1
+        return new
+
+    def load(self) -> int:
+        """Everything in the database still inside the ageing window (at start)."""
+        self.synced_at = self.clock()
+        start = self.synced_at - self.ageing.max_age_s if self.ageing.max_age_s > 0 else 0.0
+        return self.apply(self.store.since(start))
+
+    async def sync(self) -> int:
+        """Rows other replicas wrote since the last look."""
+        now = self.clock()
+        rows = await asyncio.to_thread(self.store.since, self.synced_at - SYNC_OVERLAP_S)
+        self.synced_at = now
+        old = now - 2 * SYNC_OVERLAP_S
+        self._seen = {i: ts for i, ts in self._seen.items() if ts >= old}
+        return self.apply(rows)
+
+    async def record(self, rows: list[EvidenceRow]) -> None:
+        """Persist new evidence, then count it here (other replicas count it on their next sync)."""
+        ids = await asyncio.to_thread(self.store.add, rows)
+        self.apply([replace(r, id=i) for r, i in zip(rows, ids, strict=True)])
+
+    def view(self, config: CacheConfig) -> dict[str, Any]:
+        """``false_hit_rate`` of /admin/api/stats: per scope ("model|tenant") and overall."""
+        now = self.clock()
+        for scope, window in self.windows.items():
+            if window.expire(now):
+                self._forget(scope)
+        view = rates(self.evidence, config, self.line)
+        own: dict[str, int] = {}
+        for entry_id, window in self.entries.items():
+            model, tenant = self.entry_scope[entry_id]
+            target = config.false_hit_target(model, tenant)
+            if target > 0 and window.evidence.total >= min_audits(target, config.false_hit_confidence):
+                own[f"{model}|{tenant}"] = own.get(f"{model}|{tenant}", 0) + 1
+        for key, shown in view["by_scope"].items():
+            shown["entries_with_own_line"] = own.get(key, 0)
+        return view
+
+
+def rates(
+    evidence: dict[Scope, Evidence],
+    config: CacheConfig,
+    line_of: Callable[[str, str, CacheConfig], ScopeLine | None] | None = None,
+) -> dict[str, Any]:
+    """Per scope and overall: the audited false-hit rate of hits at each scope's line in force
+    (``line_of``; by default computed from ``evidence`` itself, as ``cachegw analyze`` does)."""
+    conf = config.false_hit_confidence
+
+    def own_line(model: str, tenant: str, c: CacheConfig) -> ScopeLine | None:
+        target = c.false_hit_target(model, tenant)
+        return ScopeLine(target, choose_line(evidence[(model, tenant)], target, conf)) if target > 0 else None
+
+    line_of = line_of or own_line
+    scopes: dict[str, Any] = {}
+    wrong_all = audits_all = total_all = 0
+    for (model, tenant), ev in sorted(evidence.items()):
+        sl = line_of(model, tenant, config)
+        target = sl.target if sl else 0.0
+        line = sl.line if sl else None
+        wrong, n = ev.at(line) if line is not None else (0, 0)
+        scopes[f"{model}|{tenant}"] = rate_view(target, line, wrong, n, ev.total, conf).as_dict()
+        wrong_all, audits_all, total_all = wrong_all + wrong, audits_all + n, total_all + ev.total
+    overall = rate_view(config.max_false_hit_rate, None, wrong_all, audits_all, total_all, conf)
+    return {"overall": overall.as_dict(), "by_scope": scopes, "confidence": conf}
+
+
+def evidence_of(rows: list[EvidenceRow], ageing: Ageing, now: float) -> dict[Scope, Evidence]:
+    """Per scope, the evidence the gateway's window holds at ``now`` (``cachegw analyze``'s view)."""
+    out: dict[Scope, WindowedEvidence] = {}
+    for r in sorted(rows, key=lambda r: r.ts):
+        out.setdefault((r.model, r.tenant), WindowedEvidence(ageing)).add(r.ts, r.score, r.right)
+    for window in out.values():
+        window.expire(now)
+    return {scope: w.evidence for scope, w in out.items()}
+
+
+def history(
+    rows: list[EvidenceRow], since: float, until: float, bucket_s: float, conf: float
+) -> list[dict[str, Any]]:
+    """The audited false-hit rate of served hits (hit audits and bad-hit reports) over the window,
+    cumulative at the end of each bucket: the dashboard's chart against the target line."""
+    served = sorted(
+        (r.ts, r.right) for r in rows if r.source in ("hit", "feedback") and since <= r.ts < until
+    )
+    points: list[dict[str, Any]] = []
+    wrong = n = i = 0
+    t = since + bucket_s
+    while t < until + bucket_s:
+        while i < len(served) and served[i][0] < t:
+            wrong, n, i = wrong + (not served[i][1]), n + 1, i + 1
+        view = rate_view(0.0, None, wrong, n, n, conf)
+        points.append(
+            {
+                "t": min(t, until),
+                "estimate": view.estimate,
+                "interval": view.as_dict()["interval"],
+                "audits": n,
+            }
+        )
+        t += bucket_s
+    return points

@@ -1,0 +1,242 @@
+"""The two-tier response cache: exact repeats, then paraphrases within the same scope.
+
+This is the facade the gateway uses; each job is its own module: the exact tier
+(``cache_exact.py``), the semantic tier (``cache_semantic.py``), budgets, expiry and hit counts
+(``cache_maintenance.py``) and replica sync (``cache_sync.py``); what may be stored or served is
+``policies.cacheability``. Every part reads its settings from one provider, so a run-time change
+applies to the next request.
+
+The database is the source of truth: an entry is committed before it enters the in-memory views
+(exact keys, FAISS index, memo) and removed from them after it leaves the database, and the views
+are rebuilt from the database on start, so a crash can lose an index entry but never serve a
+deleted one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from embeddings.batcher import EmbeddingBatcher
+from embeddings.index import ScopedIndex
+from gateway.cache.error_control import ThresholdProvider
+from gateway.cache.exact import ExactTier
+from gateway.cache.locks import KeyedLocks
+from gateway.cache.lookup import Lookup
+from gateway.cache.maintenance import Maintenance
+from gateway.cache.memo import EntryMemo
+from gateway.cache.semantic import SemanticTier
+from gateway.cache.sync import ReplicaSync
+from gateway.config import CacheConfig
+from gateway.storage.request_record import CacheResult
+from gateway.storage.store import Store
+from gateway.storage.tables import CacheEntry
+from policies.cache_keys import RequestKeys
+from policies.cacheability import ANY_AGE, Freshness, answer_length, judge_answer
+from policies.pair_diff import warm as warm_alignment
+from policies.verifier import Verifier
+
+
+class ResponseCache:
+    def __init__(
+        self,
+        settings: CacheConfig | Callable[[], CacheConfig],
+        store: Store,
+        index: ScopedIndex,
+        batcher: EmbeddingBatcher | None,
+        verifier: Verifier | None,
+        lines: ThresholdProvider | None = None,
+    ) -> None:
+        """``settings`` gives the [cache] settings in force (a fixed ``CacheConfig`` for tools and
+        tests); ``store.clock`` is the wall clock of expiry, freshness and sync; ``lines`` each scope's
+        false-hit-bound line (``gateway/cache/error_control.py``; None: static thresholds only)."""
+        self.settings: Callable[[], CacheConfig] = (
+            settings if callable(settings) else lambda: settings  # type: ignore[return-value]
+        )
+        self.store = store
+        self.index = index
+        self.clock = store.clock
+        self.memo = EntryMemo(store)
+        self.exact = ExactTier(store, self.memo)
+        self.semantic = SemanticTier(self.settings, index, batcher, verifier, self.memo, lines)
+        self.maintenance = Maintenance(self.settings, store, self._forget)
+        self.replicas = ReplicaSync(store, self.exact, self.memo, index, self.maintenance, self._forget)
+        self._storing = KeyedLocks()  # one insert per exact key at a time: its replace is seen whole
+        if self.settings().semantic:
+            warm_alignment()
+
+    @property
+    def lines(self) -> ThresholdProvider | None:
+        """Each scope's false-hit-bound line (the stats read it), as the semantic tier holds it."""
+        return self.semantic.lines
+
+    @property
+    def entries(self) -> int:
+        return self.maintenance.totals.entries
+
+    @property
+    def bytes(self) -> int:
+        return self.maintenance.totals.bytes
+
+    @property
+    def synced_at(self) -> float:
+        """Clock time of the last successful ``sync`` (a metric)."""
+        return self.replicas.synced_at
+
+    def threshold(self, model: str, tenant_name: str) -> float:
+        return self.semantic.threshold_for(model, tenant_name)
+
+    def rebuild_index(self, progress: bool = True) -> int:
+        """Load the in-memory views (exact keys, vector index) from the database."""
+        self.exact.rebuild()
+        total = self.store.count_embeddings()
+        self.index.rebuild(self.store.iter_embeddings(), total=total, progress=progress)
+        return len(self.index)
+
+    async def lookup(
+        self,
+        tenant: str,
+        tenant_name: str,
+        model: str,
+        keys: RequestKeys,
+        semantic: bool = True,
+        fresh: Freshness = ANY_AGE,
+    ) -> Lookup:
+        start = time.perf_counter()
+        now = self.clock()
+        c = self.settings()
+        if c.exact:
+            entry = await self.exact.find(tenant, model, keys, now, fresh)
+            if entry is not None:
+                return Lookup(CacheResult.EXACT_HIT, entry, 1.0, lookup_ms=_ms(start), reason="exact")
+        if not (c.semantic and semantic and keys.scope and keys.query and self.semantic.batcher):
+            return Lookup(CacheResult.MISS, lookup_ms=_ms(start), reason="exact-only")
+        result = await self.semantic.lookup(tenant_name, model, keys, now, fresh)
+        result.lookup_ms = _ms(start)
+        return result
+
+    async def insert(
+        self,
+        tenant: str,
+        model: str,
+        endpoint: str,
+        keys: RequestKeys,
+        embedding: np.ndarray | None,
+        response: dict,
+        ttl_seconds: int,
+        replies: dict[str, str] | None = None,
+    ) -> int | None:
+        """Store a completed answer, with ``replies`` (Store.remember_replies) in the same commit;
+        returns its entry id (None if it may not be stored, and then nothing is written)."""
+        verdict = judge_answer(response, keys.max_tokens)
+        if not verdict.store:
+            return None
+        finish = response["choices"][0]["finish_reason"]
+        scope = keys.scope if verdict.semantic else None  # a tool call: exact repeats only
+        if scope is None:
+            embedding = None
+        elif keys.query and embedding is None:
+            embedding = await self.semantic.embed(keys.query)
+        usage = response.get("usage") or {}
+        body = json.dumps(response, ensure_ascii=False)
+        now = self.clock()
+        entry = CacheEntry(
+            tenant=tenant,
+            model=model,
+            endpoint=endpoint,
+            scope=scope or "",
+            exact_key=keys.exact,
+            query_text=keys.query or "",
+            response=body,
+            finish_reason=finish,
+            max_tokens=keys.max_tokens,
+            embedding=None if embedding is None or not scope else embedding.astype(np.float32).tobytes(),
+            prompt_tokens=int(usage.get("prompt_tokens") or 0),
+            completion_tokens=answer_length(usage, keys.max_tokens, finish),
+            size_bytes=len(body.encode()),
+            created_at=now,
+            expires_at=now + ttl_seconds,
+        )
+        async with self._storing.hold(keys.exact):
+            entry_id, replaced = await asyncio.to_thread(self.store.put_entry, entry, replies)
+            # the key's earlier answer is gone from the database: from every view here too (only what
+            # this replica counted is uncounted; ``sync`` never sees these ids again)
+            known = [(i, size) for i, size in replaced if i in self.exact]
+            self._forget([i for i, _ in replaced])
+            self.memo.remember(entry)
+            self.exact.add(keys.exact, entry_id)
+            if entry.embedding is not None and embedding is not None and scope and entry_id not in self.index:
+                # ``sync`` may have been first
+                self.index.add(
+                    scope, np.array([entry_id], dtype=np.int64), embedding[None].astype(np.float32)
+                )
+        totals = self.maintenance.totals
+        totals.entries += 1 - len(known)
+        totals.bytes += entry.size_bytes - sum(size for _, size in known)
+        if totals.over(self.settings()):
+            await self.evict()
+        return entry_id
+
+    async def flag_bad(
+        self, entry_id: int, similarity: float | None, whole_entry: bool
+    ) -> tuple[CacheEntry, str] | None:
+        """Act on a hit reported bad; returns the entry and what was done (None: no such entry).
+
+        ``whole_entry``: the answer is wrong for its own query (an exact hit, or a stored miss): it is
+        never served again. Otherwise a paraphrase got an answer that does not fit it: the entry's own
+        threshold rises above that similarity, so this query and anything further away stop hitting
+        while closer paraphrases still do.
+        """
+        # from the database, not the memo: another replica may have deleted or flagged it
+        entry = (await asyncio.to_thread(self.store.get_entries, [entry_id])).get(entry_id)
+        if entry is None:
+            return None
+        self.memo.remember(entry)  # replaces a stale memo copy; updated below with the database
+        if whole_entry or similarity is None:
+            await asyncio.to_thread(self.store.mark_bad, entry_id)
+            entry.bad = True
+            self.index.remove([entry_id])
+            self.exact.drop(entry_id)
+            return entry, "entry marked bad: never served again"
+        # capped at 1: a paraphrase flagged that close leaves the entry to its own exact repeats
+        margin = self.settings().feedback_margin
+        threshold = min(1.0, max(entry.threshold or 0.0, similarity + margin))
+        await asyncio.to_thread(self.store.set_entry_threshold, entry_id, threshold)
+        entry.threshold = threshold
+        return entry, f"entry threshold raised to {threshold:.4f}"
+
+    def _forget(self, ids: list[int]) -> None:
+        """Drop entries from every in-memory view (the database is handled by the caller)."""
+        self.index.remove(ids)
+        self.maintenance.drop_hits(ids)
+        for i in ids:
+            self.memo.forget(i)
+            self.exact.drop(i)
+
+    # the other jobs, as the rest of the gateway calls them
+
+    def record_hit(self, entry: CacheEntry) -> None:
+        self.maintenance.record_hit(entry.id)
+
+    async def flush_hits(self) -> None:
+        await self.maintenance.flush_hits()
+
+    async def delete(self, ids: list[int]) -> int:
+        return await self.maintenance.delete(ids)
+
+    async def evict(self) -> int:
+        return await self.maintenance.evict()
+
+    async def expire(self) -> int:
+        return await self.maintenance.expire()
+
+    async def sync(self) -> int:
+        return await self.replicas.sync()
+
+
+def _ms(start: float) -> float:
+    return (time.perf_counter() - start) * 1e3

@@ -1,0 +1,155 @@
+"""The semantic tier: a paraphrase within the same scope, found by meaning and then verified.
+
+The last user message is embedded (concurrent requests share one encoder call), the scope's vector
+index gives the nearest stored queries, and a candidate serves only if it is close enough
+(``threshold_for``, and its own threshold learned from feedback), may serve this request
+(``policies.cacheability.unservable``), and every difference between the two queries is accounted
+for (``policies.pair_diff.align``, then the verifier on the differing part).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from embeddings.batcher import EmbeddingBatcher
+from embeddings.index import ScopedIndex
+from gateway.cache.error_control import ScopeLine, ThresholdProvider
+from gateway.cache.lookup import Lookup
+from gateway.cache.memo import EntryMemo
+from gateway.config import CacheConfig
+from gateway.storage.request_record import CacheResult
+from gateway.storage.tables import CacheEntry
+from policies.cache_keys import RequestKeys
+from policies.cacheability import Freshness, unservable
+from policies.error_bound import GRID
+from policies.pair_diff import align
+from policies.verifier import DecisionRule, Verifier
+
+CANDIDATES = 4  # nearest neighbours checked per semantic lookup
+
+
+class SemanticTier:
+    def __init__(
+        self,
+        settings: Callable[[], CacheConfig],
+        index: ScopedIndex,
+        batcher: EmbeddingBatcher | None,
+        verifier: Verifier | None,
+        memo: EntryMemo,
+        lines: ThresholdProvider | None = None,
+    ) -> None:
+        """``lines`` gives each scope's false-hit-bound line (None: static thresholds only)."""
+        self.settings = settings
+        self.lines = lines
+        self.index = index
+        self.batcher = batcher
+        self.verifier = verifier
+        self.memo = memo
+
+    def threshold_for(self, model: str, tenant_name: str) -> float:
+        """The similarity a paraphrase needs: per-tenant over per-model over the global threshold."""
+        c = self.settings()
+        return c.thresholds_by_tenant.get(tenant_name, c.thresholds_by_model.get(model, c.threshold))
+
+    async def embed(self, text: str) -> np.ndarray | None:
+        return await self.batcher.embed(text) if self.batcher is not None else None
+
+    async def lookup(
+        self, tenant_name: str, model: str, keys: RequestKeys, now: float, fresh: Freshness
+    ) -> Lookup:
+        """The nearest servable paraphrase in the request's scope (``keys.scope`` and ``keys.query``
+        set, and a batcher: the caller checks), or a miss saying why the nearest was refused."""
+        assert self.batcher is not None and keys.scope and keys.query
+        t_embed = time.perf_counter()
+        vec = await self.batcher.embed(keys.query)
+        embed_ms = (time.perf_counter() - t_embed) * 1e3
+        threshold = self.threshold_for(model, tenant_name)
+        c = self.settings()
+        line = self.lines.line(model, tenant_name, c) if self.lines else None  # None: static thresholds
+        # with the verifier off the bound's line is on the cosine itself: candidates from the grid's floor
+        floor = threshold if line is None or c.verifier else min(threshold, GRID[0])
+        hits = self.index.search(keys.scope, vec, k=CANDIDATES)
+        result = Lookup(
+            CacheResult.MISS,
+            similarity=hits[0][1] if hits else None,
+            threshold=threshold,
+            embedding=vec,
+            embed_ms=embed_ms,
+            scope_line=line,
+        )
+        close = [(i, s) for i, s in hits if s >= floor]
+        if hits and not close:
+            result.reason = "below-threshold"
+        if not close:
+            return result
+        refused: list[str] = []  # why each candidate, nearest first, was not served
+        entries = await self.memo.get([i for i, _ in close])
+        for entry_id, sim in close:
+            entry = entries.get(entry_id)
+            if entry is None or entry.scope != keys.scope:
+                refused.append("not-servable")
+                continue
+            result.refused = result.refused or entry
+            why_not = unservable(entry, keys.max_tokens, now, fresh)
+            if why_not is not None:
+                refused.append(why_not)
+                continue
+            if entry.threshold is not None and sim < entry.threshold:  # learned from feedback
+                refused.append("entry-threshold")
+                continue
+            why, score = await self._refusal(keys.query, vec, entry, threshold, sim, line)
+            if why is None:
+                result.result, result.entry, result.similarity = CacheResult.SEMANTIC_HIT, entry, sim
+                result.reason, result.score = "semantic", score
+                return result
+            if why == "error-bound" and result.near is None:
+                result.near, result.score = entry, score
+            refused.append(why)
+        result.reason = refused[0]
+        return result
+
+    async def _refusal(
+        self,
+        query: str,
+        vec: np.ndarray,
+        entry: CacheEntry,
+        threshold: float,
+        sim: float,
+        line: ScopeLine | None,
+    ) -> tuple[str | None, float]:
+        """Why the candidate may not answer this query (None: it may), and its score. The two texts
+        are aligned first (microseconds): material around the question must be identical and code,
+        opposites and units in the differing spans refuse outright. The verifier then judges the
+        differing part; when that is not the whole text (a question under a document), it is embedded
+        alone, both sides in one encoder call. With a false-hit target the scope's line decides on the
+        score instead of the static ``verifier_threshold`` (or cosine threshold, verifier off)."""
+
+        def by_line(score: float) -> tuple[str | None, float]:
+            return (None if line is None or line.serves(score, entry.id) else "error-bound"), score
+
+        al = align(query, entry.query_text)
+        if al.outcome != "judge":
+            return by_line(1.0) if al.outcome == "same" else (al.reason, 0.0)
+        c = self.settings()
+        if not c.verifier or self.verifier is None or entry.embedding is None:
+            return by_line(sim)
+        if al.reembed and self.batcher is not None:
+            emb = await self.batcher.embed_many([al.focus_new, al.focus_old])
+            u, v = emb[0], emb[1]
+        else:
+            u, v = vec, np.frombuffer(entry.embedding, dtype=np.float32)
+        min_prob = c.verifier_threshold if line is None else 0.0  # the line judges the prob
+        rule = DecisionRule(min_cosine=threshold, min_prob=min_prob)
+        args = (al, u[None], v[None], rule)
+        if self.verifier.cross is None:  # the MLP alone takes ~0.1 ms: not worth a thread hop
+            verdict = self.verifier.check_aligned(*args)
+        else:  # the cross-encoder (~2 ms) runs off the event loop; ORT releases the GIL
+            verdict = await asyncio.to_thread(self.verifier.check_aligned, *args)
+        if verdict.accepted:
+            return by_line(verdict.prob)
+        # the verifier's own cosine floor counts as its no: the entry was close enough to be a candidate
+        return ("verifier" if verdict.reason in ("low_cosine", "low_prob") else verdict.reason), verdict.prob

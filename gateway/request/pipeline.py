@@ -1,0 +1,309 @@
+"""The gateway's request pipeline. One direction: request -> policy -> cache -> canonicalize -> backend
+-> record.
+
+The cache keys are computed on the canonical form of the request, so requests that differ only
+in whitespace, key order or Unicode form are exact repeats; the same canonical body is what the
+backend receives, so its prefix cache sees byte-identical prefixes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Literal
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from gateway.cache.audits import AuditJob, Auditor
+from gateway.cache.feedback import BadHitReports
+from gateway.cache.response_cache import ResponseCache
+from gateway.config import Settings
+from gateway.live_settings import LiveSettings
+from gateway.metrics import BackendCounts, GatewayMetrics
+from gateway.request.admin_auth import AdminAuth
+from gateway.request.drafts import draft_for
+from gateway.request.flow import Flow
+from gateway.request.hits import hit_response, hit_stream
+from gateway.request.tenants import Tenant, Tenants
+from gateway.request.volatile_learner import VolatileLearner
+from gateway.storage.admin_store import AdminStore
+from gateway.storage.entry_ids import EntryIds
+from gateway.storage.recorder import Recorder
+from gateway.storage.request_record import CacheResult
+from gateway.storage.store import Store, reply_key
+from gateway.storage.tables import CacheEntry
+from gateway.upstream.prefix_salt import PrefixSalts
+from gateway.upstream.proxy import Backends
+from gateway.upstream.streams import SseRecorder, StreamRelay
+from policies.cache_keys import request_keys
+from policies.cacheability import CachePolicy, decide
+from policies.canonicalize import Restore, normalize_reply
+from protocol.errors import ApiError, error_code
+from protocol.http import read_limited_body
+from protocol.requests import ChatCompletionRequest, CompletionRequest, load_json, parse_request
+
+log = logging.getLogger("cachegw.gateway")
+
+
+class Gateway:
+    """The parts a request needs, and the pipeline over them (``handle``)."""
+
+    def __init__(
+        self,
+        live: LiveSettings,
+        store: Store,
+        cache: ResponseCache,
+        backends: Backends,
+        admin_token: str,
+        auditor: Auditor | None = None,
+    ) -> None:
+        """``auditor`` re-asks a share of semantic hits and near misses (the false-hit bound's
+        evidence); None audits nothing."""
+        self.live = live
+        self.auditor = auditor
+        self.store, self.cache, self.backends = store, cache, backends
+        self.admin = AdminStore(store.session)
+        self.auth = AdminAuth(admin_token)
+        self.salts = PrefixSalts(admin_token)
+        self.entry_ids = EntryIds(admin_token)
+        self.volatile = VolatileLearner()
+        self.tenants = Tenants(self.settings.tenants)
+        self.metrics = GatewayMetrics(
+            lambda: float(cache.entries),
+            BackendCounts(backends.answered, backends.refused, backends.urls, backends.down),
+            index_entries=lambda: float(len(cache.index)),
+            sync_age=(lambda: time.time() - cache.synced_at) if self.settings.cache.sync_interval_s else None,
+        )
+        self.recorder = Recorder(store, per_request=self.settings.gateway.request_log_commit == "per_request")
+        self.feedback = BadHitReports(cache, self.admin, self.recorder, self.entry_ids, self.metrics, auditor)
+        self._tasks: set[asyncio.Task] = set()  # stream bookkeeping that outlives its response
+
+    @property
+    def settings(self) -> Settings:
+        """The settings in force: config.toml with the run-time changes over it."""
+        return self.live.current
+
+    async def refresh_settings(self) -> None:
+        """Pick up a change another replica made (a cheap version read). Every part reads the
+        settings in force when it needs them; a request already under way keeps the view it read."""
+        if await asyncio.to_thread(self.live.changed_elsewhere):
+            await asyncio.to_thread(self.live.load)
+
+    def _restorer(self, tenant: Tenant) -> Restore:
+        return lambda normalized: self.store.lookup_reply(reply_key(tenant.cache_key, normalized))
+
+    @staticmethod
+    def _ttl(request: Request, settings: Settings) -> int:
+        raw = request.headers.get("x-cache-ttl")
+        if raw is None:
+            return settings.cache.ttl_seconds
+        raw = raw.strip()
+        if not (raw.isascii() and raw.isdigit()) or int(raw) <= 0:  # "²".isdigit() is True
+            raise ApiError(400, "x-cache-ttl must be a positive number of seconds.", param="x-cache-ttl")
+        return min(int(raw), settings.cache.max_ttl_seconds)
+
+    async def handle(self, request: Request, endpoint: str) -> Response:
+        settings = self.settings  # one consistent view for the whole request
+        tenant = self.tenants.from_headers(request.headers)
+        raw = await read_limited_body(request, settings.gateway.max_request_bytes)
+        parse_request(ChatCompletionRequest if endpoint == "chat" else CompletionRequest, raw)
+        body = load_json(raw)  # NaN, Infinity or 1e400 get a 400 here: they cannot be forwarded
+        if body.get("model") == "":
+            raise ApiError(
+                400, "model must be a non-empty string; leave it out for the default.", param="model"
+            )
+        model = body.get("model") or ""
+        candidates = await self.backends.route(model or None)  # 404 for an unknown model, before any work
+        ttl = self._ttl(request, settings)
+        policy = CachePolicy(
+            serve_temperature_above_zero=settings.cache.serve_temperature_above_zero,
+            serve_unset_temperature=settings.cache.serves_unset_temperature(model, tenant.name),
+        )
+        cacheable = decide(body, request.headers, policy)
+        flow = Flow.begin(endpoint, tenant, model, body, cacheable)
+        restore = self._restorer(tenant)
+        learn = not cacheable.keeps_nothing  # no-store: not even its system prompt is kept
+        flow.canonicalized(
+            await self.volatile.canonicalize(tenant.id, body, settings.canonicalize, restore, learn)
+        )
+        body = flow.body
+        flow.keys = request_keys(tenant.cache_key, model, endpoint, body)
+        record = flow.record
+        use_cache = settings.cache.enabled
+        if not use_cache:
+            record.reason = "disabled"
+        if use_cache and cacheable.may_serve:
+            flow.lookup = await self.cache.lookup(
+                tenant.cache_key, tenant.name, model, flow.keys, fresh=cacheable.fresh
+            )
+            self.metrics.lookup.observe(flow.lookup.lookup_ms / 1e3)
+            if flow.lookup.embed_ms is not None:
+                self.metrics.embedding.observe(flow.lookup.embed_ms / 1e3)
+            record.reason = flow.lookup.reason
+            if flow.lookup.entry is not None:
+                return await self._serve_hit(flow)
+            record.cache_result = CacheResult.MISS
+        store = use_cache and cacheable.may_store
+        path = "/chat/completions" if endpoint == "chat" else "/completions"
+        try:  # the canonical prefix picks the backend; none up: a 503 at once
+            urls = self.backends.order(candidates, endpoint, body)
+        except ApiError as exc:
+            await self._record_failure(flow, exc, time.perf_counter())
+            raise
+        if settings.tenants.prefix_isolation:  # after the keys: the gateway's own cache is unchanged
+            flow.cache_salt = self._prefix_salt(flow)
+        if record.stream:
+            return await self._forward_stream(flow, urls, path, body, store, ttl)
+        return await self._forward_json(flow, urls, path, body, store, ttl)
+
+    async def _serve_hit(self, flow: Flow) -> Response:
+        assert flow.lookup is not None and flow.lookup.entry is not None
+        entry = flow.lookup.entry
+        flow.record.cache_result = flow.lookup.result
+        self.cache.record_hit(entry)
+        stored = json.loads(entry.response)
+        usage = stored.get("usage") or {}
+        await self._record(flow, 200, usage)
+        if flow.lookup.result == CacheResult.SEMANTIC_HIT:
+            self._offer_audit(flow, "hit", entry, None)
+        if not flow.record.stream:
+            return JSONResponse(hit_response(stored, flow.record.id), headers=flow.headers(self.entry_ids))
+        include_usage = bool((flow.body.get("stream_options") or {}).get("include_usage"))
+        return StreamingResponse(
+            hit_stream(stored, flow.record.id, flow.record.endpoint, include_usage),
+            media_type="text/event-stream",
+            headers=flow.headers(self.entry_ids),
+        )
+
+    async def _forward_json(
+        self, flow: Flow, urls: list[str], path: str, body: dict, store: bool, ttl: int
+    ) -> Response:
+        start = time.perf_counter()
+        record = flow.record
+        try:
+            status, data, record.backend_ms, record.backend = await self.backends.post_json(
+                urls, path, body, flow.cache_salt, draft_for(flow.lookup)
+            )
+        except ApiError as exc:  # down, timed out, garbled: the log must show it too
+            await self._record_failure(flow, exc, start)
+            raise
+        record.response_id = data.get("id") if isinstance(data.get("id"), str) else None
+        self.metrics.backend.observe(record.backend_ms / 1e3)
+        if status == 200:
+            await self._after_answer(flow, data, store, ttl)
+        else:
+            self._count_backend_error(status, data)
+        await self._record(
+            flow, status, data.get("usage") or {}, None if status == 200 else json.dumps(data)[:500]
+        )
+        return JSONResponse(data, status_code=status, headers=flow.headers(self.entry_ids))
+
+    async def _forward_stream(
+        self, flow: Flow, urls: list[str], path: str, body: dict, store: bool, ttl: int
+    ) -> Response:
+        client_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        upstream = {**body, "stream_options": {**(body.get("stream_options") or {}), "include_usage": True}}
+        start = time.perf_counter()
+        record = flow.record
+        try:
+            record.backend, response = await self.backends.open_stream(
+                urls, path, upstream, flow.cache_salt, draft_for(flow.lookup)
+            )
+        except ApiError as exc:
+            await self._record_failure(flow, exc, start)
+            raise
+        if response.status_code != 200:
+            data = json.loads(await response.aread() or b"{}")
+            await response.aclose()
+            self._count_backend_error(response.status_code, data)
+            await self._record(flow, response.status_code, {}, json.dumps(data)[:500])
+            return JSONResponse(data, status_code=response.status_code, headers=flow.headers(self.entry_ids))
+
+        async def finish(recorder: SseRecorder) -> None:
+            record.backend_ms = (time.perf_counter() - start) * 1e3
+            await self._finish_stream(flow, recorder, store, ttl)
+
+        gone = self.backends.gone(record.backend or "")
+        stream = StreamRelay(
+            response, SseRecorder(record.endpoint), finish, self._tasks, not client_usage, gone
+        )
+        headers = flow.headers(self.entry_ids)
+        return StreamingResponse(stream.events(), media_type="text/event-stream", headers=headers)
+
+    async def _finish_stream(self, flow: Flow, recorder: SseRecorder, store: bool, ttl: int) -> None:
+        flow.record.response_id = recorder.meta.get("id")
+        if recorder.broken is not None:  # logged as the 502 the client was told of, never stored
+            self.metrics.count_error(502, "backend_error")
+            broke = f"backend_error: stream broke after {recorder.relayed_bytes} bytes: {recorder.broken}"
+            await self._record(flow, 502, recorder.usage or {}, broke[:500])
+            return
+        complete = recorder.complete_response()
+        if complete is not None:
+            await self._after_answer(flow, complete, store, ttl)
+        error = None if complete is not None else "stream incomplete or failed: not stored"
+        await self._record(flow, 200, recorder.usage or {}, error)
+
+    def _prefix_salt(self, flow: Flow) -> str:
+        """The salt the backend's prefix cache gets for this tenant (and the client's own salt)."""
+        return self.salts.salt(self.tenants.prefix_key(flow.tenant), flow.body.get("cache_salt"))
+
+    def _offer_audit(
+        self, flow: Flow, kind: Literal["hit", "near-miss"], entry: CacheEntry, fresh: dict | None
+    ) -> None:
+        """Hand a semantic hit (or a near miss and its fresh answer) to the auditor: never waits."""
+        lk = flow.lookup
+        if self.auditor is None or lk is None or lk.score is None or lk.scope_line is None:
+            return  # audits feed the error bound: only scopes with a false-hit target are audited
+        salt = flow.cache_salt
+        if salt is None and self.settings.tenants.prefix_isolation:  # a hit computed none
+            salt = self._prefix_salt(flow)
+        r = flow.record
+        job = AuditJob(
+            kind, r.model, flow.tenant.name, lk.score, entry, r.id, r.endpoint, flow.body, salt, fresh
+        )
+        self.auditor.offer(job)
+
+    async def _after_answer(self, flow: Flow, data: dict, store: bool, ttl: int) -> None:
+        """Remember the reply's exact bytes, and store the answer when policy and quality allow."""
+        if flow.lookup is not None and flow.lookup.near is not None:
+            self._offer_audit(flow, "near-miss", flow.lookup.near, data)
+        record = flow.record
+        choice = (data.get("choices") or [{}])[0]
+        chat = record.endpoint == "chat"
+        text = (choice.get("message") or {}).get("content") if chat else choice.get("text")
+        replies: dict[str, str] = {}
+        if isinstance(text, str) and text and not flow.cacheable.keeps_nothing:
+            replies[reply_key(flow.tenant.cache_key, normalize_reply(text))] = text
+        try:
+            if store and flow.keys is not None:
+                embedding = flow.lookup.embedding if flow.lookup else None
+                record.stored_entry_id = await self.cache.insert(
+                    flow.tenant.cache_key,
+                    record.model,
+                    record.endpoint,
+                    flow.keys,
+                    embedding,
+                    data,
+                    ttl,
+                    replies,
+                )
+            if replies and record.stored_entry_id is None:  # not stored: the reply text alone (one commit)
+                await asyncio.to_thread(self.store.remember_replies, replies)
+        except Exception:  # a storage problem must not fail an answer the client already has
+            log.exception("could not store the answer of %s", record.id)
+
+    def _count_backend_error(self, status: int, data: dict) -> None:
+        """A backend's own error, passed through as it came (a sampling value it refuses, ...)."""
+        self.metrics.count_error(status, error_code(data) or "backend_error")
+
+    async def _record_failure(self, flow: Flow, exc: ApiError, backend_start: float) -> None:
+        flow.record.backend_ms = (time.perf_counter() - backend_start) * 1e3
+        await self._record(flow, exc.status, {}, f"{exc.code}: {exc.message}"[:500])
+
+    async def _record(self, flow: Flow, status: int, usage: dict, error: str | None = None) -> None:
+        record = flow.close(status, usage, error, log_query=self.settings.gateway.log_query_text)
+        self.metrics.observe_request(record)
+        await self.recorder.record(record)
