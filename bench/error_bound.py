@@ -168,8 +168,8 @@ def seed_rows(labelled: tuple[list[str], list[str], np.ndarray]) -> list[Any]:
 @contextlib.contextmanager
 def gateway(backend: str, work: Path, target: float, seeds: list[Any]) -> Iterator[str]:
     from gateway.api.app import build_app
+    from gateway.compose import started_gateway
     from gateway.config import load_settings
-    from gateway.serve import started_gateway
 
     s = load_settings(None, data_dir=str(work), backends=(backend,))
     cache = {

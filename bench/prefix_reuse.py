@@ -132,8 +132,8 @@ def backend(args: argparse.Namespace, captured: dict) -> Iterator[tuple[str, Any
 def gateway(backend_url: str, canonical: bool, learn: bool = True) -> Iterator[str]:
     """A gateway on its own data dir with the response cache off: every turn reaches the backend."""
     from gateway.api.app import build_app
+    from gateway.compose import started_gateway
     from gateway.config import load_settings
-    from gateway.serve import started_gateway
     from tests.servers import serve_in_thread
 
     with tempfile.TemporaryDirectory(prefix="cachegw-prefix-") as tmp:

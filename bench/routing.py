@@ -72,8 +72,8 @@ def backends(work: Path, kv_tokens: int, concurrency: int) -> Iterator[list[str]
 @contextlib.contextmanager
 def gateway(urls: list[str], mode: str, work: Path, name: str) -> Iterator[str]:
     from gateway.api.app import build_app
+    from gateway.compose import started_gateway
     from gateway.config import load_settings
-    from gateway.serve import started_gateway
 
     s = load_settings(None, data_dir=str(work / f"gw-{name}"), backends=tuple(urls))
     s = s.model_copy(

@@ -209,8 +209,8 @@ def gateway_part(args: argparse.Namespace) -> list[dict]:
     from backend.core.engine import LLMEngine
     from backend.entrypoints.server import build_app as backend_app
     from gateway.api.app import build_app
+    from gateway.compose import started_gateway
     from gateway.config import load_settings
-    from gateway.serve import started_gateway
     from tests.servers import serve_in_thread
 
     cfg = load_engine_config(

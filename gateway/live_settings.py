@@ -8,6 +8,7 @@ one is current when they start, so none sees half a change.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from typing import Annotated, Any, Literal
 
@@ -182,6 +183,12 @@ class LiveSettings:
 
     def changed_elsewhere(self) -> bool:
         return self.store.setting_version(KEY) != self.version
+
+    async def refresh(self) -> None:
+        """Pick up a change another replica made (a cheap version read). Every part reads the
+        settings in force when it needs them; a request already under way keeps the view it read."""
+        if await asyncio.to_thread(self.changed_elsewhere):
+            await asyncio.to_thread(self.load)
 
     def patch(self, body: Any, actor: str) -> Settings:
         """Validate, merge, persist with an audit event; the caller swaps the new settings in."""

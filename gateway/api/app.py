@@ -25,27 +25,27 @@ from gateway.api.deps import (
 )
 from gateway.api.metrics_http import metrics_response
 from gateway.cache.feedback import parse_feedback
-from gateway.request.pipeline import Gateway
+from gateway.parts import Parts
 from protocol.errors import ApiError
 from protocol.http import install_error_handlers
 
 
-def build_app(gateway_factory) -> FastAPI:
-    """``gateway_factory`` is an async context manager yielding a started Gateway (see serve.py)."""
-    state: dict[str, Gateway] = {}
+def build_app(parts_factory) -> FastAPI:
+    """``parts_factory`` is an async context manager yielding the started ``Parts`` (gateway/compose.py)."""
+    state: dict[str, Parts] = {}
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
-        async with gateway_factory() as gw:
-            state["gw"] = gw
+        async with parts_factory() as parts:
+            state["parts"] = parts
             yield
 
     # /openapi.json documents the API; FastAPI's /docs pages would load their scripts from a CDN.
     app = FastAPI(title="cachegw gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     # what the providers of gateway/api/deps.py read; also the separate metrics listener's way in
-    app.state.gateway = lambda: state.get("gw")
+    app.state.parts = lambda: state.get("parts")
     install_error_handlers(
-        app, lambda status, code: state["gw"].metrics.count_error(status, code) if state else None
+        app, lambda status, code: state["parts"].metrics.count_error(status, code) if state else None
     )
     app.include_router(admin_router())
 

@@ -1,6 +1,6 @@
-"""FastAPI dependencies: each route declares the parts it uses (``cache: CacheDep`` is
-``Depends`` on a provider of the cache), and the providers read them from the app's state, where the
-lifespan put the started gateway."""
+"""FastAPI dependencies: each route declares the parts it uses (``cache: CacheDep`` is ``Depends`` on a
+provider of the cache), and the providers read them from the ``Parts`` the composition root
+(``gateway/compose.py``) built, which the app's lifespan keeps in its state."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from gateway.cache.response_cache import ResponseCache
 from gateway.config import Settings
 from gateway.live_settings import LiveSettings
 from gateway.metrics import GatewayMetrics
+from gateway.parts import Parts
 from gateway.request.admin_auth import AdminAuth
 from gateway.request.pipeline import Gateway
 from gateway.request.tenants import Tenants
@@ -28,37 +29,37 @@ from protocol.errors import ApiError
 T = TypeVar("T")
 
 
-def pipeline(request: Request) -> Gateway:
-    gw = request.app.state.gateway()
-    if gw is None:
+def started(request: Request) -> Parts:
+    parts = request.app.state.parts()
+    if parts is None:
         raise ApiError(503, "The gateway is starting.", type="server_error", code="starting")
-    return gw
+    return parts
 
 
-def _part(get: Callable[[Gateway], T]) -> Callable[[Request], T]:
+def _part(get: Callable[[Parts], T]) -> Callable[[Request], T]:
     """A provider of one part of the started gateway."""
 
     def provide(request: Request) -> T:
-        return get(pipeline(request))
+        return get(started(request))
 
     return provide
 
 
-PipelineDep = Annotated[Gateway, Depends(pipeline)]
+PipelineDep = Annotated[Gateway, Depends(_part(lambda p: p.pipeline))]
 # what is stored, and the cache over it
-CacheDep = Annotated[ResponseCache, Depends(_part(lambda gw: gw.cache))]
-StoreDep = Annotated[Store, Depends(_part(lambda gw: gw.store))]
-AdminStoreDep = Annotated[AdminStore, Depends(_part(lambda gw: gw.admin))]
-ReportsDep = Annotated[BadHitReports, Depends(_part(lambda gw: gw.feedback))]
+CacheDep = Annotated[ResponseCache, Depends(_part(lambda p: p.cache))]
+StoreDep = Annotated[Store, Depends(_part(lambda p: p.store))]
+AdminStoreDep = Annotated[AdminStore, Depends(_part(lambda p: p.admin))]
+ReportsDep = Annotated[BadHitReports, Depends(_part(lambda p: p.feedback))]
 # the settings: in force (config.toml with run-time changes), and where changes go
-SettingsDep = Annotated[Settings, Depends(_part(lambda gw: gw.live.current))]
-LiveDep = Annotated[LiveSettings, Depends(_part(lambda gw: gw.live))]
+SettingsDep = Annotated[Settings, Depends(_part(lambda p: p.live.current))]
+LiveDep = Annotated[LiveSettings, Depends(_part(lambda p: p.live))]
 # who is asking, and what each may see
-TenantsDep = Annotated[Tenants, Depends(_part(lambda gw: gw.tenants))]
-AuthDep = Annotated[AdminAuth, Depends(_part(lambda gw: gw.auth))]
-EntryIdsDep = Annotated[EntryIds, Depends(_part(lambda gw: gw.entry_ids))]
+TenantsDep = Annotated[Tenants, Depends(_part(lambda p: p.tenants))]
+AuthDep = Annotated[AdminAuth, Depends(_part(lambda p: p.auth))]
+EntryIdsDep = Annotated[EntryIds, Depends(_part(lambda p: p.entry_ids))]
 # the rest of the gateway's state
-VolatileDep = Annotated[VolatileLearner, Depends(_part(lambda gw: gw.volatile))]
-MetricsDep = Annotated[GatewayMetrics, Depends(_part(lambda gw: gw.metrics))]
-BackendsDep = Annotated[Backends, Depends(_part(lambda gw: gw.backends))]
-AuditorDep = Annotated[Auditor | None, Depends(_part(lambda gw: gw.auditor))]
+VolatileDep = Annotated[VolatileLearner, Depends(_part(lambda p: p.volatile))]
+MetricsDep = Annotated[GatewayMetrics, Depends(_part(lambda p: p.metrics))]
+BackendsDep = Annotated[Backends, Depends(_part(lambda p: p.backends))]
+AuditorDep = Annotated[Auditor | None, Depends(_part(lambda p: p.auditor))]

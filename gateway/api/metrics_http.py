@@ -20,7 +20,7 @@ from protocol.http import install_error_handlers
 if TYPE_CHECKING:
     from gateway.config import GatewayConfig
     from gateway.metrics import GatewayMetrics
-    from gateway.request.pipeline import Gateway
+    from gateway.parts import Parts
 
 CONTENT_TYPE = "text/plain; version=0.0.4"
 
@@ -34,16 +34,16 @@ def metrics_response(g: GatewayConfig, metrics: GatewayMetrics, request: Request
     return Response(metrics.render(), media_type=CONTENT_TYPE)
 
 
-def metrics_app(get_gw: Callable[[], Gateway | None]) -> FastAPI:
+def metrics_app(get_parts: Callable[[], Parts | None]) -> FastAPI:
     """The app of the separate metrics listener: ``/metrics`` only (503 until the gateway started)."""
     app = FastAPI(title="cachegw metrics", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        gw = get_gw()
-        if gw is None:
+        parts = get_parts()
+        if parts is None:
             raise ApiError(503, "The gateway is starting.", type="server_error", code="starting")
-        return metrics_response(gw.settings.gateway, gw.metrics, request, own_port=True)
+        return metrics_response(parts.settings.gateway, parts.metrics, request, own_port=True)
 
     return app

@@ -18,18 +18,15 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.cache.audits import AuditJob, Auditor
-from gateway.cache.feedback import BadHitReports
 from gateway.cache.response_cache import ResponseCache
 from gateway.config import Settings
 from gateway.live_settings import LiveSettings
-from gateway.metrics import BackendCounts, GatewayMetrics
-from gateway.request.admin_auth import AdminAuth
+from gateway.metrics import GatewayMetrics
 from gateway.request.drafts import draft_for
 from gateway.request.flow import Flow
 from gateway.request.hits import hit_response, hit_stream
 from gateway.request.tenants import Tenant, Tenants
 from gateway.request.volatile_learner import VolatileLearner
-from gateway.storage.admin_store import AdminStore
 from gateway.storage.entry_ids import EntryIds
 from gateway.storage.recorder import Recorder
 from gateway.storage.request_record import CacheResult
@@ -54,43 +51,29 @@ class Gateway:
     def __init__(
         self,
         live: LiveSettings,
-        store: Store,
+        tenants: Tenants,
+        volatile: VolatileLearner,
         cache: ResponseCache,
         backends: Backends,
-        admin_token: str,
+        store: Store,
+        metrics: GatewayMetrics,
+        recorder: Recorder,
+        salts: PrefixSalts,
+        entry_ids: EntryIds,
         auditor: Auditor | None = None,
     ) -> None:
-        """``auditor`` re-asks a share of semantic hits and near misses (the false-hit bound's
-        evidence); None audits nothing."""
-        self.live = live
-        self.auditor = auditor
-        self.store, self.cache, self.backends = store, cache, backends
-        self.admin = AdminStore(store.session)
-        self.auth = AdminAuth(admin_token)
-        self.salts = PrefixSalts(admin_token)
-        self.entry_ids = EntryIds(admin_token)
-        self.volatile = VolatileLearner()
-        self.tenants = Tenants(self.settings.tenants)
-        self.metrics = GatewayMetrics(
-            lambda: float(cache.entries),
-            BackendCounts(backends.answered, backends.refused, backends.urls, backends.down),
-            index_entries=lambda: float(len(cache.index)),
-            sync_age=(lambda: time.time() - cache.synced_at) if self.settings.cache.sync_interval_s else None,
-        )
-        self.recorder = Recorder(store, per_request=self.settings.gateway.request_log_commit == "per_request")
-        self.feedback = BadHitReports(cache, self.admin, self.recorder, self.entry_ids, self.metrics, auditor)
+        """The parts ``handle`` uses, built by ``gateway/compose.py``; ``auditor`` re-asks a share of
+        semantic hits and near misses (the false-hit bound's evidence), None audits nothing."""
+        self.live, self.tenants, self.volatile = live, tenants, volatile
+        self.cache, self.backends, self.store = cache, backends, store
+        self.metrics, self.recorder, self.salts = metrics, recorder, salts
+        self.entry_ids, self.auditor = entry_ids, auditor
         self._tasks: set[asyncio.Task] = set()  # stream bookkeeping that outlives its response
 
     @property
     def settings(self) -> Settings:
         """The settings in force: config.toml with the run-time changes over it."""
         return self.live.current
-
-    async def refresh_settings(self) -> None:
-        """Pick up a change another replica made (a cheap version read). Every part reads the
-        settings in force when it needs them; a request already under way keeps the view it read."""
-        if await asyncio.to_thread(self.live.changed_elsewhere):
-            await asyncio.to_thread(self.live.load)
 
     def _restorer(self, tenant: Tenant) -> Restore:
         return lambda normalized: self.store.lookup_reply(reply_key(tenant.cache_key, normalized))

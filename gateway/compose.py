@@ -1,0 +1,179 @@
+"""The composition root: every part of the gateway built once, in one place, and handed only what it
+needs; started in order and stopped in reverse. The HTTP layer reads the result (``Parts``) through
+its dependencies; ``gateway/serve.py`` runs it under uvicorn."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+
+from embeddings.batcher import EmbeddingBatcher
+from embeddings.encoder import make_encoder
+from embeddings.index import ScopedIndex
+from gateway.cache.audits import Auditor
+from gateway.cache.error_control import ThresholdProvider
+from gateway.cache.feedback import BadHitReports
+from gateway.cache.maintenance import HIT_FLUSH_S
+from gateway.cache.response_cache import ResponseCache
+from gateway.cache.verifier_loader import load_verifier
+from gateway.config import BackendSpec, Settings
+from gateway.live_settings import LiveSettings
+from gateway.metrics import BackendCounts, GatewayMetrics
+from gateway.parts import Parts
+from gateway.request.admin_auth import AdminAuth, resolve_admin_token
+from gateway.request.pipeline import Gateway
+from gateway.request.tenants import Tenants
+from gateway.request.volatile_learner import VolatileLearner
+from gateway.storage.admin_store import AdminStore
+from gateway.storage.entry_ids import EntryIds
+from gateway.storage.evidence_store import EvidenceStore
+from gateway.storage.recorder import Recorder
+from gateway.storage.store import Store
+from gateway.upstream.health import HealthProbes
+from gateway.upstream.prefix_salt import PrefixSalts
+from gateway.upstream.proxy import Backends
+from gateway.upstream.supervisor import BuiltinBackend
+
+log = logging.getLogger("cachegw.gateway")
+EXPIRY_EVERY_S = 60.0
+SETTINGS_POLL_S = 5.0  # how soon a replica sees settings another one changed
+DISCOVER_EVERY_S = 30.0  # how soon a backend that was down at start (or added a model) gets traffic
+
+
+@contextlib.asynccontextmanager
+async def started_gateway(
+    settings: Settings,
+    progress: bool = True,
+    clock: Callable[[], float] = time.time,
+    engine_cpus: frozenset[int] | None = None,
+) -> AsyncIterator[Parts]:
+    """Every part of the gateway, built once, started in order, stopped in reverse; ``clock`` is the cache's
+    wall clock (expiry, freshness), which tests move instead of sleeping; ``engine_cpus`` the built-in
+    engine's cores (``split_cores``)."""
+    data_dir = settings.data_dir
+    data_dir.mkdir(parents=True, exist_ok=True)
+    store = Store(settings.gateway.resolved_database_url(data_dir), clock)
+    live = LiveSettings(settings, AdminStore(store.session))
+    settings = await asyncio.to_thread(live.load)  # run-time changes saved earlier win over the file
+    admin_token = resolve_admin_token(settings.admin.token, data_dir)
+    c = settings.cache
+    # exported to ONNX on the first start (seconds), so off the event loop
+    encoder = await asyncio.to_thread(
+        make_encoder, c.embed_backend, c.embed_threads, None, settings.engine.resolved_cache_dir
+    )
+    batcher = EmbeddingBatcher(encoder, window_ms=c.embed_batch_window_ms, max_batch=c.embed_max_batch)
+    await asyncio.to_thread(encoder.encode, ["warm-up"])
+    # loaded even when switched off: the admin API can switch it on at run time
+    verifier = await asyncio.to_thread(load_verifier, c, settings.engine.resolved_cache_dir)
+    ix = settings.index
+    index = ScopedIndex(
+        dim=encoder.dim,
+        hnsw_threshold=ix.hnsw_threshold,
+        hnsw_m=ix.hnsw_m,
+        ef_construction=ix.ef_construction,
+        ef_search=ix.ef_search,
+        tombstone_ratio=ix.tombstone_ratio,
+        snapshot_dir=data_dir / "index" if ix.snapshots else None,
+    )
+    lines = ThresholdProvider(EvidenceStore(store.session), clock, c.ageing)
+    await asyncio.to_thread(lines.load)  # the false-hit evidence every replica wrote
+    cache = ResponseCache(lambda: live.current.cache, store, index, batcher, verifier, lines)
+    n = await asyncio.to_thread(cache.rebuild_index, progress)
+    log.info("cache: %d entries, %d in the vector index", cache.entries, n)
+    builtin = None
+    specs: list[BackendSpec | str] = list(settings.gateway.backends)
+    if not specs:
+        port = settings.gateway.builtin_backend_port
+        builtin = BuiltinBackend("127.0.0.1", port, settings.config_path, engine_cpus)
+        await builtin.start()
+        specs = [BackendSpec(url=builtin.url, drafts=True)]
+    g = settings.gateway
+    retry_after = max(1, math.ceil(g.probe_interval_s))  # a down backend is re-checked that soon
+    backends = Backends(specs, g.connect_timeout_s, g.backend_timeout_s, g.routing, retry_after)
+    probes = HealthProbes(backends, g.probe_interval_s, g.probe_timeout_s, g.probe_misses)
+    auditor = Auditor(
+        lines, backends, batcher, lambda: live.current.cache, clock, builtin_backend=builtin is not None
+    )
+    metrics = GatewayMetrics(
+        lambda: float(cache.entries),
+        BackendCounts(backends.answered, backends.refused, backends.urls, backends.down),
+        index_entries=lambda: float(len(cache.index)),
+        sync_age=(lambda: time.time() - cache.synced_at) if c.sync_interval_s else None,
+    )
+    metrics.watch_audits(
+        auditor.counts, lambda: auditor.backend_tokens, lambda: lines.view(live.current.cache)
+    )
+    recorder = Recorder(store, per_request=settings.gateway.request_log_commit == "per_request")
+    admin = AdminStore(store.session)
+    tenants = Tenants(settings.tenants)
+    entry_ids = EntryIds(admin_token)
+    volatile = VolatileLearner()
+    pipeline = Gateway(
+        live,
+        tenants,
+        volatile,
+        cache,
+        backends,
+        store,
+        metrics,
+        recorder,
+        PrefixSalts(admin_token),
+        entry_ids,
+        auditor,
+    )
+    parts = Parts(
+        live=live,
+        pipeline=pipeline,
+        cache=cache,
+        store=store,
+        admin=admin,
+        backends=backends,
+        tenants=tenants,
+        auth=AdminAuth(admin_token),
+        entry_ids=entry_ids,
+        volatile=volatile,
+        metrics=metrics,
+        feedback=BadHitReports(cache, admin, recorder, entry_ids, metrics, auditor),
+        auditor=auditor,
+    )
+    recorder.start()
+    chores = [
+        asyncio.create_task(_every(EXPIRY_EVERY_S, cache.expire), name="cachegw-expiry"),
+        asyncio.create_task(_every(HIT_FLUSH_S, cache.flush_hits), name="cachegw-hits"),
+        asyncio.create_task(_every(SETTINGS_POLL_S, live.refresh), name="cachegw-settings"),
+        asyncio.create_task(_every(DISCOVER_EVERY_S, backends.list_models), name="cachegw-discovery"),
+        asyncio.create_task(probes.run(), name="cachegw-backend-health"),
+        asyncio.create_task(auditor.run(), name="cachegw-audits"),
+    ]
+    if c.sync_interval_s > 0:  # other replicas' entries, flags, deletions and false-hit evidence
+        chores.append(asyncio.create_task(_every(c.sync_interval_s, cache.sync), name="cachegw-sync"))
+        chores.append(asyncio.create_task(_every(c.sync_interval_s, lines.sync), name="cachegw-evidence"))
+    try:
+        yield parts
+    finally:
+        for task in chores:
+            task.cancel()
+        await cache.flush_hits()
+        saved = await asyncio.to_thread(index.save_snapshots)  # the next start reads them back
+        if saved:
+            log.info("saved %d index snapshot(s) to %s", saved, data_dir / "index")
+        await recorder.close()
+        await backends.close()
+        if builtin is not None:
+            await builtin.stop()
+        batcher.close()
+        store.close()
+
+
+async def _every(seconds: float, chore) -> None:
+    """Run ``chore`` every ``seconds``; a failure is logged and the next round goes on."""
+    while True:
+        await asyncio.sleep(seconds)
+        try:
+            await chore()
+        except Exception:
+            log.exception("%s failed", chore.__name__)

@@ -1,0 +1,45 @@
+"""The parts of a started gateway, as one typed record: what the composition root
+(``gateway/compose.py``) built, and what the HTTP layer's dependencies (``gateway/api/deps.py``) read.
+
+Each part is built once and handed only what it needs; nothing reaches one part through another.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.cache.audits import Auditor
+from gateway.cache.feedback import BadHitReports
+from gateway.cache.response_cache import ResponseCache
+from gateway.config import Settings
+from gateway.live_settings import LiveSettings
+from gateway.metrics import GatewayMetrics
+from gateway.request.admin_auth import AdminAuth
+from gateway.request.pipeline import Gateway
+from gateway.request.tenants import Tenants
+from gateway.request.volatile_learner import VolatileLearner
+from gateway.storage.admin_store import AdminStore
+from gateway.storage.entry_ids import EntryIds
+from gateway.storage.store import Store
+from gateway.upstream.proxy import Backends
+
+
+@dataclass(frozen=True)
+class Parts:
+    live: LiveSettings  # the settings in force (config.toml with run-time changes) and where changes go
+    pipeline: Gateway  # one request through the stages
+    cache: ResponseCache
+    store: Store
+    admin: AdminStore
+    backends: Backends
+    tenants: Tenants
+    auth: AdminAuth
+    entry_ids: EntryIds
+    volatile: VolatileLearner
+    metrics: GatewayMetrics
+    feedback: BadHitReports
+    auditor: Auditor | None
+
+    @property
+    def settings(self) -> Settings:
+        return self.live.current
