@@ -26,7 +26,7 @@ from gateway.metrics import BackendCounts, GatewayMetrics
 from gateway.parts import Parts
 from gateway.request.admin_auth import AdminAuth, resolve_admin_token
 from gateway.request.pipeline import Gateway
-from gateway.request.tenants import Tenants
+from gateway.request.tenants import PrefixSalts, Tenants
 from gateway.request.volatile_learner import VolatileLearner
 from gateway.storage.admin_store import AdminStore
 from gateway.storage.entry_ids import EntryIds
@@ -34,7 +34,6 @@ from gateway.storage.evidence_store import EvidenceStore
 from gateway.storage.recorder import Recorder
 from gateway.storage.store import Store
 from gateway.upstream.health import HealthProbes
-from gateway.upstream.prefix_salt import PrefixSalts
 from gateway.upstream.proxy import Backends
 from gateway.upstream.supervisor import BuiltinBackend
 
@@ -81,7 +80,7 @@ async def started_gateway(
     )
     lines = ThresholdProvider(EvidenceStore(store.session), clock, c.ageing)
     await asyncio.to_thread(lines.load)  # the false-hit evidence every replica wrote
-    cache = ResponseCache(lambda: live.current.cache, store, index, batcher, verifier, lines)
+    cache = ResponseCache(live.cache_settings, store, index, batcher, verifier, lines)
     n = await asyncio.to_thread(cache.rebuild_index, progress)
     log.info("cache: %d entries, %d in the vector index", cache.entries, n)
     builtin = None
@@ -96,7 +95,7 @@ async def started_gateway(
     backends = Backends(specs, g.connect_timeout_s, g.backend_timeout_s, g.routing, retry_after)
     probes = HealthProbes(backends, g.probe_interval_s, g.probe_timeout_s, g.probe_misses)
     auditor = Auditor(
-        lines, backends, batcher, lambda: live.current.cache, clock, builtin_backend=builtin is not None
+        lines, backends, batcher, live.cache_settings, clock, builtin_backend=builtin is not None
     )
     metrics = GatewayMetrics(
         lambda: float(cache.entries),

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, StrictBool
 
 from gateway.bodies import StrictBody, parse_body
-from gateway.config import Settings
+from gateway.config import CacheConfig, Settings
 from gateway.storage.admin_store import AdminStore
 from policies.canonicalize import RULES
 
@@ -183,6 +183,10 @@ class LiveSettings:
 
     def changed_elsewhere(self) -> bool:
         return self.store.setting_version(KEY) != self.version
+
+    def cache_settings(self) -> CacheConfig:
+        """The [cache] settings in force (what the cache's parts read at each use)."""
+        return self.current.cache
 
     async def refresh(self) -> None:
         """Pick up a change another replica made (a cheap version read). Every part reads the

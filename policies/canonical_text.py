@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 import unicodedata
-from collections.abc import Callable
 from typing import Any
 
 from policies.canonicalize_config import CanonicalizeConfig
@@ -123,12 +122,3 @@ def text_parts(content: Any) -> list[dict[str, Any]]:
 
 def texts_of(content: Any) -> list[str]:
     return [content] if isinstance(content, str) else [p["text"] for p in text_parts(content)]
-
-
-def map_text(content: Any, fn: Callable[[str], str]) -> Any:
-    """``fn`` applied to a string content, or to each text part of a list content (in place)."""
-    if isinstance(content, str):
-        return fn(content)
-    for p in text_parts(content):
-        p["text"] = fn(p["text"])
-    return content

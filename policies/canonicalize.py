@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from policies.canonical_schema import canonical_schema, canonical_tools
-from policies.canonical_text import map_text, normalize_reply, normalize_text, text_parts, texts_of
+from policies.canonical_text import normalize_reply, normalize_text, text_parts, texts_of
 from policies.canonicalize_config import CanonicalizeConfig
 from policies.volatile import (
     PLACEHOLDER,
@@ -137,7 +137,7 @@ def _messages(
             continue
         prose = m.get("role") in _PROSE_ROLES  # tool (and unknown) roles: data, NFC and LF only
         if "content" in m and id(m) not in restored:
-            m["content"] = map_text(m["content"], lambda t, p=prose: normalize_text(t, cfg, p, fired))
+            m["content"] = _map_text(m["content"], lambda t, p=prose: normalize_text(t, cfg, p, fired))
         calls = m.get("tool_calls")
         for call in calls if isinstance(calls, list) else []:  # a wrong type is the backend's to refuse
             fn = call.get("function") if isinstance(call, dict) else None
@@ -214,7 +214,7 @@ def _volatile_to_tail(messages: list[Any], cfg: CanonicalizeConfig, fired: set[s
 
     for m in instructions:
         if "content" in m:
-            m["content"] = map_text(m["content"], one)
+            m["content"] = _map_text(m["content"], one)
     if not values:
         return
     fired.add("volatile_to_tail")
@@ -248,4 +248,13 @@ def without_volatile_note(content: Any) -> Any:
         if isinstance(last.get("text"), str):
             text = split_volatile_note(last["text"])[0]
             return content[:-1] + ([{**last, "text": text}] if text else [])
+    return content
+
+
+def _map_text(content: Any, fn: Callable[[str], str]) -> Any:
+    """``fn`` applied to a string content, or to each text part of a list content (in place)."""
+    if isinstance(content, str):
+        return fn(content)
+    for p in text_parts(content):
+        p["text"] = fn(p["text"])
     return content

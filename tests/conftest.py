@@ -96,7 +96,7 @@ def shared_gateway_models() -> Iterator[None]:
     """Every in-process gateway a test starts loads the same encoder and verifier (a few hundred MB of
     ONNX sessions each, and seconds to load); they are read-only, so the session loads each once per
     distinct set of arguments and hands the same objects to every gateway."""
-    import gateway.serve as serve
+    import gateway.compose as serve
 
     loaded: dict[tuple, object] = {}
 

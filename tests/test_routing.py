@@ -316,7 +316,7 @@ def test_a_backend_down_at_start_gets_traffic_once_it_is_up(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import gateway.serve as serve_module
+    import gateway.compose as serve_module
 
     monkeypatch.setattr(serve_module, "DISCOVER_EVERY_S", 0.3)
     engine = _engine()

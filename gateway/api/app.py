@@ -59,7 +59,7 @@ def build_app(parts_factory) -> FastAPI:
         x-cache-entry id of a hit)."""
         tenant = tenants.from_headers(request.headers)
         request_id, entry_id = parse_feedback(await json_body(request), admin=False)
-        return await reports.report_bad(f"tenant:{tenant.name[:16]}", request_id, entry_id, tenant=tenant)
+        return await reports.report_bad(f"tenant:{tenant.name[:16]}", request_id, entry_id, tenant=tenant.id)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request, gw: PipelineDep) -> Response:

@@ -8,7 +8,7 @@ an entry directly.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -22,9 +22,6 @@ from gateway.storage.recorder import Recorder
 from gateway.storage.request_record import CacheResult, RequestRecord
 from gateway.storage.tables import MAX_ID
 from protocol.errors import ApiError
-
-if TYPE_CHECKING:
-    from gateway.request.tenants import Tenant
 
 RequestId = Annotated[str, Field(min_length=1, max_length=256)]
 
@@ -59,12 +56,12 @@ def parse_feedback(body: Any, admin: bool) -> tuple[str | None, int | str | None
     return fb.request_id, fb.entry_id
 
 
-def resolve_entry(entry_ids: EntryIds, entry_id: int | str, tenant: Tenant | None) -> int:
+def resolve_entry(entry_ids: EntryIds, entry_id: int | str, tenant: str | None) -> int:
     """The database id behind an x-cache-entry id (or, for an admin, an integer id); a 404 for an id
     the caller was never shown, as for one that does not exist."""
     if isinstance(entry_id, int):
         return entry_id
-    found = entry_ids.decode(tenant.id, entry_id) if tenant else entry_ids.decode_any(entry_id)
+    found = entry_ids.decode(tenant, entry_id) if tenant else entry_ids.decode_any(entry_id)
     if found is None and tenant is None and not entry_ids.looks_opaque(entry_id):
         raise ApiError(400, "entry_id must be an integer or an x-cache-entry id.", param="entry_id")
     if found is None:
@@ -94,15 +91,15 @@ class BadHitReports:
         )
 
     async def report_bad(
-        self, actor: str, request_id: str | None, entry_id: int | str | None, tenant: Tenant | None
+        self, actor: str, request_id: str | None, entry_id: int | str | None, tenant: str | None
     ) -> dict[str, Any]:
-        """Flag a bad answer; ``tenant`` is the caller (None for an admin). A tenant is answered with
-        the entry's x-cache-entry id, never the database's counter."""
+        """Flag a bad answer; ``tenant`` is the caller's tenant id (None for an admin). A tenant is
+        answered with the entry's x-cache-entry id, never the database's counter."""
         record = None
         similarity, result, whole_entry = None, None, True
         if request_id is not None:
             record = await self._find_request(request_id)
-            if record is None or (tenant is not None and record.tenant != tenant.id):
+            if record is None or (tenant is not None and record.tenant != tenant):
                 raise ApiError(
                     404, f"No request with id '{request_id}'.", param="request_id", code="not_found"
                 )
@@ -122,7 +119,7 @@ class BadHitReports:
         elif entry_id is not None:
             entry_id = resolve_entry(self.entry_ids, entry_id, tenant)
         assert isinstance(entry_id, int)
-        shown: int | str = entry_id if tenant is None else self.entry_ids.encode(tenant.id, entry_id)
+        shown: int | str = entry_id if tenant is None else self.entry_ids.encode(tenant, entry_id)
         flagged = await self.cache.flag_bad(entry_id, similarity, whole_entry)
         if flagged is None:
             raise ApiError(
@@ -132,7 +129,7 @@ class BadHitReports:
         row = {
             "request_id": record.id if record else None,
             "entry_id": entry_id,
-            "tenant": record.tenant if record else (tenant.id if tenant else entry.tenant),
+            "tenant": record.tenant if record else (tenant if tenant else entry.tenant),
             "actor": actor,
             "verdict": "bad",
             "cache_result": result.value if result is not None else None,

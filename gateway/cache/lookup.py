@@ -40,6 +40,6 @@ class Lookup:
     score: float | None = None
     near: CacheEntry | None = None
     # the nearest candidate over the threshold that was refused, for whatever reason: its answer is
-    # the backend's speculative-decoding draft (``gateway/request/drafts.py``)
+    # the backend's speculative-decoding draft (``Flow.draft``, gateway/request/flow.py)
     refused: CacheEntry | None = None
     scope_line: ScopeLine | None = None

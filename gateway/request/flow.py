@@ -7,6 +7,7 @@ adds what is known only at the end (status, tokens, times) and hands it to the r
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -54,6 +55,29 @@ class Flow:
             reason=cacheable.reason,  # x-cache-reason: the cacheability row, or the lookup's why
         )
         return cls(record, tenant, body, cacheable)
+
+    def draft(self) -> str | None:
+        """A refused near miss's stored answer as the backend's draft (``cachegw_draft``): the text of
+        the nearest refused candidate's answer, if the lookup had one.
+
+        A paraphrase the verifier would not serve is often answered with much the same text. The built-in
+        engine verifies a draft in one forward pass per few tokens (speculative decoding), so the fresh
+        answer comes faster where the model says the same and costs little where it does not; the answer
+        itself is the model's either way. Only text answers make drafts: a tool call carries the other
+        user's arguments, which the model would rarely repeat.
+        """
+        entry = self.lookup.refused if self.lookup is not None else None
+        if entry is None:
+            return None
+        try:
+            choice = json.loads(entry.response)["choices"][0]
+        except (ValueError, KeyError, IndexError, TypeError):
+            return None
+        if not isinstance(choice, dict):
+            return None
+        message = choice.get("message")
+        text = message.get("content") if isinstance(message, dict) else choice.get("text")
+        return text if isinstance(text, str) and text else None
 
     def canonicalized(self, canon: Canonical) -> None:
         self.body = canon.body

@@ -22,22 +22,20 @@ from gateway.cache.response_cache import ResponseCache
 from gateway.config import Settings
 from gateway.live_settings import LiveSettings
 from gateway.metrics import GatewayMetrics
-from gateway.request.drafts import draft_for
 from gateway.request.flow import Flow
 from gateway.request.hits import hit_response, hit_stream
-from gateway.request.tenants import Tenant, Tenants
+from gateway.request.tenants import PrefixSalts, Tenants
 from gateway.request.volatile_learner import VolatileLearner
 from gateway.storage.entry_ids import EntryIds
 from gateway.storage.recorder import Recorder
 from gateway.storage.request_record import CacheResult
 from gateway.storage.store import Store, reply_key
 from gateway.storage.tables import CacheEntry
-from gateway.upstream.prefix_salt import PrefixSalts
 from gateway.upstream.proxy import Backends
 from gateway.upstream.streams import SseRecorder, StreamRelay
 from policies.cache_keys import request_keys
 from policies.cacheability import CachePolicy, decide
-from policies.canonicalize import Restore, normalize_reply
+from policies.canonicalize import normalize_reply
 from protocol.errors import ApiError, error_code
 from protocol.http import read_limited_body
 from protocol.requests import ChatCompletionRequest, CompletionRequest, load_json, parse_request
@@ -75,9 +73,6 @@ class Gateway:
         """The settings in force: config.toml with the run-time changes over it."""
         return self.live.current
 
-    def _restorer(self, tenant: Tenant) -> Restore:
-        return lambda normalized: self.store.lookup_reply(reply_key(tenant.cache_key, normalized))
-
     @staticmethod
     def _ttl(request: Request, settings: Settings) -> int:
         raw = request.headers.get("x-cache-ttl")
@@ -107,7 +102,7 @@ class Gateway:
         )
         cacheable = decide(body, request.headers, policy)
         flow = Flow.begin(endpoint, tenant, model, body, cacheable)
-        restore = self._restorer(tenant)
+        restore = self.store.reply_restorer(tenant.cache_key)
         learn = not cacheable.keeps_nothing  # no-store: not even its system prompt is kept
         flow.canonicalized(
             await self.volatile.canonicalize(tenant.id, body, settings.canonicalize, restore, learn)
@@ -168,7 +163,7 @@ class Gateway:
         record = flow.record
         try:
             status, data, record.backend_ms, record.backend = await self.backends.post_json(
-                urls, path, body, flow.cache_salt, draft_for(flow.lookup)
+                urls, path, body, flow.cache_salt, flow.draft()
             )
         except ApiError as exc:  # down, timed out, garbled: the log must show it too
             await self._record_failure(flow, exc, start)
@@ -193,7 +188,7 @@ class Gateway:
         record = flow.record
         try:
             record.backend, response = await self.backends.open_stream(
-                urls, path, upstream, flow.cache_salt, draft_for(flow.lookup)
+                urls, path, upstream, flow.cache_salt, flow.draft()
             )
         except ApiError as exc:
             await self._record_failure(flow, exc, start)

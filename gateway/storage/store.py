@@ -335,6 +335,10 @@ class Store:
         with self.session.begin() as s:
             s.execute(delete(Reply))
 
+    def reply_restorer(self, tenant: str) -> Callable[[str], str | None]:
+        """The tenant's earlier replies by their normalized text (canonicalization restores their bytes)."""
+        return lambda normalized: self.lookup_reply(reply_key(tenant, normalized))
+
     def lookup_reply(self, key: str) -> str | None:
         with self.session() as s:
             return s.scalar(select(Reply.text).where(Reply.key == key))
