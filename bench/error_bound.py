@@ -38,7 +38,7 @@ from fastapi import FastAPI, Request
 
 from bench.common import RESULTS, SHARED_DATA, save, say
 from bench.verifier_quality import split_qqp
-from tests.servers import serve_in_thread
+from testkit.servers import serve_in_thread
 
 MODEL = "labelled"
 TOKEN = "bench-error-bound-admin-token"

@@ -32,7 +32,7 @@ def engine_server() -> Iterator[tuple[str, Path]]:
     from backend.core.async_engine import AsyncEngine
     from backend.core.engine import LLMEngine
     from backend.entrypoints.server import build_app
-    from tests.servers import serve_in_thread
+    from testkit.servers import serve_in_thread
 
     llm = LLMEngine(
         load_engine_config(None, device="cpu", dtype="float32", quantization="none", kv_cache_tokens=8192)

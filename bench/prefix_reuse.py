@@ -106,7 +106,7 @@ def backend(args: argparse.Namespace, captured: dict) -> Iterator[tuple[str, Any
     from backend.core.async_engine import AsyncEngine
     from backend.core.engine import LLMEngine
     from backend.entrypoints.server import build_app
-    from tests.servers import serve_in_thread
+    from testkit.servers import serve_in_thread
 
     cfg = load_engine_config(
         None,
@@ -134,7 +134,7 @@ def gateway(backend_url: str, canonical: bool, learn: bool = True) -> Iterator[s
     from gateway.api.app import build_app
     from gateway.compose import started_gateway
     from gateway.config import load_settings
-    from tests.servers import serve_in_thread
+    from testkit.servers import serve_in_thread
 
     with tempfile.TemporaryDirectory(prefix="cachegw-prefix-") as tmp:
         s = load_settings(None, data_dir=tmp, backends=(backend_url,))

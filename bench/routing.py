@@ -35,7 +35,7 @@ import httpx
 from bench.common import RESULTS, save, say
 from bench.gateway_latency import start, wait_health
 from bench.prefix_reuse import MODEL, load_conversations
-from tests.servers import serve_in_thread
+from testkit.servers import serve_in_thread
 
 MODES = ("prefix", "round_robin", "first")
 PORTS = (18411, 18412)

@@ -211,7 +211,7 @@ def gateway_part(args: argparse.Namespace) -> list[dict]:
     from gateway.api.app import build_app
     from gateway.compose import started_gateway
     from gateway.config import load_settings
-    from tests.servers import serve_in_thread
+    from testkit.servers import serve_in_thread
 
     cfg = load_engine_config(
         None, quantization="none", kv_cache_tokens=8192, max_num_seqs=4, speculative="ngram"

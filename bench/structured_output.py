@@ -44,7 +44,7 @@ QUESTIONS = [
 
 
 def schema_set() -> dict[str, dict]:
-    from tests.test_structured_output import SCHEMAS
+    from testkit.schemas import SCHEMAS
 
     return {"open_list": OPEN_SCHEMA, **{k: v for k, (_, v) in SCHEMAS.items()}}
 

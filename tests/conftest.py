@@ -85,7 +85,7 @@ def shared_backend_url(shared_engine: Any) -> Iterator[str]:
     """The built-in engine behind its OpenAI HTTP server, for the gateway tests: they only send it
     requests (each gateway has its own data dir), so one engine serves every module."""
     from backend.entrypoints.server import build_app
-    from tests.servers import serve_in_thread
+    from testkit.servers import serve_in_thread
 
     with serve_in_thread(build_app(shared_engine, "SmolLM2-135M-Instruct", 1 << 20)) as url:
         yield f"{url}/v1"

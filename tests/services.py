@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.servers import free_port
+from testkit.servers import free_port
 
 REQUIRE_PG = "CACHEGW_REQUIRE_POSTGRES"
 

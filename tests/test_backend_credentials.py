@@ -2,7 +2,7 @@
 request including model listing and health probes; no backend ever sees a client's key or another
 backend's key, and the keys appear in no log line, error or /health body.
 
-The backends are small OpenAI-compatible test servers (tests/servers.py ``recording_upstream``) because
+The backends are small OpenAI-compatible test servers (testkit/servers.py ``recording_upstream``) because
 the point is the headers they receive, which the built-in engine does not record. The gateway, its
 SQLite store and the openai SDK are real."""
 
@@ -17,7 +17,7 @@ import pytest
 
 from gateway.cli import main as cli_main
 from gateway.config import load_settings
-from tests.servers import Upstream, recording_upstream, serve_in_thread
+from testkit.servers import Upstream, recording_upstream, serve_in_thread
 from tests.test_gateway import gateway
 
 CLIENT_KEY = "sk-client-must-not-travel"

@@ -2,7 +2,7 @@
 probes; misses then get 503 `backend_unavailable` with `Retry-After` at once, exact hits are still
 served, /health says degraded, routing skips it; one answered probe marks it up again.
 
-The backends are small OpenAI-compatible test servers (tests/servers.py ``recording_upstream``) that can
+The backends are small OpenAI-compatible test servers (testkit/servers.py ``recording_upstream``) that can
 be made to hang on demand, as a SIGSTOPped server does; tests/test_supervisor_faults.py stops the real
 engine. The gateway, SQLite and HTTP are real. Probes run every 0.1 s here, so the tests wait for the
 state /health reports rather than for a time."""
@@ -21,7 +21,7 @@ import httpx
 from gateway.metrics import BackendCounts, GatewayMetrics
 from gateway.upstream.health import HealthProbes, health_url
 from gateway.upstream.proxy import Backends
-from tests.servers import Upstream, recording_upstream, serve_in_thread
+from testkit.servers import Upstream, recording_upstream, serve_in_thread
 from tests.test_gateway import gateway, settings_for
 
 FAST = {"probe_interval_s": 0.1, "probe_timeout_s": 0.3, "probe_misses": 2}

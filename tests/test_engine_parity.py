@@ -95,7 +95,7 @@ def test_echo_prompt_logprobs_match_an_hf_forward_pass(llm, hf_model) -> None:
 
     from backend.core.async_engine import AsyncEngine
     from backend.entrypoints.server import build_app
-    from tests.servers import serve_in_thread
+    from testkit.servers import serve_in_thread
 
     ids = prompts_for(llm)[5]  # the long document: several blocks, every position scored
     engine = AsyncEngine(llm.engine)

@@ -15,7 +15,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.servers import serve_in_thread
+from testkit.servers import serve_in_thread
 from tests.test_engine_tools import ASK, MODEL, SCHEMAS, TOOLS, streamed
 from tests.tool_templates import LLAMA3_STYLE, MISTRAL_STYLE
 

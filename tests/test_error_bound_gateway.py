@@ -1,6 +1,6 @@
 """The false-hit bound end to end: the real gateway on loopback, real SQLite, the openai SDK.
 
-The backend is the small OpenAI-compatible test server of tests/servers.py (``recording_upstream``):
+The backend is the small OpenAI-compatible test server of testkit/servers.py (``recording_upstream``):
 its answer is whatever the test sets, so an audit's verdict is known in advance (the built-in engine
 cannot be told which answers are right), and it can be made to hang to show that an audit never holds
 up the client. The verifier is off, so the score the line applies to is the cosine.
@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from gateway.config import Settings
-from tests.servers import Upstream, recording_upstream, serve_in_thread
+from testkit.servers import Upstream, recording_upstream, serve_in_thread
 from tests.test_gateway import MODEL, MovableClock, ask, chat, gateway, settings_for
 
 TOKEN = "error-bound-admin-token-123456"

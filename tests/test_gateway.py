@@ -22,7 +22,7 @@ import pytest  # noqa: E402
 from gateway.api.app import build_app  # noqa: E402
 from gateway.compose import started_gateway  # noqa: E402
 from gateway.config import Settings, load_settings  # noqa: E402
-from tests.servers import serve_in_thread  # noqa: E402
+from testkit.servers import serve_in_thread  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 SYSTEM = {"role": "system", "content": "You are a helpful assistant. Answer in one short sentence."}

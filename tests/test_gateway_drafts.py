@@ -1,7 +1,7 @@
 """A refused near miss's stored answer goes to the backend as ``cachegw_draft``: to a backend that takes
 drafts only, never to one that may not know the field; and the built-in engine's server takes the field.
 
-The gateway is real and on loopback; its backends are the small recording server of tests/servers.py
+The gateway is real and on loopback; its backends are the small recording server of testkit/servers.py
 (the built-in engine cannot show which body it was sent). The last test asks the session's real engine.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.servers import Upstream, recording_upstream, serve_in_thread
+from testkit.servers import Upstream, recording_upstream, serve_in_thread
 from tests.test_gateway import SYSTEM, client, gateway, settings_for
 
 STORED = "Two plus two is four."

@@ -25,7 +25,7 @@ from gateway.storage.store import Store
 from gateway.storage.tables import CacheEntry
 from gateway.upstream.streams import SseRecorder
 from policies.cache_keys import request_keys
-from tests.servers import serve_in_thread
+from testkit.servers import serve_in_thread
 from tests.test_gateway import (  # noqa: F401
     MODEL,
     SYSTEM,

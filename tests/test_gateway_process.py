@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.servers import free_port
+from testkit.servers import free_port
 from tests.test_gateway import MODEL, ask, backend_url  # noqa: F401  (module fixture reused)
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 from fastapi import FastAPI
 
-from tests.servers import serve_in_thread
+from testkit.servers import serve_in_thread
 from tests.test_gateway import gateway, settings_for
 
 

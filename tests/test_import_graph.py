@@ -1,5 +1,9 @@
 """The import graph is one way: gateway -> policies, embeddings, protocol; backend -> protocol; nothing back.
 
+Inside a package too: gateway/'s wings sit in ranks (a module imports its own wing and lower ranks only),
+backend/'s entrypoints sit over core/ and executor/; bench/ and tests/ share testkit/, and nothing shipped
+imports any of the three.
+
 Read from the source with ``ast`` (every import, top-level or inside a function), so a new edge the
 wrong way fails here before it shows up as torch loading in a gateway that fronts vLLM.
 """
@@ -58,6 +62,128 @@ def test_imports_follow_the_request_flow() -> None:
             continue
         wrong.append(f"{rel} imports {module}")
     assert wrong == []
+
+
+def module_file(name: str) -> str | None:
+    """The file (relative to the root) that defines module ``name``, or None when it is not ours."""
+    base = ROOT / name.replace(".", "/")
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path.relative_to(ROOT).as_posix()
+    return None
+
+
+def imported_files(path: Path) -> set[tuple[str, str]]:
+    """(module, its file) for every module of ours that ``path`` imports: ``from a.b import c`` counts as
+    importing ``a.b.c`` where that is a module, else ``a.b``; relative imports are resolved."""
+    rel = path.relative_to(ROOT)
+    package = list(rel.parent.parts)
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            parts = package[: len(package) - node.level + 1] if node.level else []
+            base = ".".join([*parts, *([node.module] if node.module else [])])
+            names = [f"{base}.{a.name}" if module_file(f"{base}.{a.name}") else base for a in node.names]
+        else:
+            continue
+        for name in names:
+            # the longest prefix that is one of our files (a deleted module still counts as its package)
+            for cut in range(name.count(".") + 1, 0, -1):
+                if found := module_file(".".join(name.split(".")[:cut])):
+                    out.add((name, found))
+                    break
+    return out
+
+
+# gateway/'s wings, each with its rank: a module may import modules of its own wing and of lower ranks.
+GATEWAY_WINGS: dict[str, tuple[int, tuple[str, ...]]] = {
+    "base": (0, ("gateway/config.py", "gateway/bodies.py")),
+    "storage": (1, ("gateway/storage/",)),
+    "settings": (2, ("gateway/live_settings.py", "gateway/metrics.py")),
+    "upstream": (3, ("gateway/upstream/",)),
+    "cache": (4, ("gateway/cache/",)),
+    "request": (5, ("gateway/request/",)),
+    "parts": (6, ("gateway/parts.py",)),  # the composition record
+    "api": (7, ("gateway/api/",)),
+    "offline": (7, ("gateway/offline/",)),  # neither imports the other
+    "top": (8, ("gateway/compose.py", "gateway/serve.py", "gateway/cli.py", "gateway/__init__.py")),
+}
+# backend/: config.py is read by all (it imports nothing of backend/); the entrypoints sit over the engine's
+# core/ and executor/ (which use each other); backend/__init__.py is the public face nothing inside imports.
+BACKEND_WINGS: dict[str, tuple[int, tuple[str, ...]]] = {
+    "config": (0, ("backend/config.py",)),
+    "engine": (1, ("backend/core/", "backend/executor/")),
+    "entrypoints": (2, ("backend/entrypoints/",)),
+    "top": (3, ("backend/__init__.py",)),
+}
+
+
+def wing_of(rel: str, wings: dict[str, tuple[int, tuple[str, ...]]]) -> str | None:
+    for wing, (_, places) in wings.items():
+        if any(rel == p or (p.endswith("/") and rel.startswith(p)) for p in places):
+            return wing
+    return None
+
+
+def unplaced(pkg: str, wings: dict[str, tuple[int, tuple[str, ...]]]) -> list[str]:
+    files = sorted((ROOT / pkg).rglob("*.py"))
+    return [rel for p in files if wing_of(rel := p.relative_to(ROOT).as_posix(), wings) is None]
+
+
+def against_the_ranks(pkg: str, wings: dict[str, tuple[int, tuple[str, ...]]]) -> list[str]:
+    wrong = []
+    for path in sorted((ROOT / pkg).rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        wing = wing_of(rel, wings)
+        for module, target in sorted(imported_files(path)):
+            other = wing_of(target, wings)
+            if wing is None or other is None or target == rel:
+                continue  # unplaced files fail test_every_module_has_a_rank
+            if other != wing and wings[other][0] >= wings[wing][0]:
+                wrong.append(f"{rel} imports {module}")
+    return wrong
+
+
+def test_every_module_has_a_rank() -> None:
+    """A new file gets a place in a wing before it is imported from anywhere."""
+    assert unplaced("gateway", GATEWAY_WINGS) == []
+    assert unplaced("backend", BACKEND_WINGS) == []
+
+
+def test_gateway_wings_import_down_the_ranks() -> None:
+    assert against_the_ranks("gateway", GATEWAY_WINGS) == []
+
+
+def test_backend_entrypoints_sit_over_core_and_executor() -> None:
+    assert against_the_ranks("backend", BACKEND_WINGS) == []
+
+
+def imports_of(folders: tuple[str, ...], forbidden: tuple[str, ...]) -> list[str]:
+    wrong = []
+    for folder in folders:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    names = [node.module]
+                else:
+                    continue
+                rel = path.relative_to(ROOT).as_posix()
+                wrong += [f"{rel} imports {m}" for m in names if m.split(".")[0] in forbidden]
+    return wrong
+
+
+def test_bench_and_testkit_import_nothing_of_tests() -> None:
+    """What both use lives in testkit/; a benchmark never reaches into a test module."""
+    assert imports_of(("bench", "testkit"), ("tests",)) == []
+    assert imports_of(("testkit",), ("bench",)) == []
+
+
+def test_shipped_packages_import_no_test_or_bench_code() -> None:
+    assert imports_of(PACKAGES, ("testkit", "tests", "bench")) == []
 
 
 NO_ENGINE = """

@@ -161,7 +161,7 @@ def test_usage_cached_tokens_count_the_disk_tier_through_the_server(model_dir, t
     from backend.core.async_engine import AsyncEngine
     from backend.core.engine import LLMEngine
     from backend.entrypoints.server import build_app
-    from tests.servers import serve_in_thread
+    from testkit.servers import serve_in_thread
 
     cfg = load_engine_config(
         None, model=model_dir, device="cpu", dtype="float32", block_size=BS, kv_cache_tokens=64,

@@ -1,6 +1,6 @@
 """Unknown model names: a 404 that does not cost a model listing of every backend on each request.
 
-The backend is the small recording test server of tests/servers.py (it counts the /v1/models calls it
+The backend is the small recording test server of testkit/servers.py (it counts the /v1/models calls it
 is sent, which the built-in engine does not); the HTTP between them is real, the clock is injected.
 """
 
@@ -12,7 +12,7 @@ import pytest
 
 from gateway.upstream.proxy import RELIST_AFTER_S, Backends
 from protocol.errors import ApiError
-from tests.servers import Upstream, recording_upstream, serve_in_thread
+from testkit.servers import Upstream, recording_upstream, serve_in_thread
 
 
 def test_unknown_models_relist_the_backends_at_most_every_few_seconds() -> None:

@@ -21,7 +21,7 @@ from sqlalchemy import func, select
 
 from gateway.storage.store import Store
 from gateway.storage.tables import LIVE_KEY_INDEX, CacheEntry, EntryDeletion, RequestRow
-from tests.servers import serve_in_thread
+from testkit.servers import serve_in_thread
 from tests.test_admin import flagged_by_tenant
 from tests.test_gateway import gateway, settings_for
 from tests.test_shared_store import eventually, fresh_database, on_database, shared_url  # noqa: F401

@@ -75,6 +75,16 @@ def test_license_file_matches_declared_license() -> None:
     assert "Apache License" in text and "Version 2.0, January 2004" in text
 
 
+def test_the_wheel_ships_no_test_or_bench_code() -> None:
+    """testkit/ (what tests/ and bench/ share) is linted and typed like the packages but never shipped."""
+    import fnmatch
+
+    include = PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]
+    for helper in ("testkit", "testkit.servers", "tests", "bench"):
+        assert not any(fnmatch.fnmatch(helper, pattern) for pattern in include), helper
+    assert "testkit" in PYPROJECT["tool"]["mypy"]["packages"]
+
+
 MIGRATE_FROM_WHEEL = """
 import sys, gateway
 from gateway.storage.migrate import head

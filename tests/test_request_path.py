@@ -26,7 +26,7 @@ import pytest
 
 from gateway.api.app import build_app
 from gateway.compose import started_gateway
-from tests.servers import serve_in_thread
+from testkit.servers import serve_in_thread
 from tests.test_gateway import ask, chat, settings_for
 
 ROOT = Path(__file__).resolve().parents[1]

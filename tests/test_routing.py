@@ -27,7 +27,7 @@ from backend.core.engine import LLMEngine  # noqa: E402
 from backend.entrypoints.server import build_app as build_backend_app  # noqa: E402
 from gateway.upstream.proxy import Backends  # noqa: E402
 from policies.routing import PROMPT_PREFIX_CHARS, Router, rendezvous, routing_key  # noqa: E402
-from tests.servers import free_port, serve_in_thread  # noqa: E402
+from testkit.servers import free_port, serve_in_thread  # noqa: E402
 from tests.test_gateway import MODEL, SYSTEM, backend_url, gateway, settings_for  # noqa: E402,F401
 
 

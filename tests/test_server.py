@@ -25,7 +25,7 @@ from backend.core.async_engine import AsyncEngine  # noqa: E402
 from backend.core.engine import LLMEngine  # noqa: E402
 from backend.core.sampling_params import InvalidParameter, SamplingParams  # noqa: E402
 from backend.entrypoints.server import build_app  # noqa: E402
-from tests.servers import serve_in_thread  # noqa: E402
+from testkit.servers import serve_in_thread  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_REQUEST_BYTES = 64_000

@@ -55,7 +55,7 @@ def test_a_busy_gateway_port_stops_the_start_naming_it(tmp_path: Path, busy_port
 
 
 def test_a_busy_builtin_backend_port_stops_the_start_naming_it(tmp_path: Path, busy_port: int) -> None:
-    from tests.servers import free_port
+    from testkit.servers import free_port
 
     config = tmp_path / "config.toml"
     config.write_text(f"[gateway]\nbuiltin_backend_port = {busy_port}\n")

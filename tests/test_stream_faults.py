@@ -20,7 +20,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from tests.servers import serve_in_thread
+from testkit.servers import serve_in_thread
 from tests.test_gateway import gateway, settings_for
 
 MODEL = "faulty"

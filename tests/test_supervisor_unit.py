@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from gateway.upstream.supervisor import BuiltinBackend
-from tests.servers import free_port
+from testkit.servers import free_port
 
 
 class StandInBackend(BuiltinBackend):

@@ -15,7 +15,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from tests.servers import serve_in_thread
+from testkit.servers import serve_in_thread
 from tests.test_gateway import ask, backend_url, chat, gateway, settings_for  # noqa: F401
 
 

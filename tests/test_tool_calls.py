@@ -19,7 +19,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.servers import serve_in_thread
+from testkit.servers import serve_in_thread
 from tests.test_admin import admin_settings, api
 from tests.test_gateway import gateway
 from tests.tool_server import Calls, tool_backend, weather_tool

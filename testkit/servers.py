@@ -1,5 +1,5 @@
-"""Test helpers: run an ASGI app with uvicorn on a free loopback port in a background thread; a small
-OpenAI-compatible upstream that records what it is sent and can be made to hang."""
+"""Test and benchmark helpers: run an ASGI app with uvicorn on a free loopback port in a background thread;
+a small OpenAI-compatible upstream that records what it is sent and can be made to hang."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -19,7 +19,9 @@ from fastapi.responses import StreamingResponse
 
 
 @contextlib.contextmanager
-def serve_in_thread(app, lifespan: str = "off", start_timeout: float = 120.0, port: int = 0) -> Iterator[str]:
+def serve_in_thread(
+    app, lifespan: Literal["auto", "on", "off"] = "off", start_timeout: float = 120.0, port: int = 0
+) -> Iterator[str]:
     """Yields the base URL (http://127.0.0.1:PORT) while the server runs; stops it afterwards.
 
     ``port`` 0 picks a free one; a fixed one lets a test bring a server up where a client already points."""

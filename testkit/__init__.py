@@ -1,0 +1,1 @@
+"""Helpers for the tests and the benchmarks (test servers, schemas); not shipped in the wheel."""
