@@ -13,8 +13,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("gateway", "policies", "embeddings", "backend", "protocol", "configtools")
-# What each package may import of ours. The gateway reads the engine's config section (plain
-# dataclasses) to validate config.toml and start its child; `cachegw backend` hands over to the engine.
+# What each package may import of ours. The gateway reads the engine's config sections (their models;
+# loading config.toml is configtools.loader's) to validate config.toml and start its child; `cachegw
+# backend` hands over to the engine.
 ALLOWED = {
     "configtools": set(),
     "protocol": set(),
