@@ -23,24 +23,26 @@ class CanonicalizeConfig(Strict):
     enabled: StrictBool = Field(
         default=True, description="make semantically identical prompts byte-identical"
     )
-    unicode_nfc: StrictBool = Field(default=True, description="Unicode NFC normalization of message text")
-    line_endings: StrictBool = Field(default=True, description="CRLF and CR line endings become LF")
+    unicode_nfc: StrictBool = Field(default=True, description="NFC for every text the model reads")
+    line_endings: StrictBool = Field(default=True, description="CRLF, CR -> LF")
     trailing_whitespace: StrictBool = Field(
-        True, description="trailing spaces of each line dropped (not in code)"
+        True, description="spaces/tabs at line ends removed (prose, not code fences)"
     )
     blank_lines: StrictBool = Field(
-        default=True, description="runs of blank lines collapsed to one (not in code)"
+        default=True, description="at most one blank line; leading/trailing ones removed (prose)"
     )
     json_key_order: StrictBool = Field(
-        True, description="JSON objects (tool schemas, arguments) with sorted keys"
+        True, description="keys sorted in tools' parameters and response_format"
     )
-    sort_tools: StrictBool = Field(default=True, description="tools sorted by name")
-    merge_system: StrictBool = Field(default=True, description="consecutive system messages merged into one")
+    sort_tools: StrictBool = Field(default=True, description="tools sorted by function name (stable)")
+    merge_system: StrictBool = Field(
+        default=True, description="leading plain system messages joined with a blank line"
+    )
     volatile_to_tail: StrictBool = Field(
         True, description="volatile values moved from the system prompt to the end of the last user message"
     )
     restore_assistant: StrictBool = Field(
-        True, description="a re-sent assistant turn restored to the bytes the backend produced"
+        True, description="assistant text replaced by the stored bytes of the gateway's own reply"
     )
     volatile_patterns: tuple[StrictStr, ...] = Field(
         DEFAULT_VOLATILE_PATTERNS, description="Python regexes of volatile values, matched case-insensitively"
