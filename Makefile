@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install serve backend test test-fast test-triton lint typecheck format bench clean migration
+.PHONY: install serve backend test test-fast test-triton lint typecheck format bench clean migration config-docs
 
 install: $(STAMP)
 
@@ -62,3 +62,7 @@ migration: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
+
+# docs/config.md from the schema and config.toml's defaults (tests/test_config_reference.py checks it).
+config-docs:
+	$(BIN)/python -m gateway.offline.config_docs > docs/config.md

@@ -1,143 +1,145 @@
-"""Typed configuration read once from config.toml and passed down.
+"""The engine's sections of config.toml ([engine], [backend_server]), typed and validated.
 
-config.toml at the project root holds every default. A user file (``--config``) is merged over
-it key by key, so it only needs the keys it changes.
+Read once (``configtools.loader``: the packaged defaults with a user's file merged over them) and
+passed down; an unknown key or an out-of-range value fails at start-up naming the key.
 """
 
 from __future__ import annotations
 
 import os
-import tomllib
-from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from configtools import typed_section
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from configtools import Strict, section_error, typed_section
 from configtools.cpus import parse_cpus
-
-DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config.toml"
-
-
-def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in over.items():
-        out[key] = (
-            _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-        )
-    return out
+from configtools.loader import load_toml
 
 
-def load_toml(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
-    """The packaged defaults, with the user's file (if any) merged over them."""
-    with open(DEFAULT_CONFIG_PATH, "rb") as f:
-        data = tomllib.load(f)
-    if path is not None:
-        with open(path, "rb") as f:
-            data = _merge(data, tomllib.load(f))
-    return data
-
-
-@dataclass(frozen=True)
-class EngineConfig:
+class EngineConfig(Strict):
     """Settings of the built-in engine (config.toml [engine])."""
 
-    model: str
-    load_format: str
-    device: str
-    dtype: str
-    quantization: str
-    cpu_kernels: str
-    block_size: int
-    kv_cache_tokens: int
-    kv_cache_bytes: int
-    kv_cache_dtype: str
-    gpu_memory_utilization: float
-    enable_prefix_caching: bool
-    max_model_len: int
-    max_num_seqs: int
-    max_n: int
-    max_num_batched_tokens: int
-    enforce_eager: bool
-    cache_dir: str
-    seed: int
-    grammar_cache_size: int
-    attention_sinks: int
-    streaming_max_len: int
-    kv_offload_bytes: int
-    kv_offload_dir: str
-    kv_offload_disk_bytes: int
-    speculative: str
-    num_speculative_tokens: int
-    speculative_ngram_min: int
-    speculative_ngram_max: int
-    speculative_max_seqs: int
-    threads: int
-    cpus: str
-    omp_wait_policy: str
-    compile: str
+    model: str = Field(
+        description='"" = the embedded SmolLM2-135M-Instruct GGUF; else a .gguf file or a local HF folder'
+    )
+    load_format: Literal["auto", "gguf", "safetensors", "dummy"] = Field(
+        description="how to read the model; dummy = random weights, for benchmarks"
+    )
+    device: str = Field(description="auto (cuda when available) | cpu | cuda | cuda:N")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        description="compute dtype; auto = bfloat16 on CUDA and on CPUs with AMX, else float32"
+    )
+    quantization: Literal["auto", "none", "int8", "int4"] = Field(
+        description="weight-only int8/int4 linears on CPU; auto = what the GGUF holds, where fast"
+    )
+    cpu_kernels: Literal["auto", "torch"] = Field(
+        description="whose CPU kernels run int4/int8 weights: auto = cachegw's (VNNI CPUs), else torch's"
+    )
+    block_size: int = Field(gt=0, description="tokens per KV block (a power of two)")
+    kv_cache_tokens: int = Field(
+        ge=0, description="KV capacity in tokens; 0 = derived from the two settings below"
+    )
+    kv_cache_bytes: int = Field(gt=0, description="CPU: bytes of KV cache")
+    kv_cache_dtype: Literal["auto", "int8", "fp8"] = Field(
+        description="what the KV cache stores: auto = the compute dtype | int8 | fp8"
+    )
+    gpu_memory_utilization: float = Field(
+        gt=0, le=1, description="CUDA: fraction of free GPU memory for weights + KV"
+    )
+    enable_prefix_caching: bool = Field(description="reuse the KV blocks of a prompt prefix seen before")
+    max_model_len: int = Field(ge=0, description="0 = the model's max_position_embeddings")
+    max_num_seqs: int = Field(gt=0, description="sequences in one batch at most")
+    max_n: int = Field(gt=0, description="most samples one request may ask for (n, best_of); above: 400")
+    max_num_batched_tokens: int = Field(gt=0, description="tokens per step (prefill chunks + decodes)")
+    enforce_eager: bool = Field(description="CUDA: true disables CUDA graphs for decode")
+    cache_dir: str = Field(
+        description="converted models and compiled kernels; overridden by CACHEGW_CACHE_DIR"
+    )
+    seed: int = Field(description="seed of requests that bring none")
+    grammar_cache_size: int = Field(
+        ge=1, description="compiled grammars kept (response_format schemas, tool sets): LRU"
+    )
+    attention_sinks: int = Field(ge=0, description="StreamingLLM: first tokens always attended; 0 = off")
+    streaming_max_len: int = Field(
+        gt=0, description="with attention_sinks: the longest a sequence may grow, in tokens"
+    )
+    kv_offload_bytes: int = Field(ge=0, description="second KV tier in host RAM, bytes; 0 = none")
+    kv_offload_dir: str = Field(
+        description='disk tier directory ("" = none); engines of one machine may share it'
+    )
+    kv_offload_disk_bytes: int = Field(ge=0, description="disk tier budget in bytes, each engine trims to it")
+    speculative: Literal["off", "ngram"] = Field(
+        description="speculative decoding: off | ngram (prompt lookup)"
+    )
+    num_speculative_tokens: int = Field(ge=1, description="draft tokens verified per step at most")
+    speculative_ngram_min: int = Field(ge=1, description="shortest tail of the sequence looked up (tokens)")
+    speculative_ngram_max: int = Field(ge=1, description="longest tail looked up, tried first (>= the min)")
+    speculative_max_seqs: int = Field(ge=1, description="drafts only while at most this many sequences run")
+    threads: int = Field(ge=0, description="compute threads; 0 = one per core of the engine's cores")
+    cpus: str = Field(
+        description='the engine\'s cores: "auto" (serve: all but the gateway\'s first) | "all" | a CPU list'
+    )
+    omp_wait_policy: Literal["auto", "active", "passive", "runtime"] = Field(
+        description="how idle OpenMP threads wait; auto = passive with more than one thread"
+    )
+    compile: Literal["background", "startup", "off"] = Field(
+        description="decode steps through torch.compile: in a thread after start-up | before serving | off"
+    )
 
-    def __post_init__(self) -> None:
-        checks = {
-            "load_format": self.load_format in ("auto", "gguf", "safetensors", "dummy"),
-            "device": self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
-            "dtype": self.dtype in ("auto", "float32", "bfloat16", "float16"),
-            "quantization": self.quantization in ("auto", "none", "int8", "int4"),
-            "cpu_kernels": self.cpu_kernels in ("auto", "torch"),
-            "block_size": self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
-            "kv_cache_tokens": self.kv_cache_tokens >= 0,
-            "kv_cache_bytes": self.kv_cache_bytes > 0,
-            "kv_cache_dtype": self.kv_cache_dtype in ("auto", "int8", "fp8"),
-            "gpu_memory_utilization": 0 < self.gpu_memory_utilization <= 1,
-            "max_model_len": self.max_model_len >= 0,
-            "max_num_seqs": self.max_num_seqs > 0,
-            "max_n": self.max_n > 0,
-            "max_num_batched_tokens": self.max_num_batched_tokens > 0,
-            "grammar_cache_size": self.grammar_cache_size >= 1,
-            "attention_sinks": self.attention_sinks >= 0,
-            "streaming_max_len": self.streaming_max_len > 0,
-            "kv_offload_bytes": self.kv_offload_bytes >= 0,
-            "kv_offload_disk_bytes": self.kv_offload_disk_bytes >= 0,
-            "speculative": self.speculative in ("off", "ngram"),
-            "num_speculative_tokens": self.num_speculative_tokens >= 1,
-            "speculative_ngram_min": self.speculative_ngram_min >= 1,
-            "speculative_ngram_max": self.speculative_ngram_max >= self.speculative_ngram_min,
-            "speculative_max_seqs": self.speculative_max_seqs >= 1,
-            "threads": self.threads >= 0,
-            "cpus": self._cpus_ok(),
-            "omp_wait_policy": self.omp_wait_policy in ("auto", "active", "passive", "runtime"),
-            "compile": self.compile in ("background", "startup", "off"),
-        }
-        bad = [k for k, ok in checks.items() if not ok]
-        if bad:
-            raise ValueError(
-                f"invalid engine config value(s): {', '.join(f'{k}={getattr(self, k)!r}' for k in bad)}"
-                + ("; quantization is one of auto, none, int8, int4" if "quantization" in bad else "")
-                + ("; kv_cache_dtype is one of auto, int8, fp8" if "kv_cache_dtype" in bad else "")
-            )
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if v not in ("auto", "cpu", "cuda") and not v.startswith("cuda:"):
+            raise ValueError("device is auto, cpu, cuda or cuda:N")
+        return v
 
-    def _cpus_ok(self) -> bool:
-        try:
-            return not self.cpus or bool(parse_cpus(self.cpus))
-        except ValueError:
-            return False
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError("block_size must be a power of two")
+        return v
+
+    @field_validator("cpus")
+    @classmethod
+    def _cpu_list(cls, v: str) -> str:
+        if v not in ("auto", "all"):
+            parse_cpus(v)  # ValueError: not a CPU list
+        return v
+
+    @model_validator(mode="after")
+    def _ngram_range(self) -> EngineConfig:
+        if self.speculative_ngram_max < self.speculative_ngram_min:
+            raise ValueError("speculative_ngram_max must be >= speculative_ngram_min")
+        return self
 
     @property
     def resolved_cache_dir(self) -> Path:
         return Path(os.environ.get("CACHEGW_CACHE_DIR") or self.cache_dir).expanduser()
 
     def with_overrides(self, **overrides: Any) -> EngineConfig:
-        """A copy with the given fields changed; None values keep the configured default."""
-        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+        """A copy with the given fields changed (validated); None values keep the configured default."""
+        changed = {k: v for k, v in overrides.items() if v is not None}
+        if not changed:
+            return self
+        try:
+            return type(self).model_validate({**self.model_dump(), **changed})
+        except ValidationError as e:
+            raise section_error(e, "engine") from None
 
 
-@dataclass(frozen=True)
-class BackendServerConfig:
+class BackendServerConfig(Strict):
     """Settings of `cachegw backend` (config.toml [backend_server])."""
 
-    host: str
-    port: int
-    served_model_name: str
-    max_request_bytes: int
+    host: str = Field(description="address the engine's HTTP server listens on")
+    port: int = Field(
+        ge=0, le=65535, description="its port; also where `cachegw serve` starts its built-in engine"
+    )
+    served_model_name: str = Field(
+        description='"" = derived from the model ("SmolLM2-135M-Instruct" for the default)'
+    )
+    max_request_bytes: int = Field(gt=0, description="larger bodies get 413 (above the gateway's own limit)")
 
 
 def load_engine_config(path: str | os.PathLike[str] | None = None, **overrides: Any) -> EngineConfig:

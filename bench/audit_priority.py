@@ -4,7 +4,7 @@
 
 A busy engine (``max_num_seqs`` 4): ``--audits`` audit re-asks are queued, then ``--clients`` client
 requests arrive a moment later (same arrival second). Each round runs it twice, alternating: the audits
-at ``[cache] audit_priority`` (10), and at the clients' priority (0, as before the field existed).
+at ``[cache.audits] priority`` (10), and at the clients' priority (0, as before the field existed).
 Reported: the engine steps until each client request finished, and until every audit did. Steps, not
 wall time, so the figures do not depend on the load of a shared machine (the load average is saved
 too). Results go under "audit_priority" in bench/results/bound17.json.
@@ -77,7 +77,7 @@ def main() -> None:
     from gateway.config import load_settings
 
     torch.set_num_threads(args.threads)
-    priority = load_settings(None).cache.audit_priority
+    priority = load_settings(None).cache.audits.priority
     load_before = os.getloadavg()
     llm = LLM(compile="off", quantization="none", max_num_seqs=4, enable_prefix_caching=False)
     runs: dict[str, list[dict[str, float]]] = {

@@ -64,7 +64,7 @@ class Gateway:
         self.work, self.port, self.engine_port = work, free_port(), free_port()
         self.config = work / "cachegw.toml"
         self.config.write_text(
-            f'[gateway]\nbuiltin_backend_port = {self.engine_port}\nrequest_log_commit = "{log_commit}"\n'
+            f'[gateway]\nrequest_log_commit = "{log_commit}"\n[backend_server]\nport = {self.engine_port}\n'
             '[engine]\ndtype = "float32"\nquantization = "none"\nkv_cache_tokens = 8192\nmax_num_seqs = 8\n'
             'compile = "off"\n'
         )

@@ -180,7 +180,7 @@ def gateway(backend: str, work: Path, target: float, seeds: list[Any]) -> Iterat
     }
     s = s.model_copy(
         update={
-            "cache": s.cache.model_copy(update=cache),
+            "cache": s.cache.updated(cache),
             "admin": s.admin.model_copy(update={"token": TOKEN}),
         }
     )

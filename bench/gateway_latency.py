@@ -142,7 +142,7 @@ async def hit_throughput(url: str, payloads: list[dict], clients: int, seconds: 
 async def run(args: argparse.Namespace, work: Path) -> dict:
     bport, gport = 18401, 18400
     config = work / "cachegw.toml"
-    cache = "" if args.cross_verifier else "[cache]\ncross_verifier = false\nverifier_threshold = 0.80\n"
+    cache = "" if args.cross_verifier else "[cache.verifier]\ncross_verifier = false\nthreshold = 0.80\n"
     config.write_text(
         f'[gateway]\nbackends = ["http://127.0.0.1:{bport}/v1"]\n'
         f'[engine]\nquantization = "none"\nmax_num_seqs = 32\ncompile = "off"\n{cache}'
@@ -259,7 +259,7 @@ def main() -> None:
         "--no-cross-verifier",
         dest="cross_verifier",
         action="store_false",
-        help="MLP-only verifier (cross_verifier = false, verifier_threshold 0.80): the stage's cost",
+        help="MLP-only verifier ([cache.verifier] cross_verifier = false, threshold 0.80): the stage's cost",
     )
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="cachegw-bench-") as tmp:

@@ -49,7 +49,7 @@ def ask(url: str, question: str) -> dict:
 def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="cachegw-hung-"))
     gw_port, engine_port = free_port(), free_port()
-    (tmp / "config.toml").write_text(f"[gateway]\nport = {gw_port}\nbuiltin_backend_port = {engine_port}\n")
+    (tmp / "config.toml").write_text(f"[gateway]\nport = {gw_port}\n[backend_server]\nport = {engine_port}\n")
     cmd = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(tmp / "config.toml")]
     log = (tmp / "serve.log").open("w")
     proc = subprocess.Popen(

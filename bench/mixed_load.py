@@ -1,10 +1,10 @@
 """`cachegw serve` under mixed traffic: the engine decoding for 8 clients while the gateway answers
 semantic hits at a steady rate, in layouts of the gateway and its built-in engine on this machine.
 
-- before: what `make serve` did before `[gateway] builtin_backend_cpus` and the engine's thread
+- before: what `make serve` did before the core split (now `[engine] cpus`) and the engine's thread
   settings existed: gateway and engine share every core, the engine runs one thread per core with
   OpenMP's own wait policy (spin, then sleep);
-- after: the defaults (`builtin_backend_cpus = "auto"`: the gateway keeps the first core, the engine
+- after: the defaults (`[engine] cpus = "auto"`: the gateway keeps the first core, the engine
   gets the rest, one thread per core, passive waiting).
 
 Per layout, phases of `--seconds` each: the engine alone (8 clients, each sending a new prompt as
@@ -38,8 +38,7 @@ from bench.common import RESULTS, ROOT, pct, save, say
 from bench.gateway_latency import QUESTIONS, body, paraphrase, start, timed, wait_health
 
 LAYOUTS = {
-    "before": '[gateway]\nbuiltin_backend_cpus = "all"\n'
-    '[engine]\nthreads = 0\nomp_wait_policy = "runtime"\ncompile = "off"\n',
+    "before": '[engine]\ncpus = "all"\nthreads = 0\nomp_wait_policy = "runtime"\ncompile = "off"\n',
     "after": '[engine]\ncompile = "off"\n',  # the core split and thread defaults
     "after, compiled": '[engine]\ncompile = "startup"\n',  # and the compiled decode step
 }

@@ -28,7 +28,6 @@ import argparse
 import contextlib
 import copy
 import csv
-import dataclasses
 import json
 import random
 import re
@@ -141,10 +140,11 @@ def gateway(backend_url: str, canonical: bool, learn: bool = True) -> Iterator[s
         s = s.model_copy(
             update={
                 "cache": s.cache.model_copy(update={"enabled": False}),
-                "canonicalize": dataclasses.replace(
-                    s.canonicalize,
-                    enabled=canonical,
-                    learn=dataclasses.replace(s.canonicalize.learn, enabled=learn),
+                "canonicalize": s.canonicalize.model_copy(
+                    update={
+                        "enabled": canonical,
+                        "learn": s.canonicalize.learn.model_copy(update={"enabled": learn}),
+                    }
                 ),
             }
         )

@@ -1,26 +1,45 @@
-"""Config sections as typed dataclasses: the one helper the engine's and the policies' sections share.
+"""Config sections as frozen pydantic models: the base and the error wording every section shares.
 
 A package of its own, importing nothing of ours, so ``backend/``, ``policies/`` and ``gateway/`` may all
-use it without an import against the one-way graph (tests/test_import_graph.py).
+use it without an import against the one-way graph (tests/test_import_graph.py). ``loader`` reads
+config.toml (and a user's file over it); ``reference`` writes docs/config.md from the models.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import fields
 from typing import Any, TypeVar
 
-T = TypeVar("T")
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+T = TypeVar("T", bound=BaseModel)
 
 
-def check_known_keys(cls: type, raw: Mapping[str, Any], section: str) -> None:
-    """An unknown key is a typo that would silently do nothing: an error naming it."""
-    unknown = set(raw) - {f.name for f in fields(cls)}
+class Strict(BaseModel):
+    """A config section: frozen, unknown keys refused, every field with a one-line ``description``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def section_error(error: ValidationError, section: str) -> ValueError:
+    """A validation error as one line naming the section and its keys: unknown keys first, then the
+    invalid values (``invalid engine config value(s): dtype='f8': ...``)."""
+    unknown, invalid = [], []
+    for e in error.errors(include_url=False):
+        key = ".".join(str(p) for p in e["loc"]) or "(section)"
+        if e["type"] == "extra_forbidden":
+            unknown.append(key)
+        else:
+            shown = f"{key}={e['input']!r}" if not isinstance(e["input"], Mapping) else key
+            invalid.append(f"{shown}: {e['msg']}")
     if unknown:
-        raise ValueError(f"config [{section}]: unknown keys {sorted(unknown)}")
+        return ValueError(f"config [{section}]: unknown keys {sorted(unknown)}")
+    return ValueError(f"invalid {section} config value(s): {'; '.join(invalid)}")
 
 
 def typed_section(cls: type[T], raw: Mapping[str, Any], section: str) -> T:
-    """A config section as its dataclass; unknown keys are an error, not silently ignored."""
-    check_known_keys(cls, raw, section)
-    return cls(**raw)
+    """A config section as its model; unknown keys and bad values are one clear error naming them."""
+    try:
+        return cls.model_validate(dict(raw))
+    except ValidationError as e:
+        raise section_error(e, section) from None

@@ -44,9 +44,8 @@ def check_ports(settings: Settings) -> None:
     if g.metrics_port:
         wanted.append(("metrics ([gateway] metrics_port)", g.metrics_host, g.metrics_port))
     if not g.backends:
-        wanted.append(
-            ("built-in backend ([gateway] builtin_backend_port)", "127.0.0.1", g.builtin_backend_port)
-        )
+        port = settings.backend_server.port
+        wanted.append(("built-in backend ([backend_server] port)", "127.0.0.1", port))
     for what, host, port in wanted:
         if not port_is_free(host, port):
             raise RuntimeError(

@@ -62,9 +62,9 @@ async def started_gateway(
     c = settings.cache
     # exported to ONNX on the first start (seconds), so off the event loop
     encoder = await asyncio.to_thread(
-        make_encoder, c.embed_backend, c.embed_threads, None, settings.engine.resolved_cache_dir
+        make_encoder, c.encoder.backend, c.encoder.threads, None, settings.engine.resolved_cache_dir
     )
-    batcher = EmbeddingBatcher(encoder, window_ms=c.embed_batch_window_ms, max_batch=c.embed_max_batch)
+    batcher = EmbeddingBatcher(encoder, window_ms=c.encoder.batch_window_ms, max_batch=c.encoder.max_batch)
     await asyncio.to_thread(encoder.encode, ["warm-up"])
     # loaded even when switched off: the admin API can switch it on at run time
     verifier = await asyncio.to_thread(load_verifier, c, settings.engine.resolved_cache_dir)
@@ -78,7 +78,7 @@ async def started_gateway(
         tombstone_ratio=ix.tombstone_ratio,
         snapshot_dir=data_dir / "index" if ix.snapshots else None,
     )
-    lines = ThresholdProvider(EvidenceStore(store.session), clock, c.ageing)
+    lines = ThresholdProvider(EvidenceStore(store.session), clock, c.error_bound.ageing)
     await asyncio.to_thread(lines.load)  # the false-hit evidence every replica wrote
     cache = ResponseCache(live.cache_settings, store, index, batcher, verifier, lines)
     n = await asyncio.to_thread(cache.rebuild_index, progress)
@@ -86,7 +86,7 @@ async def started_gateway(
     builtin = None
     specs: list[BackendSpec | str] = list(settings.gateway.backends)
     if not specs:
-        port = settings.gateway.builtin_backend_port
+        port = settings.backend_server.port
         builtin = BuiltinBackend("127.0.0.1", port, settings.config_path, engine_cpus)
         await builtin.start()
         specs = [BackendSpec(url=builtin.url, drafts=True)]

@@ -10,18 +10,25 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, field_validator, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, field_validator, model_validator
 
-from backend.config import BackendServerConfig, EngineConfig, load_toml
+from backend.config import BackendServerConfig, EngineConfig
+from configtools import Strict as _Strict
 from configtools import typed_section
-from configtools.cpus import parse_cpus
+from configtools.loader import load_toml
+from gateway.cache_config import CacheConfig
 from policies.canonicalize_config import CanonicalizeConfig
-from policies.evidence_window import Ageing
 from policies.routing import RoutingMode
 
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+__all__ = [
+    "BackendSpec",
+    "CacheConfig",
+    "GatewayConfig",
+    "PricingConfig",
+    "Settings",
+    "TenantsConfig",
+    "load_settings",
+]
 
 
 # Headers the gateway sets itself on every upstream request; a backend's ``headers`` may not replace them.
@@ -37,11 +44,19 @@ class BackendSpec(_Strict):
 
     model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
-    url: str
-    api_key: SecretStr | None = None
-    api_key_env: str | None = None
-    headers: dict[str, SecretStr] = Field(default_factory=dict)
-    drafts: bool = False  # it takes `cachegw_draft` (a cachegw engine): a refused near miss's answer
+    url: str = Field(description="the backend's OpenAI-compatible base URL (http:// or https://)")
+    api_key: SecretStr | None = Field(
+        default=None, description="sent as Authorization: Bearer to this backend only"
+    )
+    api_key_env: str | None = Field(
+        default=None, description="the environment variable holding the key (read once)"
+    )
+    headers: dict[str, SecretStr] = Field(
+        default_factory=dict, description="extra headers sent to this backend"
+    )
+    drafts: bool = Field(
+        default=False, description="a cachegw engine: a refused near miss's answer goes as `cachegw_draft`"
+    )
     _key: str = PrivateAttr("")
 
     @field_validator("url")
@@ -82,25 +97,29 @@ class BackendSpec(_Strict):
 class GatewayConfig(_Strict):
     model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
-    host: str
-    port: int = Field(ge=0, le=65535)
-    data_dir: str
-    database_url: str
-    max_request_bytes: int = Field(gt=0)
-    connect_timeout_s: float = Field(gt=0)
-    backend_timeout_s: float = Field(gt=0)
-    backends: tuple[BackendSpec, ...]
-    routing: RoutingMode
-    builtin_backend_port: int = Field(ge=0, le=65535)
-    builtin_backend_cpus: str
-    log_query_text: bool
-    probe_interval_s: float = Field(gt=0)
-    probe_timeout_s: float = Field(gt=0)
-    probe_misses: int = Field(gt=0)
-    request_log_commit: Literal["batched", "per_request"]
-    metrics_token: str
-    metrics_host: str
-    metrics_port: int = Field(ge=0, le=65535)
+    host: str = Field(description="address the gateway listens on")
+    port: int = Field(ge=0, le=65535, description="its port")
+    data_dir: str = Field(description="database and index files (overridden by --data-dir)")
+    database_url: str = Field(
+        description='"" = SQLite file <data_dir>/cachegw.db (WAL); or any SQLAlchemy URL'
+    )
+    max_request_bytes: int = Field(gt=0, description="larger bodies get 413")
+    connect_timeout_s: float = Field(gt=0, description="to connect to a backend")
+    backend_timeout_s: float = Field(gt=0, description="a backend slower than this (per read) gets 504")
+    backends: tuple[BackendSpec, ...] = Field(
+        description="OpenAI-compatible backends: URLs or tables with credentials; [] = the built-in engine"
+    )
+    routing: RoutingMode = Field(description="several backends of one model: prefix | round_robin | first")
+    log_query_text: bool = Field(description="the request log keeps the last user message (first 500 chars)")
+    probe_interval_s: float = Field(gt=0, description="how often each backend's /health is probed")
+    probe_timeout_s: float = Field(gt=0, description="how long a probe may take")
+    probe_misses: int = Field(gt=0, description="missed probes in a row that mark a backend down")
+    request_log_commit: Literal["batched", "per_request"] = Field(
+        description="request-log rows committed in batches every 0.2 s, or before each response is sent"
+    )
+    metrics_token: str = Field(description='/metrics needs "Authorization: Bearer TOKEN"; "" = no token')
+    metrics_host: str = Field(description="with metrics_port: the address of the /metrics listener")
+    metrics_port: int = Field(ge=0, le=65535, description="0 = /metrics on the gateway's own port")
 
     @field_validator("backends", mode="before")
     @classmethod
@@ -118,23 +137,23 @@ class GatewayConfig(_Strict):
             raise ValueError(f"a backend is listed twice: {sorted({u for u in urls if urls.count(u) > 1})}")
         return specs
 
-    @field_validator("builtin_backend_cpus")
-    @classmethod
-    def _cpu_setting(cls, value: str) -> str:
-        if value not in ("auto", "all"):
-            parse_cpus(value)  # ValueError: not a CPU list
-        return value
-
     def resolved_database_url(self, data_dir: Path) -> str:
         return self.database_url or f"sqlite:///{data_dir / 'cachegw.db'}"
 
 
 class TenantsConfig(_Strict):
-    mode: Literal["open", "keys"]
-    shared_cache: bool
-    prefix_isolation: bool = True  # config.toml [tenants] holds the documented default
-    prefix_groups: dict[str, list[str]] = {}  # group = [tenant names or key hashes] sharing one salt
-    keys: dict[str, str]
+    mode: Literal["open", "keys"] = Field(
+        description='"open": any API key is its own tenant; "keys": only those below'
+    )
+    shared_cache: bool = Field(description="all tenants share one cache (never across models or contexts)")
+    # config.toml [tenants] holds the documented defaults of these two
+    prefix_isolation: bool = Field(
+        default=True, description="each tenant's own cache_salt, so backend prefix caches never leak"
+    )
+    prefix_groups: dict[str, list[str]] = Field(
+        {}, description="group = [tenant names or key hashes] sharing one salt (one backend prefix cache)"
+    )
+    keys: dict[str, str] = Field(description='name = "api-key", used when mode = "keys"')
 
     @field_validator("keys")
     @classmethod
@@ -157,108 +176,45 @@ class TenantsConfig(_Strict):
         return groups
 
 
-Threshold = float
-
-
-class CacheConfig(_Strict):
-    enabled: bool
-    exact: bool
-    semantic: bool
-    threshold: float = Field(ge=0, le=1)
-    thresholds_by_model: dict[str, Threshold]
-    thresholds_by_tenant: dict[str, Threshold]
-    verifier: bool
-    verifier_threshold: float = Field(ge=0, le=1)
-    verifier_path: str  # "" = the artifact shipped in policies/artifacts
-    cross_verifier: bool
-    cross_verifier_path: str
-    ttl_seconds: int = Field(gt=0)
-    max_ttl_seconds: int = Field(gt=0)
-    max_entries: int = Field(gt=0)
-    max_bytes: int = Field(gt=0)
-    eviction: Literal["lru", "lfu"]
-    serve_temperature_above_zero: bool
-    serve_unset_temperature: bool
-    serve_unset_temperature_by_model: dict[str, bool]
-    serve_unset_temperature_by_tenant: dict[str, bool]
-    embed_batch_window_ms: float = Field(ge=0)
-    embed_max_batch: int = Field(gt=0)
-    feedback_margin: float = Field(ge=0, le=1)
-    embed_backend: Literal["auto", "onnx", "torch"]
-    embed_threads: int = Field(gt=0)
-    sync_interval_s: float = Field(ge=0)
-    max_false_hit_rate: float = Field(ge=0, lt=1)  # 0 = off: the static thresholds above decide
-    max_false_hit_rate_by_model: dict[str, float]
-    max_false_hit_rate_by_tenant: dict[str, float]
-    false_hit_confidence: float = Field(gt=0, lt=1)
-    audit_fraction: float = Field(ge=0, le=1)
-    audit_max_per_second: float = Field(ge=0)
-    audit_answer_cosine: float = Field(ge=0, le=1)
-    audit_priority: int = Field(ge=-1000, le=1000)  # vLLM's `priority` of the re-asks: lower first
-    audit_send_priority: Literal["auto", "always", "never"]
-    evidence_max_age_s: float = Field(ge=0)  # 0: evidence never expires
-    evidence_max_audits: int = Field(ge=0)  # per scope (and entry), the newest N; 0: no limit
-
-    @property
-    def ageing(self) -> Ageing:
-        return Ageing(self.evidence_max_age_s, self.evidence_max_audits)
-
-    @field_validator("max_false_hit_rate_by_model", "max_false_hit_rate_by_tenant")
-    @classmethod
-    def _rates(cls, values: dict[str, float]) -> dict[str, float]:
-        bad = {k: v for k, v in values.items() if not 0 <= v < 1}
-        if bad:
-            raise ValueError(f"false-hit rates must be in [0, 1): {bad}")
-        return values
-
-    def false_hit_target(self, model: str, tenant_name: str) -> float:
-        """The false-hit rate the scope must stay under (0 = static thresholds): per-tenant over
-        per-model over the global one, as the thresholds."""
-        by_model = self.max_false_hit_rate_by_model.get(model, self.max_false_hit_rate)
-        return self.max_false_hit_rate_by_tenant.get(tenant_name, by_model)
-
-    @field_validator("thresholds_by_model", "thresholds_by_tenant")
-    @classmethod
-    def _in_unit_range(cls, values: dict[str, float]) -> dict[str, float]:
-        bad = {k: v for k, v in values.items() if not 0 <= v <= 1}
-        if bad:
-            raise ValueError(f"thresholds must be in [0, 1]: {bad}")
-        return values
-
-    def serves_unset_temperature(self, model: str, tenant_name: str) -> bool:
-        """Whether a request leaving ``temperature`` unset may be served from (and stored into) the cache:
-        per-tenant over per-model over the global switch, as the thresholds."""
-        by_model = self.serve_unset_temperature_by_model.get(model, self.serve_unset_temperature)
-        return self.serve_unset_temperature_by_tenant.get(tenant_name, by_model)
-
-
 class IndexConfig(_Strict):
     """The vector index's shape (``embeddings.index.ScopedIndex``) and whether it snapshots to disk."""
 
-    hnsw_threshold: int = Field(gt=0)
-    hnsw_m: int = Field(gt=0)
-    ef_construction: int = Field(gt=0)
-    ef_search: int = Field(gt=0)
-    tombstone_ratio: float = Field(gt=0, lt=1)
-    snapshots: bool
+    hnsw_threshold: int = Field(
+        gt=0, description="entries at which a scope switches from exact search to HNSW"
+    )
+    hnsw_m: int = Field(gt=0, description="HNSW graph degree")
+    ef_construction: int = Field(gt=0, description="HNSW candidate list while building")
+    ef_search: int = Field(gt=0, description="HNSW candidate list while searching")
+    tombstone_ratio: float = Field(
+        gt=0, lt=1, description="deleted share of an HNSW scope that triggers its rebuild"
+    )
+    snapshots: bool = Field(
+        description="save HNSW scopes in <data_dir>/index/ so a restart reads, not rebuilds, them"
+    )
 
 
 class AdminConfig(_Strict):
-    token: str
+    """The admin API (/admin/api) and dashboard (/admin)."""
+
+    token: str = Field(description='"" = CACHEGW_ADMIN_TOKEN, else one generated into <data_dir>/admin_token')
 
 
 class ModelPrice(_Strict):
-    input_per_mtok: float = Field(ge=0)
-    output_per_mtok: float = Field(ge=0)
+    input_per_mtok: float = Field(ge=0, description="USD per million input tokens")
+    output_per_mtok: float = Field(ge=0, description="USD per million output tokens")
 
 
 class PricingConfig(_Strict):
     """USD per million tokens, only to estimate savings."""
 
-    input_per_mtok: float = Field(ge=0)
-    output_per_mtok: float = Field(ge=0)
-    cached_input_discount: float = Field(ge=0, le=1)
-    models: dict[str, ModelPrice]
+    input_per_mtok: float = Field(ge=0, description="USD per million input tokens")
+    output_per_mtok: float = Field(ge=0, description="USD per million output tokens")
+    cached_input_discount: float = Field(
+        ge=0, le=1, description="fraction of the input price a backend prefix-cache hit saves"
+    )
+    models: dict[str, ModelPrice] = Field(
+        description="model = { input_per_mtok = ..., output_per_mtok = ... }"
+    )
 
     def price(self, model: str) -> tuple[float, float]:
         """(input, output) USD per million tokens of ``model``."""
@@ -271,16 +227,20 @@ class Settings(_Strict):
 
     model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
 
-    gateway: GatewayConfig
-    tenants: TenantsConfig
-    cache: CacheConfig
-    index: IndexConfig
-    canonicalize: CanonicalizeConfig
-    admin: AdminConfig
-    pricing: PricingConfig
-    engine: EngineConfig
-    backend_server: BackendServerConfig
-    config_path: str | None = None
+    gateway: GatewayConfig = Field(description="`cachegw serve`: the OpenAI-compatible caching gateway")
+    tenants: TenantsConfig = Field(description="who the clients are, and what they share")
+    cache: CacheConfig = Field(description="the response cache")
+    index: IndexConfig = Field(description="the vector index (embeddings/index.py)")
+    canonicalize: CanonicalizeConfig = Field(
+        description="prompts made byte-identical for the backend's prefix cache"
+    )
+    admin: AdminConfig = Field(description="the admin API and dashboard")
+    pricing: PricingConfig = Field(description="USD per million tokens, only to estimate savings")
+    engine: EngineConfig = Field(description="the built-in inference engine (backend/)")
+    backend_server: BackendServerConfig = Field(description="`cachegw backend`: the engine's HTTP server")
+    config_path: str | None = Field(
+        default=None, description="the user's file, if any (not a config.toml key)"
+    )
 
     @property
     def data_dir(self) -> Path:
@@ -288,17 +248,19 @@ class Settings(_Strict):
 
 
 def load_settings(path: str | os.PathLike[str] | None = None, **gateway_overrides: object) -> Settings:
-    """Packaged defaults, the user's file merged over them, then command-line overrides."""
+    """Packaged defaults, the user's file merged over them, then command-line overrides. The gateway's
+    sections raise pydantic's ValidationError (naming the key), the engine's and [canonicalize] a
+    ValueError naming theirs; a moved key, a ValueError naming its new place."""
     raw = load_toml(path)
     gateway = {**raw["gateway"], **{k: v for k, v in gateway_overrides.items() if v is not None}}
     return Settings(
-        gateway=GatewayConfig(**gateway),
-        tenants=TenantsConfig(**raw["tenants"]),
-        cache=CacheConfig(**raw["cache"]),
-        index=IndexConfig(**raw["index"]),
+        gateway=GatewayConfig.model_validate(gateway),
+        tenants=TenantsConfig.model_validate(raw["tenants"]),
+        cache=CacheConfig.model_validate(raw["cache"]),
+        index=IndexConfig.model_validate(raw["index"]),
         canonicalize=CanonicalizeConfig.from_dict(raw["canonicalize"]),
-        admin=AdminConfig(**raw["admin"]),
-        pricing=PricingConfig(**raw["pricing"]),
+        admin=AdminConfig.model_validate(raw["admin"]),
+        pricing=PricingConfig.model_validate(raw["pricing"]),
         engine=typed_section(EngineConfig, raw["engine"], "engine"),
         backend_server=typed_section(BackendServerConfig, raw["backend_server"], "backend_server"),
         config_path=str(path) if path is not None else None,

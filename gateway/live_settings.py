@@ -9,7 +9,6 @@ one is current when they start, so none sees half a change.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, StrictBool
@@ -118,7 +117,7 @@ def view(s: Settings) -> dict[str, Any]:
             "models": dict(c.thresholds_by_model),
             "tenants": dict(c.thresholds_by_tenant),
         },
-        "verifier": {"enabled": c.verifier, "threshold": c.verifier_threshold},
+        "verifier": {"enabled": c.verifier.enabled, "threshold": c.verifier.threshold},
         "ttl_seconds": c.ttl_seconds,
         "max_ttl_seconds": c.max_ttl_seconds,
         "eviction": {"policy": c.eviction, "max_entries": c.max_entries, "max_bytes": c.max_bytes},
@@ -133,17 +132,18 @@ def view(s: Settings) -> dict[str, Any]:
             "tenants": dict(c.serve_unset_temperature_by_tenant),
         },
         "error_bound": {
-            "max_false_hit_rate": c.max_false_hit_rate,
-            "models": dict(c.max_false_hit_rate_by_model),
-            "tenants": dict(c.max_false_hit_rate_by_tenant),
-            "audit_fraction": c.audit_fraction,
-            "audit_max_per_second": c.audit_max_per_second,
+            "max_false_hit_rate": c.error_bound.max_false_hit_rate,
+            "models": dict(c.error_bound.max_false_hit_rate_by_model),
+            "tenants": dict(c.error_bound.max_false_hit_rate_by_tenant),
+            "audit_fraction": c.audits.fraction,
+            "audit_max_per_second": c.audits.max_per_second,
         },
     }
 
 
 def _merge(overrides: dict[str, Any], patch: SettingsPatch) -> dict[str, Any]:
-    """Overrides are flat {"cache.threshold": 0.9, "cache.thresholds_by_model": {...}, ...}."""
+    """Overrides are flat {"cache.threshold": 0.9, "cache.thresholds_by_model": {...}, ...}: by the
+    flat [cache] names (``gateway.cache_config.FLAT``), as databases already hold them."""
     out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in overrides.items()}
     data = patch.model_dump(exclude_unset=True)
     for path, (section, name) in _FLAT.items():
@@ -162,8 +162,8 @@ def apply(base: Settings, overrides: dict[str, Any]) -> Settings:
     for key, value in overrides.items():
         section, name = key.split(".", 1)
         (cache if section == "cache" else canon)[name] = value
-    new_cache = base.cache.model_copy(update=cache)
-    new_canon = dataclasses.replace(base.canonicalize, **canon)
+    new_cache = base.cache.updated(cache)
+    new_canon = base.canonicalize.model_copy(update=canon)
     return base.model_copy(update={"cache": new_cache, "canonicalize": new_canon})
 
 
@@ -202,7 +202,7 @@ class LiveSettings:
             section = getattr(patch, part)
             changes = getattr(section, sub) if section is not None else None
             if changes:
-                merged = {**getattr(self.current.cache, name), **changes}
+                merged = {**self.current.cache.flat(name), **changes}
                 overrides[f"cache.{name}"] = {k: v for k, v in merged.items() if v is not None}
         new = apply(self.base, overrides)
         old_view, new_view = view(self.current), view(new)

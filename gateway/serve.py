@@ -30,10 +30,10 @@ def run_gateway(settings: Settings) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     # One-query embeddings are tiny: extra OpenMP threads only spin against the event loop (a
     # single-sentence encode took 80-260 ms with 2 threads on a busy 2-core machine, 13 ms with 1).
-    torch.set_num_threads(settings.cache.embed_threads)
+    torch.set_num_threads(settings.cache.encoder.threads)
     cores = CoreSplit(None, None)
     if not settings.gateway.backends:  # the gateway and its engine share this machine: split its cores
-        cores = split_cores(settings.gateway.builtin_backend_cpus, frozenset(os.sched_getaffinity(0)))
+        cores = split_cores(settings.engine.cpus, frozenset(os.sched_getaffinity(0)))
     if cores.gateway is not None:  # before any worker thread starts: they inherit it
         os.sched_setaffinity(0, cores.gateway)
         log.info(

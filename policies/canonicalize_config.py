@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
 from typing import Any
 
-from configtools import check_known_keys
+from pydantic import Field, PrivateAttr, StrictBool, StrictStr, model_validator
+
+from configtools import Strict, typed_section
 from policies.volatile import (
     DEFAULT_VOLATILE_PATTERNS,
     LearnConfig,
@@ -16,47 +17,58 @@ from policies.volatile import (
 )
 
 
-@dataclass(frozen=True)
-class CanonicalizeConfig:
+class CanonicalizeConfig(Strict):
     """config.toml [canonicalize]; defaults equal the file's (a test keeps them in step)."""
 
-    enabled: bool = True
-    unicode_nfc: bool = True
-    line_endings: bool = True
-    trailing_whitespace: bool = True
-    blank_lines: bool = True
-    json_key_order: bool = True
-    sort_tools: bool = True
-    merge_system: bool = True
-    volatile_to_tail: bool = True
-    restore_assistant: bool = True
-    volatile_patterns: tuple[str, ...] = DEFAULT_VOLATILE_PATTERNS
-    learn: LearnConfig = LearnConfig()  # volatile spans learned from traffic ([canonicalize.learn])
+    enabled: StrictBool = Field(
+        default=True, description="make semantically identical prompts byte-identical"
+    )
+    unicode_nfc: StrictBool = Field(default=True, description="NFC for every text the model reads")
+    line_endings: StrictBool = Field(default=True, description="CRLF, CR -> LF")
+    trailing_whitespace: StrictBool = Field(
+        True, description="spaces/tabs at line ends removed (prose, not code fences)"
+    )
+    blank_lines: StrictBool = Field(
+        default=True, description="at most one blank line; leading/trailing ones removed (prose)"
+    )
+    json_key_order: StrictBool = Field(
+        True, description="keys sorted in tools' parameters and response_format"
+    )
+    sort_tools: StrictBool = Field(default=True, description="tools sorted by function name (stable)")
+    merge_system: StrictBool = Field(
+        default=True, description="leading plain system messages joined with a blank line"
+    )
+    volatile_to_tail: StrictBool = Field(
+        True, description="volatile values moved from the system prompt to the end of the last user message"
+    )
+    restore_assistant: StrictBool = Field(
+        True, description="assistant text replaced by the stored bytes of the gateway's own reply"
+    )
+    volatile_patterns: tuple[StrictStr, ...] = Field(
+        DEFAULT_VOLATILE_PATTERNS, description="Python regexes of volatile values, matched case-insensitively"
+    )
+    learn: LearnConfig = Field(default=LearnConfig(), description="volatile spans learned from traffic")
+    _volatile: re.Pattern[str] | None = PrivateAttr(None)
 
-    def __post_init__(self) -> None:
-        """Validate and compile once at start-up, so a bad setting fails there and not on a request."""
-        for f in fields(self):
-            if f.type in ("bool", bool) and not isinstance(getattr(self, f.name), bool):
-                raise ValueError(f"[canonicalize] {f.name} must be true or false")
-        patterns = self.volatile_patterns
-        if isinstance(patterns, str) or not all(isinstance(p, str) for p in patterns):
+    @model_validator(mode="before")
+    @classmethod
+    def _patterns_are_a_list(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and isinstance(data.get("volatile_patterns"), str):
             raise ValueError("[canonicalize] volatile_patterns must be a list of strings")
-        object.__setattr__(self, "volatile_patterns", tuple(patterns))
-        object.__setattr__(self, "_volatile", combine(self.volatile_patterns))  # not a field
-        if not isinstance(self.learn, LearnConfig):
-            raise ValueError("[canonicalize] learn must be a table")
+        return data
+
+    @model_validator(mode="after")
+    def _compile(self) -> CanonicalizeConfig:
+        """Compile once at start-up, so a bad pattern fails there and not on a request."""
+        self._volatile = combine(self.volatile_patterns)
+        return self
 
     @property
     def volatile_regex(self) -> re.Pattern[str] | None:
         """Every volatile pattern as one case-insensitive alternation (None without patterns)."""
-        return self._volatile  # type: ignore[attr-defined, no-any-return]
+        return self._volatile
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> CanonicalizeConfig:
         """From the TOML section; an unknown key is a typo that would silently do nothing: an error."""
-        check_known_keys(cls, d, "canonicalize")
-        learn = d.get("learn", {})
-        if not isinstance(learn, Mapping):
-            raise ValueError("[canonicalize] learn must be a table")
-        check_known_keys(LearnConfig, learn, "canonicalize.learn")
-        return cls(**{**d, "learn": LearnConfig(**learn)})
+        return typed_section(cls, d, "canonicalize")

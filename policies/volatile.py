@@ -23,8 +23,12 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from difflib import SequenceMatcher
+
+from pydantic import Field, StrictBool, StrictFloat, StrictInt
+
+from configtools import Strict
 
 DEFAULT_VOLATILE_PATTERNS: tuple[str, ...] = (
     r"\b\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(:\d{2}(\.\d+)?)?(Z|[+-]\d{2}:?\d{2})?\b",
@@ -124,33 +128,38 @@ def extract(
     return text, False
 
 
-@dataclass(frozen=True)
-class LearnConfig:
+class LearnConfig(Strict):
     """config.toml [canonicalize.learn]; defaults equal the file's."""
 
-    enabled: bool = True
-    min_requests: int = 3  # different prompts that must fit a template before it is used
-    min_changes: int = 2  # of them with a value other than a span's most common one (1: one-offs count)
-    samples: int = 24  # recent distinct system prompts kept per tenant
-    templates: int = 16  # learned templates kept per tenant (least recently matched dropped)
-    tenants: int = 256  # tenants tracked (least recently seen dropped)
-    max_prompt_chars: int = 16000  # longer system prompts are not learned from
-    max_value_chars: int = 64  # a volatile value is at most this long, and on one line
-    max_spans: int = 8  # per template
-    min_shared: float = 0.8  # of a prompt's characters that must be the template's constant text
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if f.name == "enabled":
-                ok = isinstance(v, bool)
-            elif f.name == "min_shared":
-                ok = isinstance(v, int | float) and not isinstance(v, bool) and 0.5 <= v <= 1
-            else:
-                least = 2 if f.name == "min_requests" else 1
-                ok = isinstance(v, int) and not isinstance(v, bool) and v >= least
-            if not ok:
-                raise ValueError(f"[canonicalize.learn] {f.name}: invalid value {v!r}")
+    enabled: StrictBool = Field(
+        default=True, description="learn volatile spans of system prompts from traffic"
+    )
+    min_requests: StrictInt = Field(
+        default=3, ge=2, description="different prompts that must fit a template before it is used"
+    )
+    min_changes: StrictInt = Field(
+        default=2, ge=1, description="of them with another value than a span's most common one"
+    )
+    samples: StrictInt = Field(
+        default=24, ge=1, description="recent distinct system prompts kept per tenant to learn from"
+    )
+    templates: StrictInt = Field(
+        default=16, ge=1, description="learned templates kept per tenant (least recently matched dropped)"
+    )
+    tenants: StrictInt = Field(default=256, ge=1, description="tenants tracked (least recently seen dropped)")
+    max_prompt_chars: StrictInt = Field(
+        default=16000, ge=1, description="longer system prompts are not learned from"
+    )
+    max_value_chars: StrictInt = Field(
+        default=64, ge=1, description="a learned value is at most this long, and on one line"
+    )
+    max_spans: StrictInt = Field(default=8, ge=1, description="learned spans per template")
+    min_shared: StrictFloat = Field(
+        default=0.8,
+        ge=0.5,
+        le=1,
+        description="share of a prompt's characters that must be the template's constant text",
+    )
 
 
 @dataclass(frozen=True)

@@ -101,7 +101,12 @@ def shared_gateway_models() -> Iterator[None]:
     loaded: dict[tuple, object] = {}
 
     def verifier_key(cache, cache_dir=None) -> tuple:  # only what load_verifier reads
-        return (cache.cross_verifier, cache.cross_verifier_path, cache.verifier_path, str(cache_dir))
+        return (
+            cache.verifier.cross_verifier,
+            cache.verifier.cross_verifier_path,
+            cache.verifier.path,
+            str(cache_dir),
+        )
 
     def once(name: str, load, key_of=lambda *a, **k: (repr(a), repr(sorted(k.items())))):
         def shared(*args, **kwargs):

@@ -88,7 +88,7 @@ def direct(encoder):
         out: dict[str, list] = {"precision": [], "recall": [], "f1": [], "accepted": []}
         for t in THRESHOLDS:
             if use_verifier:
-                rule = DecisionRule(min_cosine=t, min_prob=settings.cache.verifier_threshold)
+                rule = DecisionRule(min_cosine=t, min_prob=settings.cache.verifier.threshold)
                 acc = np.array([v.accepted for v in verifier.check_batch(q1, q2, e1, e2, rule)])
             else:
                 acc = np.array([float(c) >= t for c in cos])
@@ -171,11 +171,11 @@ def test_table_output(capsys, pairs_csv):
 
 def test_write_config_keeps_comments(capsys, pairs_csv, tmp_path):
     cfg = tmp_path / "my.toml"
-    cfg.write_text("# my gateway\n[cache]\nthreshold = 0.5  # old value\nverifier = true\n", encoding="utf-8")
+    cfg.write_text("# my gateway\n[cache]\nthreshold = 0.5  # old value\nexact = true\n", encoding="utf-8")
     plot = tmp_path / "curve.png"
     res = _run_json(capsys, ["--pairs", str(pairs_csv), "--write-config", str(cfg), "--plot", str(plot)])
     text = cfg.read_text(encoding="utf-8")
-    assert "# my gateway" in text and "# old value" in text and "verifier = true" in text
+    assert "# my gateway" in text and "# old value" in text and "exact = true" in text
     assert load_settings(cfg).cache.threshold == res["recommended"]
     assert plot.read_bytes()[:4] == b"\x89PNG"
     fresh = tmp_path / "new.toml"

@@ -8,7 +8,6 @@ import re
 import time
 import tomllib
 import unicodedata
-from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,12 @@ from policies.canonicalize_config import CanonicalizeConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL_ON = CanonicalizeConfig()
+
+
+def replace(config: CanonicalizeConfig, **changes: object) -> CanonicalizeConfig:
+    return config.model_copy(update=changes)
+
+
 ALL_OFF = replace(ALL_ON, **{r: False for r in RULES})
 FAST = settings(max_examples=120, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -118,7 +123,7 @@ def test_defaults_equal_config_toml_and_config_errors() -> None:
     with open(ROOT / "config.toml", "rb") as f:
         section = tomllib.load(f)["canonicalize"]
     assert CanonicalizeConfig.from_dict(section) == CanonicalizeConfig()
-    assert {f.name for f in fields(CanonicalizeConfig)} == set(section)
+    assert set(CanonicalizeConfig.model_fields) == set(section)
     with pytest.raises(ValueError, match="unknown keys"):
         CanonicalizeConfig.from_dict({**section, "sort_tool": True})
     with pytest.raises(ValueError, match="sort_tools"):

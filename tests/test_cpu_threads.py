@@ -66,6 +66,10 @@ def test_serve_keeps_the_first_core_and_gives_the_engine_the_rest() -> None:
 def test_bad_core_setting_of_the_gateway_stops_the_start(tmp_path) -> None:
     from gateway.config import load_settings
 
-    with pytest.raises(ValueError, match="builtin_backend_cpus"):
-        s = load_settings(None, data_dir=str(tmp_path))
-        type(s.gateway).model_validate({**s.gateway.model_dump(), "builtin_backend_cpus": "one"})
+    config = tmp_path / "c.toml"
+    config.write_text('[engine]\ncpus = "one"\n')
+    with pytest.raises(ValueError, match="cpus"):
+        load_settings(config, data_dir=str(tmp_path))
+    config.write_text('[gateway]\nbuiltin_backend_cpus = "1"\n')  # the old key names its new place
+    with pytest.raises(ValueError, match=r"builtin_backend_cpus is now \[engine\] cpus"):
+        load_settings(config, data_dir=str(tmp_path))

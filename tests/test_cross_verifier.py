@@ -140,16 +140,16 @@ def test_load_verifier_follows_the_config(cache_dir: Path, tmp_path: Path) -> No
     from gateway.config import load_settings
 
     cache = load_settings(None).cache
-    assert cache.cross_verifier and cache.cross_verifier_path == ""
+    assert cache.verifier.cross_verifier and cache.verifier.cross_verifier_path == ""
     assert isinstance(load_verifier(cache, cache_dir).cross, CrossScorer)
-    off = cache.model_copy(update={"cross_verifier": False})
+    off = cache.updated({"cross_verifier": False})
     assert load_verifier(off, cache_dir).cross is None
-    missing = cache.model_copy(update={"cross_verifier_path": str(tmp_path / "nope.npz")})
+    missing = cache.updated({"cross_verifier_path": str(tmp_path / "nope.npz")})
     with pytest.raises(FileNotFoundError):
         load_verifier(missing, cache_dir)
     # Not an artifact: refused at start (after the torch fallback fails too), not at every lookup later.
     (tmp_path / "broken.npz").write_bytes(b"not a cross-encoder")
-    broken = cache.model_copy(update={"cross_verifier_path": str(tmp_path / "broken.npz")})
+    broken = cache.updated({"cross_verifier_path": str(tmp_path / "broken.npz")})
     with pytest.raises(ValueError, match="not a usable cross-encoder"):
         load_verifier(broken, cache_dir)
 

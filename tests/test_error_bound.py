@@ -130,7 +130,7 @@ def test_analyze_reads_and_prints_the_evidence(tmp_path, capsys) -> None:
     finally:
         store.close()
     s = load_settings(None)
-    s = s.model_copy(update={"cache": s.cache.model_copy(update={"max_false_hit_rate": 0.05})})
+    s = s.model_copy(update={"cache": s.cache.updated({"max_false_hit_rate": 0.05})})
     view = read_false_hits(url, s)
     scope = view["by_scope"]["m|t"]
     assert (scope["line"], scope["wrong"], scope["audits"], scope["evidence"]) == (0.95, 4, 200, 201)
@@ -154,9 +154,11 @@ def test_the_audit_re_ask_carries_a_low_priority_where_the_backend_honours_it() 
     job = AuditJob("hit", "m", "t", 0.9, CacheEntry(), "r1", "chat", {"messages": [], "stream": True})
 
     def body(builtin: bool, mode: str) -> dict:
-        c = base.model_copy(update={"audit_send_priority": mode})
+        c = base.updated({"audit_send_priority": mode})
         return Auditor(None, None, None, lambda: c, builtin_backend=builtin).reask_body(job)  # type: ignore[arg-type]
 
-    assert body(True, "auto") == {"messages": [], "priority": base.audit_priority} and base.audit_priority > 0
+    assert (
+        body(True, "auto") == {"messages": [], "priority": base.audits.priority} and base.audits.priority > 0
+    )
     assert "priority" not in body(False, "auto") and "priority" not in body(True, "never")
-    assert body(False, "always")["priority"] == base.audit_priority
+    assert body(False, "always")["priority"] == base.audits.priority

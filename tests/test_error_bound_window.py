@@ -17,7 +17,7 @@ TARGET = 0.05  # 59 clean audits are the least that pass at 95%
 
 
 def config() -> CacheConfig:
-    return load_settings(None).cache.model_copy(update={"max_false_hit_rate": TARGET})
+    return load_settings(None).cache.updated({"max_false_hit_rate": TARGET})
 
 
 def rows(n: int, score: float, right: bool, ts: float = 0.0, entry: int | None = None) -> list[EvidenceRow]:
@@ -53,7 +53,7 @@ def test_a_bad_hit_report_counts_against_the_entry_too(tmp_path) -> None:
     from gateway.storage.tables import CacheEntry
 
     lines = provider(tmp_path, [0.0])
-    c = config().model_copy(update={"audit_fraction": 0.0})
+    c = config().updated({"audit_fraction": 0.0})
     auditor = Auditor(lines, None, None, lambda: c)  # type: ignore[arg-type]
     auditor.offer(AuditJob("hit", "m", "t", 0.97, CacheEntry(id=5), "req-1", "chat", {}))
     assert asyncio.run(auditor.bad_report("req-1"))

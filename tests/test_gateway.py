@@ -40,7 +40,7 @@ def backend_url(shared_backend_url: str) -> str:
 
 def settings_for(data_dir, backends: list[str], **cache_over) -> Settings:
     s = load_settings(None, data_dir=str(data_dir), backends=tuple(backends))
-    return s.model_copy(update={"cache": s.cache.model_copy(update=cache_over)}) if cache_over else s
+    return s.model_copy(update={"cache": s.cache.updated(cache_over)}) if cache_over else s
 
 
 class MovableClock:
@@ -345,7 +345,6 @@ def failures_logged(data_dir) -> list[tuple[int, str, str]]:
 def test_canonicalization_raises_the_backends_prefix_hits(backend_url, tmp_path):
     """Two prompts that differ only in a timestamp and in whitespace: with canonicalization on, the
     long system prompt reaches the backend byte-identical and its prefix cache serves it."""
-    from dataclasses import replace
 
     def system(ts: str, base: str, newline: str = "\n") -> dict:
         return {"role": "system", "content": f"Current time: {ts}.{newline}{base}"}
@@ -357,7 +356,7 @@ def test_canonicalization_raises_the_backends_prefix_hits(backend_url, tmp_path)
             + "You are a careful support agent for a rocket company. " * 12
         )
         s = settings_for(tmp_path / str(on), [backend_url])
-        s = s.model_copy(update={"canonicalize": replace(s.canonicalize, enabled=on)})
+        s = s.model_copy(update={"canonicalize": s.canonicalize.model_copy(update={"enabled": on})})
         with gateway(s) as url:
             chat(url, [system("2026-11-22T10:00:00Z", base), {"role": "user", "content": "Say hello."}])
             messages = [

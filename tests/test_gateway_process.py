@@ -145,7 +145,7 @@ def test_supervised_builtin_backend_is_restarted(tmp_path):
     backend_port, port = free_port(), free_port()
     config = tmp_path / "cachegw.toml"
     config.write_text(
-        f'[gateway]\nbuiltin_backend_port = {backend_port}\n[engine]\ndtype = "float32"\n'
+        f'[backend_server]\nport = {backend_port}\n[engine]\ndtype = "float32"\n'
         "kv_cache_tokens = 4096\nmax_num_seqs = 4\n"
     )
     proc = start_serve(config, tmp_path / "data", port)
@@ -155,7 +155,7 @@ def test_supervised_builtin_backend_is_restarted(tmp_path):
         pattern = f"gateway.cli backend .*--port {backend_port}"
         pid = int(subprocess.check_output(["pgrep", "-f", pattern]).split()[0])
         cores = os.sched_getaffinity(0)
-        if len(cores) >= 2:  # [gateway] builtin_backend_cpus = "auto": the first core for the gateway
+        if len(cores) >= 2:  # [engine] cpus = "auto": the first core for the gateway
             assert os.sched_getaffinity(proc.pid) == {min(cores)}
             assert os.sched_getaffinity(pid) == cores - {min(cores)}
         os.kill(pid, signal.SIGKILL)

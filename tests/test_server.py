@@ -317,7 +317,7 @@ def test_malformed_json(backend: Backend) -> None:
 
 
 def test_context_length_exceeded(backend: Backend) -> None:
-    limit = backend.entrypoints.llm.max_model_len
+    limit = backend.llm.max_model_len
     ids = [28] * (limit + 10)
     err = assert_error(
         backend.http.post("/v1/completions", json={"prompt": ids}), 400, "prompt", "context_length_exceeded"
@@ -342,14 +342,14 @@ def test_unknown_model_too_large_unknown_route(backend: Backend) -> None:
 
 
 def test_client_disconnect_aborts(backend: Backend) -> None:
-    aborted = backend.core.engine.num_aborted
+    aborted = backend.engine.num_aborted
     body = {"messages": PARIS, "max_tokens": 256, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=backend.url, timeout=30) as http, http.stream("POST", CHAT, json=body) as resp:
         lines = resp.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))  # the role chunk
         assert next(line for line in lines if '"content"' in line)  # a generated token
-    assert backend.wait_idle(), backend.core.engine.stats()
-    assert backend.core.engine.num_aborted == aborted + 1
+    assert backend.wait_idle(), backend.engine.stats()
+    assert backend.engine.num_aborted == aborted + 1
 
 
 def test_concurrent_requests(backend: Backend) -> None:
@@ -368,21 +368,21 @@ def test_concurrent_requests(backend: Backend) -> None:
 
 def test_generate_api(backend: Backend) -> None:
     """AsyncEngine.generate: validation errors raise before any output; closing early aborts."""
-    aborted = backend.core.engine.num_aborted
+    aborted = backend.engine.num_aborted
 
     async def main() -> None:
         with pytest.raises(InvalidParameter) as info:
-            async for _ in backend.core.engine.generate("gen-bad", [1] * 9000, SamplingParams(max_tokens=4)):
+            async for _ in backend.engine.generate("gen-bad", [1] * 9000, SamplingParams(max_tokens=4)):
                 pass
         assert info.value.code == "context_length_exceeded"
         params = SamplingParams(max_tokens=200, ignore_eos=True)
-        async for out in backend.core.engine.generate("gen-early-exit", "Hello there", params):
+        async for out in backend.engine.generate("gen-early-exit", "Hello there", params):
             assert not out.finished
             break
 
     asyncio.run(main())
     assert backend.wait_idle()
-    assert backend.core.engine.num_aborted == aborted + 1
+    assert backend.engine.num_aborted == aborted + 1
 
 
 def break_next_step(runner, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -396,12 +396,12 @@ def break_next_step(runner, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_engine_error_fails_only_that_request(backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
-    break_next_step(backend.entrypoints.llm.runner, monkeypatch)
+    break_next_step(backend.llm.runner, monkeypatch)
     resp = backend.http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "ignore_eos": True})
     err = assert_error(resp, 500, code="engine_error")
     assert err["type"] == "server_error" and "simulated kernel failure" in err["message"]
     assert backend.wait_idle()
-    break_next_step(backend.entrypoints.llm.runner, monkeypatch)
+    break_next_step(backend.llm.runner, monkeypatch)
     body = {"messages": HELLO, "max_tokens": 4, "stream": True}
     with backend.http.stream("POST", CHAT, json=body) as resp:
         assert resp.status_code == 200  # the stream had started: the error comes as an event

@@ -58,7 +58,7 @@ def test_a_busy_builtin_backend_port_stops_the_start_naming_it(tmp_path: Path, b
     from testkit.servers import free_port
 
     config = tmp_path / "config.toml"
-    config.write_text(f"[gateway]\nbuiltin_backend_port = {busy_port}\n")
+    config.write_text(f"[backend_server]\nport = {busy_port}\n")
     proc = serve(tmp_path, "--config", str(config), "--port", str(free_port()))
     assert proc.returncode == 2
     assert f"port {busy_port} on 127.0.0.1 for the built-in backend" in proc.stderr

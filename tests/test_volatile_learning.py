@@ -4,7 +4,7 @@ tenant's traffic (pure policy and the gateway's bounded per-tenant state). Pure 
 from __future__ import annotations
 
 import random
-from dataclasses import replace
+from typing import TypeVar
 
 import pytest
 
@@ -14,8 +14,16 @@ from policies.canonicalize import canonicalize, canonicalize_detail
 from policies.canonicalize_config import CanonicalizeConfig
 from policies.volatile import LearnConfig, differences, learn
 
+M = TypeVar("M", LearnConfig, CanonicalizeConfig)
+
 CFG = CanonicalizeConfig()
 LEARN = LearnConfig()
+
+
+def replace(config: M, **changes: object) -> M:
+    return config.model_copy(update=changes)
+
+
 POLICY = (
     "You are the assistant of a small online shop. Answer questions about orders, returns and "
     "shipping. Be brief and polite, never invent an order status, and ask for the order number when "

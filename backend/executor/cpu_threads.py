@@ -32,12 +32,12 @@ class ThreadPlan:
 
 
 def plan(cfg: EngineConfig, available: frozenset[int]) -> ThreadPlan:
-    """The engine's cores (those it may use, narrowed by ``cfg.cpus``), its threads (one per core
+    """The engine's cores (those it may use, narrowed by a list in ``cfg.cpus``), its threads (one per core
     unless set) and the wait policy. ``auto`` is passive with more than one thread: spinning threads
     beside any other busy process lost 3-4x (float32 and int4), passive waiting lost nothing on float32
     and a third on int4 SmolLM2 (the smallest operators) on a quiet machine; "active" or "runtime"
     (OpenMP's own: spin a while, then sleep) suit cores nothing else ever uses."""
-    cpus = available if not cfg.cpus else parse_cpus(cfg.cpus) & available
+    cpus = available if cfg.cpus in ("auto", "all") else parse_cpus(cfg.cpus) & available
     if not cpus:
         raise ValueError(f"[engine] cpus = {cfg.cpus!r} names none of the cores this process may use "
                          f"({format_cpus(available)})")  # fmt: skip

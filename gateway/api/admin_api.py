@@ -109,7 +109,9 @@ async def false_hit_report(
     if lines is None or auditor is None:
         return {}
     rows = await asyncio.to_thread(lines.store.since, since)
-    points = await asyncio.to_thread(history, rows, since, until, bucket_s, c.false_hit_confidence)
+    points = await asyncio.to_thread(
+        history, rows, since, until, bucket_s, c.error_bound.false_hit_confidence
+    )
     return {
         **lines.view(c),
         "audits_by_verdict": {v: auditor.counts.get(v, 0) for v in ("right", "wrong", "failed", "dropped")},

@@ -96,7 +96,7 @@ class Auditor:
         self.lines, self.backends, self.batcher = lines, backends, batcher
         self.builtin_backend = builtin_backend  # the built-in engine answers: it honours `priority`
         self.config, self.clock, self.rng = config, clock, rng
-        self.bucket = TokenBucket(config().audit_max_per_second)
+        self.bucket = TokenBucket(config().audits.max_per_second)
         self.queue: asyncio.Queue[AuditJob] = asyncio.Queue(maxsize=QUEUE)
         self.counts: Counter[str] = Counter()  # right | wrong | failed | dropped
         self.backend_tokens = 0  # spent by this replica's re-asks
@@ -110,9 +110,9 @@ class Auditor:
             self._recent[job.request_id] = (job.model, job.tenant, job.score, job.entry.id)
             if len(self._recent) > RECENT:
                 self._recent.popitem(last=False)
-        if c.audit_fraction <= 0 or self.rng() >= c.audit_fraction:
+        if c.audits.fraction <= 0 or self.rng() >= c.audits.fraction:
             return "sampled-out"
-        self.bucket.rate = c.audit_max_per_second  # live settings may change it
+        self.bucket.rate = c.audits.max_per_second  # live settings may change it
         if not self.bucket.take():
             self.counts["dropped"] += 1
             return "over-budget"
@@ -165,8 +165,8 @@ class Auditor:
         the backend honours one (``audit_send_priority``)."""
         body = {k: v for k, v in job.body.items() if k not in ("stream", "stream_options")}
         c = self.config()
-        if c.audit_send_priority == "always" or (c.audit_send_priority == "auto" and self.builtin_backend):
-            body["priority"] = c.audit_priority
+        if c.audits.send_priority == "always" or (c.audits.send_priority == "auto" and self.builtin_backend):
+            body["priority"] = c.audits.priority
         return body
 
     async def _reask(self, job: AuditJob) -> tuple[dict[str, Any], int]:
@@ -188,7 +188,7 @@ class Auditor:
         answers' embeddings decide (off by default: on a small model it hid false hits)."""
         if " ".join(a.split()) == " ".join(b.split()):
             return True
-        least = self.config().audit_answer_cosine
+        least = self.config().audits.answer_cosine
         if least >= 1.0 or self.batcher is None or not a.strip() or not b.strip():
             return False
         emb = await self.batcher.embed_many([a, b])

@@ -110,10 +110,10 @@ class ThresholdProvider:
 
     def line(self, model: str, tenant_name: str, config: CacheConfig) -> ScopeLine | None:
         """The semantic tier's one question: which score line holds this scope's target (None: off)."""
-        target = config.false_hit_target(model, tenant_name)
+        target = config.error_bound.false_hit_target(model, tenant_name)
         if target <= 0:
             return None
-        conf = config.false_hit_confidence
+        conf = config.error_bound.false_hit_confidence
         scope = (model, tenant_name)
         window = self.windows.get(scope)
         if window is not None and window.expire(self.clock()):
@@ -198,8 +198,10 @@ class ThresholdProvider:
         own: dict[str, int] = {}
         for entry_id, window in self.entries.items():
             model, tenant = self.entry_scope[entry_id]
-            target = config.false_hit_target(model, tenant)
-            if target > 0 and window.evidence.total >= min_audits(target, config.false_hit_confidence):
+            target = config.error_bound.false_hit_target(model, tenant)
+            if target > 0 and window.evidence.total >= min_audits(
+                target, config.error_bound.false_hit_confidence
+            ):
                 own[f"{model}|{tenant}"] = own.get(f"{model}|{tenant}", 0) + 1
         for key, shown in view["by_scope"].items():
             shown["entries_with_own_line"] = own.get(key, 0)
@@ -213,10 +215,10 @@ def rates(
 ) -> dict[str, Any]:
     """Per scope and overall: the audited false-hit rate of hits at each scope's line in force
     (``line_of``; by default computed from ``evidence`` itself, as ``cachegw analyze`` does)."""
-    conf = config.false_hit_confidence
+    conf = config.error_bound.false_hit_confidence
 
     def own_line(model: str, tenant: str, c: CacheConfig) -> ScopeLine | None:
-        target = c.false_hit_target(model, tenant)
+        target = c.error_bound.false_hit_target(model, tenant)
         return ScopeLine(target, choose_line(evidence[(model, tenant)], target, conf)) if target > 0 else None
 
     line_of = line_of or own_line
@@ -229,7 +231,7 @@ def rates(
         wrong, n = ev.at(line) if line is not None else (0, 0)
         scopes[f"{model}|{tenant}"] = rate_view(target, line, wrong, n, ev.total, conf).as_dict()
         wrong_all, audits_all, total_all = wrong_all + wrong, audits_all + n, total_all + ev.total
-    overall = rate_view(config.max_false_hit_rate, None, wrong_all, audits_all, total_all, conf)
+    overall = rate_view(config.error_bound.max_false_hit_rate, None, wrong_all, audits_all, total_all, conf)
     return {"overall": overall.as_dict(), "by_scope": scopes, "confidence": conf}
 
 

@@ -71,7 +71,7 @@ class SemanticTier:
         c = self.settings()
         line = self.lines.line(model, tenant_name, c) if self.lines else None  # None: static thresholds
         # with the verifier off the bound's line is on the cosine itself: candidates from the grid's floor
-        floor = threshold if line is None or c.verifier else min(threshold, GRID[0])
+        floor = threshold if line is None or c.verifier.enabled else min(threshold, GRID[0])
         hits = self.index.search(keys.scope, vec, k=CANDIDATES)
         result = Lookup(
             CacheResult.MISS,
@@ -135,14 +135,14 @@ class SemanticTier:
         if al.outcome != "judge":
             return by_line(1.0) if al.outcome == "same" else (al.reason, 0.0)
         c = self.settings()
-        if not c.verifier or self.verifier is None or entry.embedding is None:
+        if not c.verifier.enabled or self.verifier is None or entry.embedding is None:
             return by_line(sim)
         if al.reembed and self.batcher is not None:
             emb = await self.batcher.embed_many([al.focus_new, al.focus_old])
             u, v = emb[0], emb[1]
         else:
             u, v = vec, np.frombuffer(entry.embedding, dtype=np.float32)
-        min_prob = c.verifier_threshold if line is None else 0.0  # the line judges the prob
+        min_prob = c.verifier.threshold if line is None else 0.0  # the line judges the prob
         rule = DecisionRule(min_cosine=threshold, min_prob=min_prob)
         args = (al, u[None], v[None], rule)
         if self.verifier.cross is None:  # the MLP alone takes ~0.1 ms: not worth a thread hop

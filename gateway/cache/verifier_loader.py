@@ -25,8 +25,8 @@ def load_verifier(cache: Any, cache_dir: str | os.PathLike[str] | None = None) -
     within int8 noise, rather than silently dropping the stage.
     """
     cross: PairScorer | None = None
-    if cache.cross_verifier:
-        artifact = Path(cache.cross_verifier_path or CROSS_PATH)
+    if cache.verifier.cross_verifier:
+        artifact = Path(cache.verifier.cross_verifier_path or CROSS_PATH)
         if not artifact.is_file():
             raise FileNotFoundError(f"cross_verifier_path {artifact} does not exist")
         try:
@@ -41,4 +41,4 @@ def load_verifier(cache: Any, cache_dir: str | os.PathLike[str] | None = None) -
                     f"cross_verifier_path {artifact} is not a usable cross-encoder: {exc2}"
                 ) from exc
             cross = torch_cross
-    return Verifier.load(cache.verifier_path or None, cross)
+    return Verifier.load(cache.verifier.path or None, cross)

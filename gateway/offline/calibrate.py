@@ -279,7 +279,7 @@ def _seed(
     from gateway.storage.store import Store
 
     c = settings.cache
-    scores = seed_scores(q1, q2, settings.canonicalize, verifier, c.threshold, c.embed_backend)
+    scores = seed_scores(q1, q2, settings.canonicalize, verifier, c.threshold, c.encoder.backend)
     store = Store(settings.gateway.resolved_database_url(settings.data_dir))
     try:
         return seed(EvidenceStore(store.session), model, tenant, scores, y)
@@ -305,18 +305,20 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             raise CalibrateError(
                 f"the first {args.limit} pairs need both duplicate (1) and non-duplicate (0)"
             )
-    use_verifier = settings.cache.verifier and not args.no_verifier
+    use_verifier = settings.cache.verifier.enabled and not args.no_verifier
     try:
         cache_dir = settings.engine.resolved_cache_dir
         verifier = load_verifier(settings.cache, cache_dir) if use_verifier else None
     except (OSError, ValueError) as e:
         raise CalibrateError(f"cannot load the verifier: {e}") from None
     c = settings.cache
-    cos, passes = score_pairs(q1, q2, settings.canonicalize, verifier, c.verifier_threshold, c.embed_backend)
+    cos, passes = score_pairs(
+        q1, q2, settings.canonicalize, verifier, c.verifier.threshold, c.encoder.backend
+    )
     res = sweep(cos, passes, y, args.precision)
     if args.seed_evidence:
         res["seeded"] = _seed(settings, args.seed_evidence, args.tenant, q1, q2, y, verifier)
     res["verifier"] = use_verifier
-    res["verifier_threshold"] = settings.cache.verifier_threshold if use_verifier else None
+    res["verifier_threshold"] = settings.cache.verifier.threshold if use_verifier else None
     res["config"] = args.config
     return res

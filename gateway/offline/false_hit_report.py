@@ -24,7 +24,9 @@ def read_false_hits(url: str, settings: Settings) -> dict[str, Any]:
             return {}
         store = EvidenceStore(sessionmaker(engine))
         return {
-            **rates(evidence_of(store.since(0.0), settings.cache.ageing, time.time()), settings.cache),
+            **rates(
+                evidence_of(store.since(0.0), settings.cache.error_bound.ageing, time.time()), settings.cache
+            ),
             "audit_backend_tokens": store.backend_tokens(),
         }
     finally:

@@ -53,7 +53,7 @@ class CoreSplit:
 
 
 def split_cores(setting: str, available: frozenset[int]) -> CoreSplit:
-    """``[gateway] builtin_backend_cpus``: "auto" gives the engine every core but the first and keeps
+    """``[engine] cpus`` under `cachegw serve`: "auto" gives the engine every core but the first and keeps
     that one for the gateway (HTTP, embeddings, verifier, SQL), when there are at least two, so the
     two never stall each other's threads; "all" shares every core; a CPU list gives the engine those
     cores and the gateway the rest (all of them if none is left)."""
@@ -65,7 +65,7 @@ def split_cores(setting: str, available: frozenset[int]) -> CoreSplit:
     engine = parse_cpus(setting) & available
     if not engine:
         raise ValueError(
-            f"[gateway] builtin_backend_cpus = {setting!r} names none of the cores this process may use "
+            f"[engine] cpus = {setting!r} names none of the cores this process may use "
             f"({format_cpus(available)})"
         )
     return CoreSplit(available - engine or None, engine)
@@ -107,7 +107,7 @@ class BuiltinBackend:
         if not port_is_free(self.host, self.port):
             raise RuntimeError(
                 f"port {self.port} on {self.host} is in use: the built-in backend cannot start there "
-                "(set [gateway] builtin_backend_port to a free port, or stop what listens on it)"
+                "(set [backend_server] port to a free port, or stop what listens on it)"
             )
 
     def _spawn(self) -> None:

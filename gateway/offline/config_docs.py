@@ -1,0 +1,32 @@
+"""docs/config.md, generated: ``python -m gateway.offline.config_docs > docs/config.md``.
+
+Every section and key of config.toml with its type, default and meaning, from the models
+(``gateway.config.Settings`` and the sections it holds) and the file's defaults;
+tests/test_config_reference.py fails when docs/config.md is not what this prints.
+"""
+
+from __future__ import annotations
+
+import tomllib
+
+from configtools.loader import DEFAULT_CONFIG_PATH
+from configtools.reference import render
+from gateway.config import Settings
+
+HEADER = """# Configuration reference
+
+Generated from the schema (`gateway/config.py`, `gateway/cache_config.py`, `backend/config.py`,
+`policies/canonicalize_config.py`) and [config.toml](../config.toml)'s defaults by `make config-docs`;
+do not edit by hand. config.toml's comments say more about each key. A user's file (`--config FILE`)
+needs only the keys it changes; an unknown key, a value out of range, or a key at a place it has moved
+from stops the start with an error naming it."""
+
+
+def reference() -> str:
+    with open(DEFAULT_CONFIG_PATH, "rb") as f:
+        defaults = tomllib.load(f)
+    return render(Settings, defaults, HEADER)
+
+
+if __name__ == "__main__":
+    print(reference(), end="")
