@@ -34,22 +34,28 @@ GATEWAY_TO_BACKEND = {
 }
 
 
+def imported(path: Path) -> list[str]:
+    """Every absolute import in a file, top-level or inside a function."""
+    names: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+    return names
+
+
 def imports() -> list[tuple[str, str, str]]:
     """(package, file, imported module) for every import of one of our packages by another."""
     out = []
     for pkg in PACKAGES:
         for path in sorted((ROOT / pkg).rglob("*.py")):
             rel = path.relative_to(ROOT).as_posix()
-            for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, ast.Import):
-                    names = [a.name for a in node.names]
-                elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                    names = [node.module]
-                else:
-                    continue
-                out += [
-                    (pkg, rel, m) for m in names if m.split(".")[0] in PACKAGES and m.split(".")[0] != pkg
-                ]
+            out += [
+                (pkg, rel, m)
+                for m in imported(path)
+                if m.split(".")[0] in PACKAGES and m.split(".")[0] != pkg
+            ]
     return out
 
 
@@ -165,15 +171,8 @@ def imports_of(folders: tuple[str, ...], forbidden: tuple[str, ...]) -> list[str
     wrong = []
     for folder in folders:
         for path in sorted((ROOT / folder).rglob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, ast.Import):
-                    names = [a.name for a in node.names]
-                elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                    names = [node.module]
-                else:
-                    continue
-                rel = path.relative_to(ROOT).as_posix()
-                wrong += [f"{rel} imports {m}" for m in names if m.split(".")[0] in forbidden]
+            rel = path.relative_to(ROOT).as_posix()
+            wrong += [f"{rel} imports {m}" for m in imported(path) if m.split(".")[0] in forbidden]
     return wrong
 
 
