@@ -49,11 +49,11 @@ def qqp_pairs(data: Path, rng: random.Random) -> Pairs:
 
 
 def banking_pairs(data: Path, rng: random.Random) -> Pairs:
-    from gateway.offline.calibrate import _encoder
+    from gateway.offline.calibrate import gateway_encoder
 
     with open(data / "banking77_train.csv", newline="") as f:
         rows = rng.sample(list(csv.DictReader(f)), TEXTS)
-    emb = _encoder("auto").encode([r["text"] for r in rows])
+    emb = gateway_encoder("auto").encode([r["text"] for r in rows])
     sims = emb @ emb.T
     np.fill_diagonal(sims, -1.0)
     nearest = sims.argmax(axis=1)
@@ -95,7 +95,7 @@ def verdicts(pairs: Pairs, llm: Any, max_tokens: int) -> dict[str, np.ndarray]:
     from backend.core.sampling_params import SamplingParams
     from gateway.cache.verifier_loader import load_verifier
     from gateway.config import load_settings
-    from gateway.offline.calibrate import _encoder
+    from gateway.offline.calibrate import gateway_encoder
 
     tok = llm.tokenizer
 
@@ -115,7 +115,7 @@ def verdicts(pairs: Pairs, llm: Any, max_tokens: int) -> dict[str, np.ndarray]:
     judged = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, logprobs=20))
     judge = np.array([judged_yes(o, tok) for o in judged])
     say(f"{len(prompts)} judge verdicts in {time.perf_counter() - start:.0f} s")
-    emb = _encoder("auto").encode([*a, *b])
+    emb = gateway_encoder("auto").encode([*a, *b])
     cos = np.einsum("ij,ij->i", emb[: len(a)], emb[len(a) :])
     same = np.array([" ".join(x.split()) == " ".join(z.split()) for x, z in zip(a, b, strict=True)])
     s = load_settings(None)

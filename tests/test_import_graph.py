@@ -204,3 +204,14 @@ def test_the_gateway_loads_no_torch_and_no_engine() -> None:
     )
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip() == "none"
+
+
+def test_no_module_is_over_400_lines() -> None:
+    """One idea a file: a module that grows past this is a place to split."""
+    long = []
+    for pkg in (*PACKAGES, "testkit"):
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            n = len(path.read_text().splitlines())
+            if n > 400:
+                long.append(f"{path.relative_to(ROOT).as_posix()}: {n} lines")
+    assert long == []

@@ -42,7 +42,7 @@ class CalibrateError(Exception):
 
 
 @functools.cache
-def _encoder(backend: str) -> SupportsEncode:
+def gateway_encoder(backend: str) -> SupportsEncode:
     """The gateway's encoder (``[cache] embed_backend``), loaded once per process; all cores, since
     calibration embeds in batches and nothing else runs."""
     return make_encoder(backend, threads=os.cpu_count() or 1)
@@ -69,7 +69,7 @@ def score_pairs(
     ua, ub = [str(a[i]) for i in ok], [str(b[i]) for i in ok]
     texts = sorted(set(ua) | set(ub))
     log.info("embedding %d distinct questions from %d pairs", len(texts), len(q1))
-    emb = _encoder(backend).encode(texts, show_progress=len(texts) >= PROGRESS_FROM)
+    emb = gateway_encoder(backend).encode(texts, show_progress=len(texts) >= PROGRESS_FROM)
     row = {t: i for i, t in enumerate(texts)}
     ea, eb = emb[[row[t] for t in ua]], emb[[row[t] for t in ub]]
     cos = np.full(len(q1), -1.0)  # a pair the gateway cannot look up semantically is never a hit

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from gateway.offline.calibrate import _encoder, gateway_query
+from gateway.offline.calibrate import gateway_encoder, gateway_query
 from gateway.storage.evidence_store import EvidenceRow, EvidenceStore
 from policies.canonicalize import CanonicalizeConfig
 from policies.verifier import DecisionRule, Verifier
@@ -32,7 +32,7 @@ def seed_scores(
     ok = [i for i in range(len(a)) if a[i] is not None and b[i] is not None]
     ua, ub = [str(a[i]) for i in ok], [str(b[i]) for i in ok]
     texts = sorted(set(ua) | set(ub))
-    emb = _encoder(backend).encode(texts)
+    emb = gateway_encoder(backend).encode(texts)
     row = {t: i for i, t in enumerate(texts)}
     ea, eb = emb[[row[t] for t in ua]], emb[[row[t] for t in ub]]
     out = np.full(len(q1), np.nan)

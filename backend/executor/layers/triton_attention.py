@@ -21,12 +21,12 @@ included, is defined), runs the kernels on CPU tensors for tests.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 
 from backend.executor.layers.attention import AttentionMetadata
+from backend.executor.layers.kv_splits import default_splits
 
 try:
     import triton
@@ -322,7 +322,7 @@ def paged_attention_triton(
     block_m = max(group_pad, min(cap, max(16, triton.next_power_of_2(meta.max_query_len * group_pad))))
     block_n = 64 if d_pad <= 64 else 32
     if num_splits is None:
-        num_splits = _default_splits(meta, num_seqs * kv_heads, block_n, q.device, window)
+        num_splits = default_splits(meta, num_seqs * kv_heads, block_n, q.device, window)
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     if num_splits > 1:
@@ -388,24 +388,3 @@ def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     """The kernels address both caches with one set of strides and a unit-stride head_dim."""
     if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError("k_cache and v_cache must have equal shapes/strides and a contiguous last dim")
-
-
-def _default_splits(
-    meta: AttentionMetadata, programs: int, block_n: int, device: torch.device, window: int | None = None
-) -> int:
-    """Split the KV range only for decode-only batches too small to fill the GPU.
-
-    Uses Python ints only (batch shape, SM count, ``meta.max_seq_len``), so it never syncs. Each
-    split keeps at least two KV tiles of work; the answer is rounded down to a power of two.
-    """
-    if meta.max_query_len != 1 or device.type != "cuda":
-        return 1
-    span = min(meta.max_seq_len, window or meta.max_seq_len)  # a decode reads at most its window
-    want = min(2 * _sm_count(device) // programs, triton.cdiv(span, 2 * block_n), 32)
-    return 1 << (want.bit_length() - 1) if want > 1 else 1
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_properties(index).multi_processor_count
