@@ -31,7 +31,7 @@ def section_error(error: ValidationError, section: str) -> ValueError:
             unknown.append(key)
         else:
             shown = f"{key}={e['input']!r}" if not isinstance(e["input"], Mapping) else key
-            invalid.append(f"{shown}: {e['msg']}")
+            invalid.append(f"{shown}: {_meaning(key, e)}")
     if unknown:
         return ValueError(f"config [{section}]: unknown keys {sorted(unknown)}")
     return ValueError(f"invalid {section} config value(s): {'; '.join(invalid)}")
@@ -43,3 +43,12 @@ def typed_section(cls: type[T], raw: Mapping[str, Any], section: str) -> T:
         return cls.model_validate(dict(raw))
     except ValidationError as e:
         raise section_error(e, section) from None
+
+
+def _meaning(key: str, error: Any) -> str:
+    """Pydantic's message, except a choice, which names every allowed value as the docs do."""
+    if error["type"] != "literal_error":
+        return str(error["msg"])
+    expected = str(error.get("ctx", {}).get("expected", ""))
+    choices = [c.strip().strip("'\"") for c in expected.replace(" or ", ", ").split(", ") if c.strip()]
+    return f"{key.rsplit('.', 1)[-1]} is one of {', '.join(choices)}"
