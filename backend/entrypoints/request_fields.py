@@ -4,7 +4,7 @@ The shared request models (``protocol/requests.py``) ignore unknown fields, beca
 passes bodies on to backends that may honour them. The engine parses with the same models plus
 ``extra="allow"`` and answers every field it would otherwise drop: a field that cannot change the
 output is accepted (``NO_OP``); a field it does not implement is accepted only with the value that
-changes nothing (OpenAI's default, or null); anything else is a 400 naming the field. README.md
+changes nothing (OpenAI's default, or null); anything else is a 400 naming the field. docs/engine.md
 has the table, field by field.
 """
 

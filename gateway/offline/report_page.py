@@ -48,7 +48,7 @@ def sections(s: Summary) -> list[tuple[str, str, list[str], str | None]]:
         (
             "Miss and bypass reasons",
             "Why requests went to the backend: the cacheability rule of a bypass, or why the nearest "
-            "stored answer was refused on a miss (README: x-cache-reason).",
+            "stored answer was refused on a miss (docs/caching.md: x-cache-reason).",
             ["reasons"],
             None,
         ),
