@@ -89,7 +89,7 @@ async def started_gateway(
         port = settings.backend_server.port
         builtin = BuiltinBackend("127.0.0.1", port, settings.config_path, engine_cpus)
         await builtin.start()
-        specs = [BackendSpec(url=builtin.url, drafts=True)]
+        specs = [BackendSpec(url=builtin.url, drafts=True, pins=True)]
     g = settings.gateway
     retry_after = max(1, math.ceil(g.probe_interval_s))  # a down backend is re-checked that soon
     backends = Backends(specs, g.connect_timeout_s, g.backend_timeout_s, g.routing, retry_after)

@@ -57,6 +57,10 @@ class BackendSpec(_Strict):
     drafts: bool = Field(
         default=False, description="a cachegw engine: a refused near miss's answer goes as `cachegw_draft`"
     )
+    pins: bool = Field(
+        default=False,
+        description="a cachegw engine: prompt-cache pins (Anthropic `cache_control`) go as `cache_pins`",
+    )
     _key: str = PrivateAttr("")
 
     @field_validator("url")

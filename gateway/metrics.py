@@ -101,6 +101,13 @@ class GatewayMetrics:
         self.requests = Counter(
             "cachegw_gateway_requests", "Requests by cache result", ["result"], registry=r
         )
+        self.by_api = Counter(
+            "cachegw_gateway_api_requests",
+            "Requests by the API the client called (chat, completions, responses, messages, embeddings)"
+            " and cache result",
+            ["api", "result"],
+            registry=r,
+        )
         self.lookup = Histogram(
             "cachegw_gateway_lookup_seconds", "Cache lookup time", buckets=_BUCKETS, registry=r
         )
@@ -169,6 +176,7 @@ class GatewayMetrics:
     def observe_request(self, r: RequestRecord) -> None:
         """Count a finished request by its result: latency, similarity, a backend's prompt tokens."""
         self.requests.labels(r.cache_result.value).inc()
+        self.by_api.labels(r.api or "chat", r.cache_result.value).inc()
         if r.similarity is not None and r.cache_result != CacheResult.EXACT_HIT:
             self.similarity.labels(r.cache_result.value).observe(r.similarity)
         self.total.labels(r.cache_result.value).observe(r.total_ms / 1e3)

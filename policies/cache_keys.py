@@ -43,6 +43,10 @@ _NOT_OUTPUT = frozenset(
         "service_tier",
         "priority",
         "cachegw_draft",  # a speculative-decoding hint: the answer is the same with or without it
+        # prompt caching: what the backend keeps of the prompt, and where (never the answer)
+        "cache_pins",
+        "prompt_cache_key",
+        "prompt_cache_retention",
     }
 )
 

@@ -83,10 +83,16 @@ class Gateway:
             raise ApiError(400, "x-cache-ttl must be a positive number of seconds.", param="x-cache-ttl")
         return min(int(raw), settings.cache.max_ttl_seconds)
 
-    async def handle(self, request: Request, endpoint: str) -> Response:
+    async def handle(
+        self, request: Request, endpoint: str, api: str | None = None, raw: bytes | None = None
+    ) -> Response:
+        """Answer one chat or completions request. The other APIs (``api``: responses, messages) come
+        translated into a chat body (``raw``), so every API shares one cache; their routes translate the
+        answer back (gateway/api/)."""
         settings = self.settings  # one consistent view for the whole request
         tenant = self.tenants.from_headers(request.headers)
-        raw = await read_limited_body(request, settings.gateway.max_request_bytes)
+        if raw is None:
+            raw = await read_limited_body(request, settings.gateway.max_request_bytes)
         parse_request(ChatCompletionRequest if endpoint == "chat" else CompletionRequest, raw)
         body = load_json(raw)  # NaN, Infinity or 1e400 get a 400 here: they cannot be forwarded
         if body.get("model") == "":
@@ -102,6 +108,7 @@ class Gateway:
         )
         cacheable = decide(body, request.headers, policy)
         flow = Flow.begin(endpoint, tenant, model, body, cacheable)
+        flow.record.api = api or endpoint
         restore = self.store.reply_restorer(tenant.cache_key)
         learn = not cacheable.keeps_nothing  # no-store: not even its system prompt is kept
         flow.canonicalized(

@@ -58,6 +58,7 @@ class RequestRecord:
     system_hash: str | None = None
     query_hash: str | None = None
     query: str | None = None  # the start of the last user message, if configured
+    api: str | None = "chat"  # the route's API: chat, completions, responses, messages, embeddings
 
     @property
     def is_hit(self) -> bool:

@@ -95,6 +95,9 @@ class RequestRow(Base):
     system_hash: Mapped[str | None] = mapped_column(String(16), nullable=True)
     query_hash: Mapped[str | None] = mapped_column(String(16), nullable=True)
     query: Mapped[str | None] = mapped_column(Text, nullable=True)  # first 500 chars, if configured
+    # the API the client called (chat, completions, responses, messages, embeddings); `endpoint` is the
+    # cache's shape (chat or completions) the request was served through
+    api: Mapped[str | None] = mapped_column(String(16), nullable=True)
 
 
 class Reply(Base):

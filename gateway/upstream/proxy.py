@@ -69,6 +69,7 @@ class Backends:
         self.urls = [s.url for s in specs]
         self._headers = {s.url: s.upstream_headers() for s in specs}
         self.takes_drafts = {s.url for s in specs if s.drafts}
+        self.takes_pins = {s.url for s in specs if s.pins}
         timeout = httpx.Timeout(read_timeout, connect=connect_timeout)
         # An idle connection is dropped after KEEPALIVE_S, before the server's own idle timeout (5 s in
         # uvicorn, so in vLLM, SGLang and our engine) closes it: with equal timeouts, a request sent on
@@ -179,7 +180,10 @@ class Backends:
 
     def _drafted(self, url: str, body: dict[str, Any], draft: str | None) -> dict[str, Any]:
         """The body with ``cachegw_draft`` for a backend that takes drafts (the gateway's draft over
-        the client's own); without it for any other, which may not know the field."""
+        the client's own); without it for any other, which may not know the field. ``cache_pins``
+        (gateway/api/messages_api.py) likewise goes only to backends that pin."""
+        if "cache_pins" in body and url not in self.takes_pins:  # a backend that cannot pin: no pins
+            body = {k: v for k, v in body.items() if k != "cache_pins"}
         if url in self.takes_drafts:
             return {**body, "cachegw_draft": draft} if draft else body
         return {k: v for k, v in body.items() if k != "cachegw_draft"} if "cachegw_draft" in body else body
