@@ -32,6 +32,7 @@ from gateway.storage.admin_store import AdminStore
 from gateway.storage.entry_ids import EntryIds
 from gateway.storage.evidence_store import EvidenceStore
 from gateway.storage.recorder import Recorder
+from gateway.storage.responses_store import ResponsesStore
 from gateway.storage.store import Store
 from gateway.upstream.health import HealthProbes
 from gateway.upstream.proxy import Backends
@@ -111,6 +112,8 @@ async def started_gateway(
     tenants = Tenants(settings.tenants)
     entry_ids = EntryIds(admin_token)
     volatile = VolatileLearner()
+    responses = ResponsesStore(store.session, clock)
+    retention_s = settings.gateway.responses_retention_days * 86400
     pipeline = Gateway(
         live,
         tenants,
@@ -138,10 +141,15 @@ async def started_gateway(
         metrics=metrics,
         feedback=BadHitReports(cache, admin, recorder, entry_ids, metrics, auditor),
         auditor=auditor,
+        responses=responses,
     )
     recorder.start()
     chores = [
         asyncio.create_task(_every(EXPIRY_EVERY_S, cache.expire), name="cachegw-expiry"),
+        asyncio.create_task(
+            _every(EXPIRY_EVERY_S, lambda: asyncio.to_thread(responses.prune, retention_s)),
+            name="cachegw-responses-retention",
+        ),
         asyncio.create_task(_every(HIT_FLUSH_S, cache.flush_hits), name="cachegw-hits"),
         asyncio.create_task(_every(SETTINGS_POLL_S, live.refresh), name="cachegw-settings"),
         asyncio.create_task(_every(DISCOVER_EVERY_S, backends.list_models), name="cachegw-discovery"),

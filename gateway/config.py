@@ -124,6 +124,9 @@ class GatewayConfig(_Strict):
     metrics_token: str = Field(description='/metrics needs "Authorization: Bearer TOKEN"; "" = no token')
     metrics_host: str = Field(description="with metrics_port: the address of the /metrics listener")
     metrics_port: int = Field(ge=0, le=65535, description="0 = /metrics on the gateway's own port")
+    responses_retention_days: float = Field(
+        gt=0, description="stored Responses (previous_response_id, GET) are deleted after this many days"
+    )
 
     @field_validator("backends", mode="before")
     @classmethod

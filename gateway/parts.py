@@ -20,6 +20,7 @@ from gateway.request.tenants import Tenants
 from gateway.request.volatile_learner import VolatileLearner
 from gateway.storage.admin_store import AdminStore
 from gateway.storage.entry_ids import EntryIds
+from gateway.storage.responses_store import ResponsesStore
 from gateway.storage.store import Store
 from gateway.upstream.proxy import Backends
 
@@ -39,6 +40,7 @@ class Parts:
     metrics: GatewayMetrics
     feedback: BadHitReports
     auditor: Auditor | None
+    responses: ResponsesStore  # the Responses API's stored responses
 
     @property
     def settings(self) -> Settings:

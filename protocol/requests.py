@@ -20,18 +20,18 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 M = TypeVar("M", bound=BaseModel)
 
 
-def _param_path(loc: tuple[int | str, ...]) -> str | None:
+def _param_path(loc: tuple[int | str, ...], fields: frozenset[str]) -> str | None:
     """('messages', 0, 'content', 'str') -> 'messages[0].content': union branch tags are dropped."""
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in _FIELD_NAMES:
+        elif part in fields:
             out += f".{part}" if out else part
     return out or None
 
 
-def validation_error(exc: ValidationError) -> ApiError:
+def validation_error(exc: ValidationError, fields: frozenset[str] | None = None) -> ApiError:
     """The first problem of a failed parse, in OpenAI's words where it has them.
 
     A union reports one error per branch; the deepest one says most (``content[0].type`` over
@@ -40,7 +40,7 @@ def validation_error(exc: ValidationError) -> ApiError:
     errors = exc.errors(include_url=False)
     same_field = [e for e in errors if e["loc"][:1] == errors[0]["loc"][:1]]
     err = max(same_field, key=lambda e: len(e["loc"]))
-    kind, param = err["type"], _param_path(tuple(err["loc"]))
+    kind, param = err["type"], _param_path(tuple(err["loc"]), fields or _FIELD_NAMES)
     if kind == "json_invalid":
         return ApiError(400, "We could not parse the JSON body of your request. Please send valid JSON.")
     if kind == "missing":
@@ -217,9 +217,10 @@ def load_json(raw: bytes) -> Any:
         raise ApiError(400, f"We could not parse the JSON body of your request: {why}.") from None
 
 
-def parse_request(model: type[M], raw: bytes) -> M:
-    """Parse and validate a JSON body; raises ApiError(400) for malformed JSON or bad fields."""
+def parse_request(model: type[M], raw: bytes, fields: frozenset[str] | None = None) -> M:
+    """Parse and validate a JSON body; raises ApiError(400) for malformed JSON or bad fields.
+    ``fields``: the names an error's parameter path may use (the chat and completions fields if None)."""
     try:
         return model.model_validate_json(raw, strict=True)
     except ValidationError as exc:
-        raise validation_error(exc) from None
+        raise validation_error(exc, fields) from None

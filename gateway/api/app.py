@@ -24,6 +24,7 @@ from gateway.api.deps import (
     TenantsDep,
 )
 from gateway.api.metrics_http import metrics_response
+from gateway.api.responses_api import responses_router
 from gateway.cache.feedback import parse_feedback
 from gateway.parts import Parts
 from protocol.errors import ApiError
@@ -48,6 +49,7 @@ def build_app(parts_factory) -> FastAPI:
         app, lambda status, code: state["parts"].metrics.count_error(status, code) if state else None
     )
     app.include_router(admin_router())
+    app.include_router(responses_router())
 
     @app.get("/admin", include_in_schema=False)
     async def dashboard() -> Response:

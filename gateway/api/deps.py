@@ -22,6 +22,7 @@ from gateway.request.tenants import Tenants
 from gateway.request.volatile_learner import VolatileLearner
 from gateway.storage.admin_store import AdminStore
 from gateway.storage.entry_ids import EntryIds
+from gateway.storage.responses_store import ResponsesStore
 from gateway.storage.store import Store
 from gateway.upstream.proxy import Backends
 from protocol.errors import ApiError
@@ -50,6 +51,7 @@ PipelineDep = Annotated[Gateway, Depends(_part(lambda p: p.pipeline))]
 CacheDep = Annotated[ResponseCache, Depends(_part(lambda p: p.cache))]
 StoreDep = Annotated[Store, Depends(_part(lambda p: p.store))]
 AdminStoreDep = Annotated[AdminStore, Depends(_part(lambda p: p.admin))]
+ResponsesDep = Annotated[ResponsesStore, Depends(_part(lambda p: p.responses))]
 ReportsDep = Annotated[BadHitReports, Depends(_part(lambda p: p.feedback))]
 # the settings: in force (config.toml with run-time changes), and where changes go
 SettingsDep = Annotated[Settings, Depends(_part(lambda p: p.live.current))]

@@ -10,7 +10,7 @@ Hits and misses alike come out of the pipeline as chat, so both are replayed in 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, Protocol
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -23,6 +23,10 @@ Convert = Callable[[dict[str, Any], int], tuple[dict[str, Any], int]]
 
 class StreamShape(Protocol):
     """Writes one API's stream events from a chat stream's pieces (each call returns SSE bytes)."""
+
+    def start(self) -> Iterable[bytes]:
+        """The opening events, before the first piece (the response or message created)."""
+        ...
 
     def text(self, piece: str) -> Iterable[bytes]: ...
 
@@ -53,21 +57,32 @@ def _headers_of(response: Response) -> dict[str, str]:
     return {k: v for k, v in response.headers.items() if k.lower() not in skip}
 
 
-def translated(response: Response, convert: Convert, shape: Callable[[], StreamShape]) -> Response:
+def translated(
+    response: Response,
+    convert: Convert,
+    shape: Callable[[], StreamShape],
+    settle: Callable[[], Awaitable[None]] | None = None,
+) -> Response:
     """The pipeline's chat answer in another API's shape: ``convert(body, status)`` for JSON (errors
-    included: it returns the body and status to send), ``shape()`` for a stream."""
+    included: it returns the body and status to send), ``shape()`` for a stream. A stream's ``settle``
+    is awaited once its closing events are written and before they are sent (a Response is stored
+    before the client reads ``response.completed`` and may go on from it)."""
     if isinstance(response, StreamingResponse):
-        events = _translate_stream(response.body_iterator, shape())
+        events = _translate_stream(response.body_iterator, shape(), settle)
         return StreamingResponse(events, media_type="text/event-stream", headers=_headers_of(response))
     body, status = convert(_body_of(response), response.status_code)
     return JSONResponse(body, status_code=status, headers=_headers_of(response))
 
 
-async def _translate_stream(chunks: AsyncIterable[Any], shape: StreamShape) -> AsyncIterator[bytes]:
+async def _translate_stream(
+    chunks: AsyncIterable[Any], shape: StreamShape, settle: Callable[[], Awaitable[None]] | None
+) -> AsyncIterator[bytes]:
     """The chat stream's events in ``shape``; the inner stream is closed with this one, so a client that
     goes away still ends the backend's stream and its bookkeeping (gateway/upstream/streams.py)."""
     splitter, recorder = sse.EventSplitter(), SseRecorder("chat")
     failed = False
+    for out in shape.start():
+        yield out
     try:
         async for chunk in chunks:
             for event in splitter.feed(chunk if isinstance(chunk, bytes) else str(chunk).encode()):
@@ -92,7 +107,10 @@ async def _translate_stream(chunks: AsyncIterable[Any], shape: StreamShape) -> A
             await close()
     if failed:
         return
-    for out in shape.finish(recorder.complete_response(), recorder.usage):
+    closing = list(shape.finish(recorder.complete_response(), recorder.usage))
+    if settle is not None:
+        await settle()
+    for out in closing:
         yield out
 
 

@@ -181,3 +181,15 @@ Index(
     sqlite_where=CacheEntry.bad.is_(False),
     postgresql_where=CacheEntry.bad.is_(False),
 ).ddl_if(dialect=("sqlite", "postgresql"))
+
+
+class StoredResponse(Base):
+    """A Response the gateway returned (the Responses API with ``store``), so a later request can go on
+    from it (``previous_response_id``) and clients can read or delete it; one tenant's only."""
+
+    __tablename__ = "responses"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(64), index=True)
+    created_at: Mapped[float] = mapped_column(Float, index=True)  # pruned by age
+    response: Mapped[str] = mapped_column(Text)  # the Response object, JSON
+    items: Mapped[str] = mapped_column(Text)  # the whole conversation's input items before it, JSON
