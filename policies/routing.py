@@ -5,7 +5,8 @@ requests that share a prompt prefix should reach the same backend. ``prefix`` ro
 the root of its conversation (the messages up to the first user message; for completions, the start of the
 prompt) and orders the backends by rendezvous hashing on that key: every turn of a conversation, and every
 request with the same system prompt and opening question, goes to the same backend, conversations spread
-evenly, and adding or removing a backend moves only the keys it owned. ``round_robin`` spreads requests
+evenly, and adding or removing a backend moves only the keys it owned. A ``prompt_cache_key`` in the
+request replaces the conversation root as the key (``routing_key``). ``round_robin`` spreads requests
 with no affinity (for backends without a prefix cache); ``first`` sends everything to the first listed
 backend that serves the model and uses the others only when it is down.
 
@@ -31,7 +32,13 @@ PROMPT_PREFIX_CHARS = 2048
 
 
 def routing_key(endpoint: str, body: dict[str, Any]) -> str:
-    """The part of a (canonicalized) request that later requests of the same conversation repeat."""
+    """The part of a (canonicalized) request that later requests of the same conversation repeat.
+
+    A client's ``prompt_cache_key`` (OpenAI's field) says which requests share a prefix: it is the key
+    alone, so every conversation that gives it lands on one backend, whatever its first question."""
+    cache_key = body.get("prompt_cache_key")
+    if isinstance(cache_key, str) and cache_key:
+        return json.dumps({"prompt_cache_key": cache_key}, ensure_ascii=False)
     if endpoint == "chat":
         root: list[Any] = []
         for message in body.get("messages") or []:

@@ -334,3 +334,23 @@ def test_a_backend_down_at_start_gets_traffic_once_it_is_up(
     finally:
         engine.shutdown()
     assert rows[0][0] == backend_url and rows[-1][0] == late
+
+
+def test_a_prompt_cache_key_routes_every_conversation_that_gives_it_to_one_backend() -> None:
+    urls = [f"http://b{i}:8000/v1" for i in range(8)]
+    router = Router("prefix")
+    system = {"role": "system", "content": "You are a support agent for ACME."}
+    firsts = [
+        router.order(urls, "chat", {"messages": [system, {"role": "user", "content": q}]})[0]
+        for q in "abcdefgh"
+    ]
+    assert len(set(firsts)) > 1  # without a key, different first questions spread
+    keyed = [
+        router.order(
+            urls, "chat", {"messages": [system, {"role": "user", "content": q}], "prompt_cache_key": "acme"}
+        )[0]
+        for q in "abcdefgh"
+    ]
+    assert len(set(keyed)) == 1
+    other = {"messages": [system, {"role": "user", "content": "a"}], "prompt_cache_key": "globex"}
+    assert routing_key("chat", other) != routing_key("chat", {**other, "prompt_cache_key": "acme"})
