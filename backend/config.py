@@ -83,6 +83,13 @@ class EngineConfig(Strict):
     omp_wait_policy: Literal["auto", "active", "passive", "runtime"] = Field(
         description="how idle OpenMP threads wait; auto = passive with more than one thread"
     )
+    pinned_kv_share: float = Field(
+        ge=0, le=1, description="most of the KV pool pinned prompt prefixes may hold; 0 = no pins"
+    )
+    pin_max_ttl_s: float = Field(gt=0, description="longest ttl a cache_pins entry may ask for, seconds")
+    pin_in_memory_ttl_s: float = Field(
+        gt=0, description='how long prompt_cache_retention "in_memory" pins the prompt, seconds'
+    )
     compile: Literal["background", "startup", "off"] = Field(
         description="decode steps through torch.compile: in a thread after start-up | before serving | off"
     )

@@ -253,6 +253,21 @@ class BlockManager:
             table[i] = FREED
         return max(0, end - start)
 
+    def hold(self, block_hash: bytes) -> int | None:
+        """Take a reference on the findable block of ``block_hash`` (a pin's), or None if none is."""
+        block_id = self.cached.get(block_hash)
+        if block_id is None:
+            return None
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free[block_id]
+        block.ref_count += 1
+        return block_id
+
+    def release(self, block_id: int) -> None:
+        """Drop a reference taken by ``hold``: at none left, the block is evictable again."""
+        self._release(block_id)
+
     def _release(self, block_id: int) -> None:
         block = self.blocks[block_id]
         block.ref_count -= 1

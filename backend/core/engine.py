@@ -18,6 +18,7 @@ from backend.core.block_manager import BlockManager
 from backend.core.detokenizer import IncrementalDetokenizer
 from backend.core.kv_tier import TierStats, offload_for
 from backend.core.outputs import EngineStats, RequestOutput, request_output
+from backend.core.pins import PinTable
 from backend.core.prompt_logprobs import record as record_prompt_logprobs
 from backend.core.sampling_params import InvalidParameter, SamplingParams
 from backend.core.scheduler import Scheduler
@@ -74,11 +75,13 @@ class LLMEngine:
             sinks=self.runner.sinks,
             tier=self.kv_tier,
         )
+        self.pins = PinTable(self.block_manager, int(config.pinned_kv_share * self.runner.num_blocks))
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_num_seqs,
             config.max_num_batched_tokens,
             speculative_max_seqs=config.speculative_max_seqs,
+            pins=self.pins,
         )
         self.eos_token_ids = self._eos_ids(hf_config, GenerationConfig)
         self.grammars = GrammarCompiler(
@@ -266,6 +269,7 @@ class LLMEngine:
                 self.prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
             seq.num_computed_tokens += n
             self.block_manager.cache_computed_blocks(seq)
+            self.pins.on_computed(seq)  # before the window frees any block of the prompt
             self.block_manager.free_outside_window(seq)
         now = time.time()
         touched: dict[str, SequenceGroup] = {}
@@ -388,4 +392,5 @@ class LLMEngine:
             spec_decode_draft_tokens=self.spec_draft_tokens,
             spec_decode_accepted_tokens=self.spec_accepted_tokens,
             compiled_decode_steps=self.runner.compiled.steps if self.runner.compiled else 0,
+            pinned_blocks={"pool": self.pins.num_pool_blocks, "tier": self.pins.num_tier_blocks},
         )

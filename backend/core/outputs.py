@@ -48,6 +48,7 @@ class RequestOutput:
     # Per prompt token (the first is None), when the request asked for prompt logprobs.
     prompt_logprobs: list[dict | None] | None = None
     num_generated_tokens: int = 0  # every sample's tokens, best_of's discarded ones included
+    num_pinned_tokens: int = 0  # prompt tokens held by pins after this request (backend/core/pins.py)
 
 
 @dataclass
@@ -68,6 +69,7 @@ class EngineStats:
     )
     prefix_cache_hits_by_tier: dict[str, int] = field(default_factory=dict)  # tokens: pool, ram, disk
     kv_tier: TierStats = field(default_factory=lambda: TierStats({}, {}, {}, {}))
+    pinned_blocks: dict[str, int] = field(default_factory=dict)  # blocks held by pins: pool, tier
 
 
 def request_output(group: SequenceGroup) -> RequestOutput:
@@ -106,4 +108,5 @@ def request_output(group: SequenceGroup) -> RequestOutput:
         metrics,
         prompt_logprobs=list(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None,
         num_generated_tokens=sum(s.num_output_tokens for s in group.seqs),
+        num_pinned_tokens=max(seq.num_pinned_tokens, 0),
     )

@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from backend.core.pins import PinRequest
+
 
 class InvalidParameter(ValueError):
     """A bad request value; ``param`` names it so the server can answer in OpenAI's error shape."""
@@ -80,6 +82,8 @@ class SamplingParams:
     # A guess at the output (``cachegw_draft``): speculative decoding's first proposal source. It
     # can only make decoding faster or slower, never change what is generated.
     draft: str | None = None
+    # Prompt prefixes to keep in the KV cache after this request (``backend/core/pins.py``).
+    pins: tuple[PinRequest, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

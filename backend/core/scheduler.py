@@ -17,6 +17,10 @@ it (``MAX_PRIORITY`` bounds priorities), so that is a finite set and nothing sta
 preempted over and over. ``waiting`` is sorted on insertion; ``running`` (at most
 ``max_num_seqs``) at each step. Unlike vLLM's priority policy, a waiting request never preempts a
 running one to get in: it waits for one to finish, or to be preempted when a running one needs blocks.
+
+Pinned prefixes (``backend/core/pins.py``) hold blocks of their own: expired pins are released at the
+start of each step, and when nothing runs and the first waiting sequence still cannot get its blocks,
+pinned blocks are taken back one at a time until it can, so pins never stall the engine.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from backend.core.block_manager import BlockManager
+from backend.core.pins import PinTable
 from backend.core.sequence import Sequence, SequenceStatus
 
 PRIORITY_AGING_S = 1.0  # seconds of waiting worth one priority level
@@ -56,8 +61,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         priority_aging_s: float = PRIORITY_AGING_S,
         speculative_max_seqs: int = 1,
+        pins: PinTable | None = None,
     ) -> None:
         self.block_manager = block_manager
+        self.pins = pins
         self.priority_aging_s = priority_aging_s
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -85,6 +92,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
+        if self.pins is not None:
+            self.pins.expire()
         budget = self.max_num_batched_tokens
         picked: list[tuple[Sequence, int]] = []
         preempted = 0
@@ -137,7 +146,7 @@ class Scheduler:
             seq = self.waiting[0]
             cached = bm.find_cached_prefix(seq)
             n = min(seq.num_tokens - len(cached) * bm.block_size, budget)
-            if not bm.can_allocate(seq, cached, n):
+            if not self._room_for(seq, cached, n):
                 break
             bm.allocate(seq, cached, n)  # counts the prefix-cache hit (per tier) on first admission
             if seq.num_cached_tokens < 0:  # first time: this is the request's prefix-cache hit
@@ -148,6 +157,13 @@ class Scheduler:
             self.running.append(seq)
             picked.append((seq, n))
             budget -= n
+
+    def _room_for(self, seq: Sequence, cached: list[int], n: int) -> bool:
+        """Can ``seq`` start now? With nothing running, pins give back blocks until it can."""
+        while not self.block_manager.can_allocate(seq, cached, n):
+            if self.running or self.pins is None or not self.pins.yield_block():
+                return False
+        return True
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free_blocks(seq)

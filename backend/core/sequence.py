@@ -50,6 +50,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks, computed lazily
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
+        self.num_pinned_tokens = -1  # prompt tokens its pins hold, once its prompt is computed
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
@@ -89,6 +90,7 @@ class Sequence:
         child.num_computed_tokens = self.num_computed_tokens
         child.block_hashes = list(self.block_hashes)
         child.num_cached_tokens = self.num_cached_tokens
+        child.num_pinned_tokens = self.num_pinned_tokens
         child.first_scheduled_time = self.first_scheduled_time
         child.prompt_logprobs = self.prompt_logprobs  # complete and read-only by now: shared
         return child

@@ -59,6 +59,7 @@ class EngineStatsCollector(Collector):
         for name, doc, field in _GAUGES:
             yield GaugeMetricFamily(PREFIX + name, doc, value=getattr(s, field))
         yield from _tier_metrics(s)
+        yield _pinned(s)
 
     def describe(self) -> Iterator[Metric]:
         # Lets the registry check names at registration without reading the engine.
@@ -67,6 +68,16 @@ class EngineStatsCollector(Collector):
         for name, doc, _ in _GAUGES:
             yield GaugeMetricFamily(PREFIX + name, doc)
         yield from _tier_metrics(None)
+        yield _pinned(None)
+
+
+def _pinned(s: EngineStats | None) -> Metric:
+    """Blocks held by pins (cache_pins, prompt_cache_retention): in the pool, or recorded in the tier."""
+    doc = "KV blocks held by pinned prompt prefixes, by where they are kept (pool, tier)."
+    family = GaugeMetricFamily(PREFIX + "kv_pinned_blocks", doc, labels=["where"])
+    for where, n in (s.pinned_blocks if s is not None else {}).items():
+        family.add_metric([where], n)
+    return family
 
 
 _HITS_DOC = "Prompt tokens found in the prefix cache, by the tier they came from (pool, ram, disk)."

@@ -72,7 +72,10 @@ def usage(out: RequestOutput) -> dict[str, Any]:
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
+        "prompt_tokens_details": {
+            "cached_tokens": out.num_cached_tokens,
+            "pinned_tokens": out.num_pinned_tokens,  # held by pins now (backend/core/pins.py)
+        },
     }
 
 

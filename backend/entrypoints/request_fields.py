@@ -37,8 +37,11 @@ _COMPLETIONS_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "suffix": ((), "insertion (a suffix) is not implemented"),
 }
 CHAT_UNSUPPORTED = _CHAT_ONLY
-# Honoured, but read from the extra fields (``tools.py``) since the shared model does not carry them.
-CHAT_HONOURED = frozenset({"tools", "tool_choice", "parallel_tool_calls"})
+# Honoured, but read from the extra fields (``tools.py``, ``pin_fields.py``) since the shared model does
+# not carry them. prompt_cache_retention is honoured on chat (a pin) and a no-op on completions.
+CHAT_HONOURED = frozenset(
+    {"tools", "tool_choice", "parallel_tool_calls", "cache_pins", "prompt_cache_retention"}
+)
 COMPLETIONS_UNSUPPORTED = _COMPLETIONS_ONLY
 
 

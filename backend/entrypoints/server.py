@@ -37,6 +37,7 @@ from backend.entrypoints.openai_mapping import (
     sampling_params,
     usage,
 )
+from backend.entrypoints.pin_fields import pin_requests, requested_pins
 from backend.entrypoints.request_fields import EngineChatRequest, EngineCompletionRequest, check_fields
 from backend.entrypoints.tool_prompt import answer_constraint, chat_prompt_ids, request_tools
 from backend.entrypoints.tool_responses import tool_chunks, tool_message
@@ -214,12 +215,15 @@ class _Server:
         self.check_model(req.model)
         check_fields(req)
         top = req.logprobs_k()
+        asks = requested_pins(req, self.engine.engine.config)
         tools = request_tools(req, self.tokenizer)
         ids = await self.in_tokenizer_thread(self.chat_ids, req, tools)
         room = self.engine.longest_request - len(ids)
         params = self.sampling_params(req, req.resolved_max_tokens(room), top)
         params.structured = answer_constraint(tools, params.structured)
         params.skip_special_tokens = not (tools and tools.calls_possible and tools.special)
+        if asks:
+            params.pins = await self.in_tokenizer_thread(pin_requests, self.tokenizer, req, tools, ids, asks)
         shaper = _ChatShaper(
             f"chatcmpl-{uuid.uuid4().hex}",
             self.model_name,

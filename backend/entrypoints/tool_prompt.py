@@ -176,8 +176,11 @@ def _generic(messages: list[ChatMessage], req: ToolRequest | None, fmt: ToolForm
     return out
 
 
-def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage], req: ToolRequest | None) -> list[int]:
-    """The prompt's token ids; ApiError(400) if the template rejects the conversation."""
+def chat_prompt_ids(
+    tokenizer: Any, messages: list[ChatMessage], req: ToolRequest | None, generation_prompt: bool = True
+) -> list[int]:
+    """The prompt's token ids; ApiError(400) if the template rejects the conversation. Without the
+    generation prompt: a prefix of the conversation, as a pin measures it (``pin_fields.py``)."""
     templated = template_format(tokenizer)
     kwargs: dict[str, Any] = {}
     if templated is not None:
@@ -188,7 +191,7 @@ def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage], req: ToolReques
         conversation = _generic(messages, req, req.format if req else HERMES)
     try:
         ids = tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs
+            conversation, add_generation_prompt=generation_prompt, tokenize=True, return_dict=False, **kwargs
         )
     except Exception as exc:  # template errors are the request's fault (roles, order...)
         raise ApiError(400, f"The chat template rejected the messages: {exc}", param="messages") from None
