@@ -33,10 +33,14 @@ def _usage(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
         return None
     prompt = int(chat_usage.get("prompt_tokens") or 0)
     completion = int(chat_usage.get("completion_tokens") or 0)
-    cached = int((chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    details = chat_usage.get("prompt_tokens_details") or {}
+    cached = int(details.get("cached_tokens") or 0)
+    input_details: dict[str, int] = {"cached_tokens": cached}
+    if details.get("pinned_tokens") is not None:  # a backend that pins (prompt_cache_retention)
+        input_details["cache_write_tokens"] = max(0, int(details["pinned_tokens"]) - cached)
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": cached},
+        "input_tokens_details": input_details,
         "output_tokens": completion,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt + completion,
