@@ -122,7 +122,8 @@ class Embeddings:
         model = req.model or ""
         candidates = await self.backends.route(model or None)  # 404 for an unknown model, before any work
         ttl = Gateway._ttl(request, settings)  # x-cache-ttl, read as chat reads it
-        cacheable = decide({}, request.headers, CachePolicy())  # only the request's Cache-Control decides
+        # nothing samples (no body field of the table applies): the request's Cache-Control decides
+        cacheable = decide({}, request.headers, CachePolicy(serve_temperature_above_zero=True))
         flow = Flow.begin(ENDPOINT, tenant, model, {}, cacheable)
         flow.record.api = ENDPOINT
         options = {"encoding_format": req.encoding_format or "float", "dimensions": req.dimensions}
