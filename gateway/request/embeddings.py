@@ -78,7 +78,7 @@ def _bad_backend(url: str, why: str) -> ApiError:
 
 def _embeddings_of(data: dict[str, Any], count: int, url: str) -> list[Any]:
     """The ``count`` embeddings of a backend's answer, by their ``index``."""
-    items = data.get("data")
+    items = data.get("data") if isinstance(data, dict) else None
     if not isinstance(items, list) or len(items) != count:
         raise _bad_backend(url, f"does not hold {count} embeddings")
     out: list[Any] = [None] * count
@@ -147,9 +147,9 @@ class Embeddings:
                 return JSONResponse(data, status_code=status, headers=self._headers(flow, found, len(inputs)))
             named = data.get("model")
             served_model = named if isinstance(named, str) else model
-            usage = {
-                k: v for k, v in (data.get("usage") or {}).items() if k in ("prompt_tokens", "total_tokens")
-            }
+            told = data.get("usage")
+            if isinstance(told, dict):
+                usage = {k: v for k, v in told.items() if k in ("prompt_tokens", "total_tokens")}
             if use_cache and cacheable.may_store:
                 await self._store(flow, missing, served_model, ttl)
         else:  # every input from the cache: the name the backend gave when it computed the first
