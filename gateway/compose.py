@@ -25,6 +25,7 @@ from gateway.live_settings import LiveSettings
 from gateway.metrics import BackendCounts, GatewayMetrics
 from gateway.parts import Parts
 from gateway.request.admin_auth import AdminAuth, resolve_admin_token
+from gateway.request.embeddings import Embeddings
 from gateway.request.pipeline import Gateway
 from gateway.request.tenants import PrefixSalts, Tenants
 from gateway.request.volatile_learner import VolatileLearner
@@ -130,6 +131,7 @@ async def started_gateway(
     parts = Parts(
         live=live,
         pipeline=pipeline,
+        embeddings=Embeddings(live, tenants, cache, backends, metrics, recorder, entry_ids),
         cache=cache,
         store=store,
         admin=admin,

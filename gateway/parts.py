@@ -15,6 +15,7 @@ from gateway.config import Settings
 from gateway.live_settings import LiveSettings
 from gateway.metrics import GatewayMetrics
 from gateway.request.admin_auth import AdminAuth
+from gateway.request.embeddings import Embeddings
 from gateway.request.pipeline import Gateway
 from gateway.request.tenants import Tenants
 from gateway.request.volatile_learner import VolatileLearner
@@ -29,6 +30,7 @@ from gateway.upstream.proxy import Backends
 class Parts:
     live: LiveSettings  # the settings in force (config.toml with run-time changes) and where changes go
     pipeline: Gateway  # one request through the stages
+    embeddings: Embeddings  # /v1/embeddings: an exact entry per input
     cache: ResponseCache
     store: Store
     admin: AdminStore

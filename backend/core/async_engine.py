@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from functools import partial
+from typing import TypeVar
 
 from backend.core.engine import EngineStats, LLMEngine
 from backend.core.outputs import RequestOutput
@@ -23,6 +24,7 @@ from backend.core.sampling_params import SamplingParams
 log = logging.getLogger("cachegw.backend")
 
 FinishListener = Callable[[RequestOutput], None]
+T = TypeVar("T")
 
 
 class EngineError(RuntimeError):
@@ -157,6 +159,37 @@ class AsyncEngine:
                 yield out
         finally:
             stream.close()
+
+    async def run_between_steps(self, fn: Callable[[LLMEngine], T]) -> T:
+        """``fn(engine)`` in the loop thread, between two steps, and its result (or its exception).
+
+        For work on the model outside the scheduler (an embeddings forward): it never overlaps a step
+        and holds the loop for as long as it runs, so callers keep each call about one step's size."""
+        if self._stopped:
+            raise EngineDeadError("the engine is shut down")
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[T] = loop.create_future()
+
+        def settle(result: T | None, exc: BaseException | None) -> None:
+            if done.done():
+                return
+            if exc is None:
+                done.set_result(result)  # type: ignore[arg-type]
+            else:
+                done.set_exception(exc)
+
+        def command() -> None:
+            try:
+                result, exc = fn(self.engine), None
+            except Exception as e:
+                result, exc = None, e
+            try:
+                loop.call_soon_threadsafe(settle, result, exc)
+            except RuntimeError:  # the caller's loop is closed: nobody waits any more
+                pass
+
+        self._submit(command)
+        return await done
 
     def abort(self, request_id: str) -> None:
         """Abort a request by id (no-op when it is unknown or done)."""

@@ -29,6 +29,7 @@ from backend.core.async_engine import AsyncEngine, EngineDeadError, EngineError,
 from backend.core.outputs import CompletionOutput, RequestOutput
 from backend.core.sampling_params import InvalidParameter, SamplingParams
 from backend.entrypoints.choices import CompletionShaper, Cursors, Echo, Shaper
+from backend.entrypoints.embeddings import EmbeddingsEndpoint
 from backend.entrypoints.metrics import ServerMetrics
 from backend.entrypoints.openai_mapping import (
     TokenTexts,
@@ -331,6 +332,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, max_request_bytes: in
     install_error_handlers(app)
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/embeddings", EmbeddingsEndpoint(server).create, methods=["POST"])
     app.add_api_route("/v1/models", server.list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model:path}", server.get_model, methods=["GET"])
     app.add_api_route("/health", server.health, methods=["GET"])

@@ -17,6 +17,7 @@ from gateway.live_settings import LiveSettings
 from gateway.metrics import GatewayMetrics
 from gateway.parts import Parts
 from gateway.request.admin_auth import AdminAuth
+from gateway.request.embeddings import Embeddings
 from gateway.request.pipeline import Gateway
 from gateway.request.tenants import Tenants
 from gateway.request.volatile_learner import VolatileLearner
@@ -47,6 +48,7 @@ def _part(get: Callable[[Parts], T]) -> Callable[[Request], T]:
 
 
 PipelineDep = Annotated[Gateway, Depends(_part(lambda p: p.pipeline))]
+EmbeddingsDep = Annotated[Embeddings, Depends(_part(lambda p: p.embeddings))]
 # what is stored, and the cache over it
 CacheDep = Annotated[ResponseCache, Depends(_part(lambda p: p.cache))]
 StoreDep = Annotated[Store, Depends(_part(lambda p: p.store))]

@@ -161,6 +161,51 @@ class ResponseCache:
             created_at=now,
             expires_at=now + ttl_seconds,
         )
+        return await self._put(entry, keys, embedding, replies)
+
+    async def insert_exact(
+        self,
+        tenant: str,
+        model: str,
+        endpoint: str,
+        keys: RequestKeys,
+        response: dict,
+        ttl_seconds: int,
+        query_text: str = "",
+    ) -> int:
+        """Store an answer that only an exact repeat may be served (one input's embedding): no
+        judging of choices, no vector, finish "stop"; ``query_text`` is what the dashboard shows of
+        the request. Returns its entry id."""
+        body = json.dumps(response, ensure_ascii=False)
+        now = self.clock()
+        entry = CacheEntry(
+            tenant=tenant,
+            model=model,
+            endpoint=endpoint,
+            scope="",
+            exact_key=keys.exact,
+            query_text=query_text,
+            response=body,
+            finish_reason="stop",
+            max_tokens=None,
+            embedding=None,
+            prompt_tokens=0,
+            completion_tokens=0,
+            size_bytes=len(body.encode()),
+            created_at=now,
+            expires_at=now + ttl_seconds,
+        )
+        return await self._put(entry, keys, None, None)
+
+    async def _put(
+        self,
+        entry: CacheEntry,
+        keys: RequestKeys,
+        embedding: np.ndarray | None,
+        replies: dict[str, str] | None,
+    ) -> int:
+        """Commit the entry as its key's one live answer, then bring every view and the totals along."""
+        scope = entry.scope
         async with self._storing.hold(keys.exact):
             entry_id, replaced = await asyncio.to_thread(self.store.put_entry, entry, replies)
             # the key's earlier answer is gone from the database: from every view here too (only what
