@@ -23,6 +23,7 @@ from gateway.api.deps import (
     SettingsDep,
     TenantsDep,
 )
+from gateway.api.messages_api import messages_router
 from gateway.api.metrics_http import metrics_response
 from gateway.cache.feedback import parse_feedback
 from gateway.parts import Parts
@@ -48,6 +49,7 @@ def build_app(parts_factory) -> FastAPI:
         app, lambda status, code: state["parts"].metrics.count_error(status, code) if state else None
     )
     app.include_router(admin_router())
+    app.include_router(messages_router())  # Anthropic's /v1/messages, through the chat pipeline
 
     @app.get("/admin", include_in_schema=False)
     async def dashboard() -> Response:
