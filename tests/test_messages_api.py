@@ -188,6 +188,7 @@ def test_bad_requests_get_anthropic_errors(gw: str) -> None:
         anthropic_error(http.post("/v1/messages", content=b"{not json"), 400, "invalid_request_error")
         metrics = http.get("/metrics").text
     assert 'cachegw_gateway_errors_total{code="invalid_request_error",status="400"}' in metrics
+    assert 'cachegw_gateway_api_requests_total{api="messages",result="miss"}' in metrics
     with pytest.raises(anthropic.NotFoundError) as err:  # the SDK reads the shape as its own
         create(gw, model="no-such-model", messages=user("Hi"))
     assert err.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
@@ -262,10 +263,12 @@ def test_a_failed_stream_ends_with_an_anthropic_error_event() -> None:
 
 
 def test_litellm_as_a_client(gw: str) -> None:
+    """LiteLLM's Anthropic provider posts to {api_base}/v1/messages with x-api-key, as the SDK does."""
     litellm = pytest.importorskip("litellm")
     ask = user("What is the capital of Italy?")
     first, _ = create(gw, messages=ask)
     answer = litellm.completion(
         model=f"anthropic/{MODEL}", api_base=gw, api_key="tenant-a", messages=ask, max_tokens=32
     )
-    assert answer.choices[0].message.content == text_of(first)  # served from the entry the SDK made
+    assert answer._hidden_params["additional_headers"]["llm_provider-x-cache"] == "exact-hit"
+    assert answer.choices[0].message.content == text_of(first)  # the entry the SDK's request made
