@@ -11,7 +11,7 @@ each one covers, and how long to keep them); backends that cannot pin never see 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -171,25 +171,25 @@ def parse_messages_request(raw: bytes) -> MessagesRequest:
 class _Pins:
     """Breakpoints as ``cache_pins``: the leading chat messages each covers, and for how long."""
 
-    count: int = 0
-    ttl_by_messages: dict[int, int] | None = None
+    seen: list[tuple[int, int]] = field(default_factory=list)  # (messages, ttl seconds), in order
 
     def add(self, control: CacheControl | None, messages: int) -> None:
-        if control is None:
-            return
-        self.count += 1
-        if self.count > MAX_BREAKPOINTS:
+        if control is not None:
+            self.seen.append((messages, control.seconds))
+
+    def as_field(self) -> list[dict[str, int]]:
+        """The pins, one per message count (the longest ttl asked for it); a 400 past Anthropic's limit."""
+        if len(self.seen) > MAX_BREAKPOINTS:
             raise ApiError(
                 400,
                 f"A maximum of {MAX_BREAKPOINTS} blocks with cache_control may be provided. "
-                f"Found {self.count}.",
+                f"Found {len(self.seen)}.",
                 param="cache_control",
             )
-        pins = self.ttl_by_messages = self.ttl_by_messages or {}
-        pins[messages] = max(pins.get(messages, 0), control.seconds)
-
-    def field(self) -> list[dict[str, int]]:
-        return [{"messages": k, "ttl": t} for k, t in sorted((self.ttl_by_messages or {}).items())]
+        ttl: dict[int, int] = {}
+        for messages, seconds in self.seen:
+            ttl[messages] = max(ttl.get(messages, 0), seconds)
+        return [{"messages": k, "ttl": t} for k, t in sorted(ttl.items())]
 
 
 def _joined(blocks: list[TextBlock]) -> str:
@@ -270,7 +270,7 @@ def _assistant(msg: Message, i: int, out: list[dict[str, Any]], pins: _Pins) -> 
         message["tool_calls"] = calls
     out.append(message)
     for block in msg.content:
-        pins.add(block.cache_control, len(out))  # type: ignore[union-attr]
+        pins.add(block.cache_control, len(out))
 
 
 def _tool_choice(choice: ToolChoice) -> Any:
@@ -317,8 +317,8 @@ def to_chat_body(req: MessagesRequest) -> dict[str, Any]:
         body["user"] = req.metadata.user_id
     if req.stream:
         body |= {"stream": True, "stream_options": {"include_usage": True}}
-    if pins.ttl_by_messages:
-        body["cache_pins"] = pins.field()
+    if cache_pins := pins.as_field():
+        body["cache_pins"] = cache_pins
     return body
 
 
