@@ -124,6 +124,8 @@ def messages_router() -> APIRouter:
 
     @router.post("/v1/messages")
     async def messages(request: Request) -> Response:
+        """Anthropic's Messages API over the gateway's one cache (docs/apis.md); parts are read here,
+        not through dependencies, so that even "the gateway is starting" is in Anthropic's shape."""
         metrics = None
         try:
             parts = started(request)
