@@ -43,6 +43,7 @@ def test_keys_mode_names_configured_keys_and_refuses_others() -> None:
     alice = t.from_headers({"authorization": "Bearer sk-alice-1"})
     assert (alice.name, alice.id) == ("alice", key_hash("sk-alice-1"))
     assert t.from_headers({"api-key": "sk-bob-2"}).name == "bob"
+    assert t.from_headers({"x-api-key": "sk-bob-2"}).name == "bob"  # Anthropic's header
     for auth, message in [("Bearer nope", "Incorrect API key"), (None, "didn't provide")]:
         with pytest.raises(ApiError) as err:
             t.resolve(auth)

@@ -1,4 +1,5 @@
-"""Who is asking: the API key in `Authorization: Bearer` (or an `api-key` header) names the tenant.
+"""Who is asking: the API key in `Authorization: Bearer` (or an `api-key` or Anthropic's `x-api-key`
+header) names the tenant.
 
 Open mode: any key is its own tenant. Keys mode: only configured keys, by name. Either way a key
 is stored only as a hash, and the cache is keyed by that hash (or by "*" when the config shares
@@ -42,9 +43,9 @@ class Tenants:
         return f"group\0{group}" if group is not None else tenant.cache_key
 
     def resolve(self, authorization: str | None, api_key: str | None = None) -> Tenant:
-        """From ``Authorization: Bearer KEY``, else Azure's ``api-key: KEY`` header, else another
-        scheme's whole credential ("Basic ..."), so that no client that sends a key shares the
-        anonymous tenant."""
+        """From ``Authorization: Bearer KEY``, else Azure's ``api-key: KEY`` (or Anthropic's
+        ``x-api-key``) header, else another scheme's whole credential ("Basic ..."), so that no client
+        that sends a key shares the anonymous tenant."""
         key = ""
         if authorization and authorization.strip():
             scheme, _, value = authorization.strip().partition(" ")
@@ -66,7 +67,7 @@ class Tenants:
         return Tenant(h, name, "*" if self.config.shared_cache else h)
 
     def from_headers(self, headers: Mapping[str, str]) -> Tenant:
-        return self.resolve(headers.get("authorization"), headers.get("api-key"))
+        return self.resolve(headers.get("authorization"), headers.get("api-key") or headers.get("x-api-key"))
 
     def id_of(self, name_or_id: str) -> str:
         """A tenant named in the admin API: a configured name, else taken as the key hash itself."""
