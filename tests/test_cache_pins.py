@@ -332,3 +332,43 @@ def test_null_pins_and_completions_retention_change_nothing(served) -> None:
     body = {"prompt": "Hello", "max_tokens": 1, "prompt_cache_retention": "in_memory"}
     resp = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
     assert resp.status_code == 200 and resp.json()["usage"]["prompt_tokens_details"]["pinned_tokens"] == 0
+
+
+def test_anthropic_cache_control_through_the_gateway_survives_a_flood(served, tmp_path) -> None:
+    """End to end: the anthropic SDK's `cache_control` on the system prompt, through the gateway, pins
+    the prefix in the engine; after a flood of other prompts it is read from the cache
+    (`cache_read_input_tokens`), while the same-size prompt sent without a breakpoint was evicted."""
+    anthropic = pytest.importorskip("anthropic")
+    from gateway.api.app import build_app
+    from gateway.compose import started_gateway
+    from gateway.config import load_settings
+    from testkit.servers import serve_in_thread
+
+    engine, url, clock = served
+    clear_pins(url, clock)
+    settings = load_settings(None, data_dir=str(tmp_path), backends=({"url": f"{url}/v1", "pins": True},))
+    app = build_app(lambda: started_gateway(settings, progress=False))
+    with serve_in_thread(app, lifespan="on") as gw:
+        client = anthropic.Anthropic(base_url=gw, api_key="tenant-a", max_retries=0, timeout=120)
+
+        def ask(system: str, question: str, breakpoint: bool) -> Any:
+            block: dict[str, Any] = {"type": "text", "text": system}
+            if breakpoint:
+                block["cache_control"] = {"type": "ephemeral"}
+            return client.messages.create(
+                model="SmolLM2-135M-Instruct",
+                max_tokens=1,
+                system=[block],
+                messages=[{"role": "user", "content": question}],
+            ).usage
+
+        pinned, plain = system_prompt("botany"), system_prompt("zoology")
+        first = ask(pinned, "What is a leaf?", True)
+        assert first.cache_creation_input_tokens >= 8 * 16  # written under the pin
+        ask(plain, "What is a cat?", False)
+        for i in range(6):  # unrelated prompts straight to the engine: more than the whole pool
+            chat(url, system_prompt(f"topic {i} of the flood", 16), f"Question {i}?", f"flood-{i}")
+        again = ask(pinned, "What is a root?", True)
+        other = ask(plain, "What is a dog?", False)
+        assert again.cache_read_input_tokens >= first.cache_creation_input_tokens
+        assert other.cache_read_input_tokens < first.cache_creation_input_tokens // 2
