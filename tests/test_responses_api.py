@@ -255,3 +255,13 @@ def test_an_openai_agents_sdk_agent_runs_a_tool_through_the_gateway(gw):
     assert result.final_output == f"Sunny, 24 C in {seen[0]}"
     kinds = [item.type for item in result.new_items]
     assert "tool_call_item" in kinds and "tool_call_output_item" in kinds
+
+
+def test_litellm_as_a_client_of_the_responses_api(gw, monkeypatch):
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch of the price list
+    litellm = pytest.importorskip("litellm")
+    kw = {"model": f"openai/{MODEL}", "api_base": f"{gw}/v1", "api_key": "tenant-a", "temperature": 0}
+    first = litellm.responses(input="Name a planet.", max_output_tokens=24, **kw)
+    again = litellm.responses(input="Name a planet.", max_output_tokens=24, **kw)
+    text = lambda r: "".join(p.text for item in r.output if item.type == "message" for p in item.content)  # noqa: E731
+    assert text(first) and text(again) == text(first) and again.id != first.id
