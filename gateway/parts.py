@@ -20,7 +20,7 @@ from gateway.request.tenants import Tenants
 from gateway.request.volatile_learner import VolatileLearner
 from gateway.storage.admin_store import AdminStore
 from gateway.storage.entry_ids import EntryIds
-from gateway.storage.store import Store
+from gateway.storage.interfaces import ReplyStore
 from gateway.upstream.proxy import Backends
 
 
@@ -29,7 +29,7 @@ class Parts:
     live: LiveSettings  # the settings in force (config.toml with run-time changes) and where changes go
     pipeline: Gateway  # one request through the stages
     cache: ResponseCache
-    store: Store
+    replies: ReplyStore  # the reply texts canonicalization restores (the admin API clears them)
     admin: AdminStore
     backends: Backends
     tenants: Tenants

@@ -22,7 +22,7 @@ from gateway.request.tenants import Tenants
 from gateway.request.volatile_learner import VolatileLearner
 from gateway.storage.admin_store import AdminStore
 from gateway.storage.entry_ids import EntryIds
-from gateway.storage.store import Store
+from gateway.storage.interfaces import ReplyStore
 from gateway.upstream.proxy import Backends
 from protocol.errors import ApiError
 
@@ -48,7 +48,7 @@ def _part(get: Callable[[Parts], T]) -> Callable[[Request], T]:
 PipelineDep = Annotated[Gateway, Depends(_part(lambda p: p.pipeline))]
 # what is stored, and the cache over it
 CacheDep = Annotated[ResponseCache, Depends(_part(lambda p: p.cache))]
-StoreDep = Annotated[Store, Depends(_part(lambda p: p.store))]
+StoreDep = Annotated[ReplyStore, Depends(_part(lambda p: p.replies))]
 AdminStoreDep = Annotated[AdminStore, Depends(_part(lambda p: p.admin))]
 ReportsDep = Annotated[BadHitReports, Depends(_part(lambda p: p.feedback))]
 # the settings: in force (config.toml with run-time changes), and where changes go
