@@ -16,6 +16,12 @@ from configtools import Strict, section_error, typed_section
 from configtools.cpus import parse_cpus
 from configtools.loader import load_toml
 
+# The built-in engine's keys that [gateway] held before the engine had sections of its own.
+MOVED: dict[str, str] = {
+    "gateway.builtin_backend_port": "[backend_server] port",
+    "gateway.builtin_backend_cpus": '[engine] cpus ("auto" | "all" | a CPU list)',
+}
+
 
 class EngineConfig(Strict):
     """Settings of the built-in engine (config.toml [engine])."""
@@ -150,9 +156,9 @@ class BackendServerConfig(Strict):
 
 
 def load_engine_config(path: str | os.PathLike[str] | None = None, **overrides: Any) -> EngineConfig:
-    cfg = typed_section(EngineConfig, load_toml(path)["engine"], "engine")
+    cfg = typed_section(EngineConfig, load_toml(path, MOVED)["engine"], "engine")
     return cfg.with_overrides(**overrides)
 
 
 def load_backend_server_config(path: str | os.PathLike[str] | None = None) -> BackendServerConfig:
-    return typed_section(BackendServerConfig, load_toml(path)["backend_server"], "backend_server")
+    return typed_section(BackendServerConfig, load_toml(path, MOVED)["backend_server"], "backend_server")

@@ -6,7 +6,7 @@
    checked (no key left with two live rows);
 3. ``Store(url)`` opens it again: the start-up cost once the index exists;
 4. ``--puts`` stores of new keys (nothing to replace) and of existing keys (one entry replaced), each
-   ``Store.put_entry`` timed, against a plain insert in one transaction (what ``add_entry`` was).
+   ``SqlEntries.put_entry`` timed, against a plain insert in one transaction (what ``add_entry`` was).
 
     .venv/bin/python -m bench.live_key [--db URL] [--entries 200000] [--every 10] [--puts 300]
 """
@@ -23,7 +23,7 @@ from sqlalchemy import func, insert, select
 
 from bench.common import pct, save, say
 from bench.replica_sync import rows
-from gateway.storage.store import Store
+from gateway.storage.store import Store, sql_stores
 from gateway.storage.tables import LIVE_KEY_INDEX, CacheEntry
 
 
@@ -86,8 +86,9 @@ def measure(url: str, n: int, every: int, puts: int) -> dict:
         with store.session.begin() as s:
             s.add(e)
 
-    new = timed(store.put_entry, [f"new-{i}" for i in range(puts)])
-    replace = timed(store.put_entry, [f"key-{i}" for i in range(puts)])
+    entries = sql_stores(store).entries
+    new = timed(entries.put_entry, [f"new-{i}" for i in range(puts)])
+    replace = timed(entries.put_entry, [f"key-{i}" for i in range(puts)])
     insert_only = timed(plain, [f"plain-{i}" for i in range(puts)])
     left_after = live_copies(store)
     store.close()

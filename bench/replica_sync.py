@@ -34,7 +34,7 @@ from bench.common import pct, save, say
 from embeddings.index import ScopedIndex
 from gateway.cache.response_cache import ResponseCache
 from gateway.config import load_settings
-from gateway.storage.store import Store
+from gateway.storage.store import Store, sql_stores
 from gateway.storage.tables import CacheEntry
 
 DIM = 384
@@ -84,7 +84,7 @@ async def measure(url: str, n: int, changes: int) -> dict:
             conn.execute(text("ANALYZE"))
             conn.commit()
     config = load_settings(None).cache
-    b = ResponseCache(config, store, ScopedIndex(dim=DIM, background=False), None, None)
+    b = ResponseCache(config, sql_stores(store), ScopedIndex(dim=DIM, background=False), None, None)
     t0 = time.perf_counter()
     indexed = b.rebuild_index(progress=True)
     rebuild_s = time.perf_counter() - t0
@@ -96,12 +96,13 @@ async def measure(url: str, n: int, changes: int) -> dict:
         idle.append((time.perf_counter() - t0) * 1e3)
     # another replica (a second Store on the same database) stores, then deletes
     other = Store(url)
-    ids = [other.add_entry(CacheEntry(**r)) for r in rows(rng, n, changes, time.time())]
+    other_entries = sql_stores(other).entries
+    ids = [other_entries.add_entry(CacheEntry(**r)) for r in rows(rng, n, changes, time.time())]
     t0 = time.perf_counter()
     applied = await b.sync()
     sync_new_ms = (time.perf_counter() - t0) * 1e3
     assert applied == changes and len(b.index) == n + changes, (applied, len(b.index))
-    other.delete_entries(ids)
+    other_entries.delete_entries(ids)
     t0 = time.perf_counter()
     applied = await b.sync()
     sync_deleted_ms = (time.perf_counter() - t0) * 1e3

@@ -2,7 +2,8 @@
 
 Both `cachegw serve` (the gateway's sections) and `cachegw backend` (the engine's) read it here, so
 neither reaches into the other for loading. A key a user's file still names at its old place is an
-error saying where it went (``moved_keys``), never silently ignored.
+error saying where it went (``moved_keys``), never silently ignored; each reader passes the table of
+the keys it moved (``backend.config.MOVED``, ``gateway.cache_config.MOVED``).
 """
 
 from __future__ import annotations
@@ -15,30 +16,8 @@ from typing import Any
 
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config.toml"
 
-# Keys that moved, as "section.key" (dotted sub-tables) -> their new place.
-MOVED: dict[str, str] = {
-    "gateway.builtin_backend_port": "[backend_server] port",
-    "gateway.builtin_backend_cpus": '[engine] cpus ("auto" | "all" | a CPU list)',
-    "cache.embed_backend": "[cache.encoder] backend",
-    "cache.embed_threads": "[cache.encoder] threads",
-    "cache.embed_batch_window_ms": "[cache.encoder] batch_window_ms",
-    "cache.embed_max_batch": "[cache.encoder] max_batch",
-    "cache.verifier_threshold": "[cache.verifier] threshold",
-    "cache.verifier_path": "[cache.verifier] path",
-    "cache.cross_verifier": "[cache.verifier] cross_verifier",
-    "cache.cross_verifier_path": "[cache.verifier] cross_verifier_path",
-    "cache.max_false_hit_rate": "[cache.error_bound] max_false_hit_rate",
-    "cache.max_false_hit_rate_by_model": "[cache.error_bound] max_false_hit_rate_by_model",
-    "cache.max_false_hit_rate_by_tenant": "[cache.error_bound] max_false_hit_rate_by_tenant",
-    "cache.false_hit_confidence": "[cache.error_bound] false_hit_confidence",
-    "cache.evidence_max_age_s": "[cache.error_bound] evidence_max_age_s",
-    "cache.evidence_max_audits": "[cache.error_bound] evidence_max_audits",
-    "cache.audit_fraction": "[cache.audits] fraction",
-    "cache.audit_max_per_second": "[cache.audits] max_per_second",
-    "cache.audit_answer_cosine": "[cache.audits] answer_cosine",
-    "cache.audit_priority": "[cache.audits] priority",
-    "cache.audit_send_priority": "[cache.audits] send_priority",
-}
+# Keys that moved, as "section.key" (dotted sub-tables) -> their new place: what each reader passes.
+Moved = Mapping[str, str]
 
 
 def merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
@@ -51,32 +30,33 @@ def merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def moved_keys(user: Mapping[str, Any]) -> list[str]:
-    """Each key of a user's file that moved, with where it went."""
+def moved_keys(user: Mapping[str, Any], moved: Moved) -> list[str]:
+    """Each key of a user's file that moved, with where it went. A key that became a table of its
+    own name (``[cache] verifier`` -> ``[cache.verifier]``) has moved only when it is not a table."""
     found = []
-    for old, new in MOVED.items():
+    for old, new in moved.items():
         *tables, key = old.split(".")
         node: Any = user
         for t in tables:
             node = node.get(t) if isinstance(node, Mapping) else None
-        if isinstance(node, Mapping) and key in node:
-            found.append(f"[{'.'.join(tables)}] {key} is now {new}")
-    cache = user.get("cache")
-    if isinstance(cache, Mapping) and isinstance(cache.get("verifier"), bool):  # now a table
-        found.append("[cache] verifier is now [cache.verifier] enabled")
+        if not isinstance(node, Mapping) or key not in node:
+            continue
+        if isinstance(node[key], Mapping) and new.startswith(f"[{old}]"):
+            continue  # the new place itself
+        found.append(f"[{'.'.join(tables)}] {key} is now {new}")
     return found
 
 
-def load_toml(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
-    """The packaged defaults, with the user's file (if any) merged over them. A moved key is a
-    ValueError naming its new place."""
+def load_toml(path: str | os.PathLike[str] | None = None, moved: Moved | None = None) -> dict[str, Any]:
+    """The packaged defaults, with the user's file (if any) merged over them. A key of ``moved`` is
+    a ValueError naming its new place."""
     with open(DEFAULT_CONFIG_PATH, "rb") as f:
         data = tomllib.load(f)
     if path is not None:
         with open(path, "rb") as f:
             user = tomllib.load(f)
-        moved = moved_keys(user)
-        if moved:
-            raise ValueError(f"config {os.fspath(path)}: moved keys: {'; '.join(moved)}")
+        found = moved_keys(user, moved or {})
+        if found:
+            raise ValueError(f"config {os.fspath(path)}: moved keys: {'; '.join(found)}")
         data = merge(data, user)
     return data

@@ -42,6 +42,8 @@ FLAT: dict[str, tuple[str, str]] = {
         for k in ("fraction", "max_per_second", "answer_cosine", "priority", "send_priority")
     },
 }
+# The same keys as a user's config.toml may still name them: loading it fails naming the new place.
+MOVED: dict[str, str] = {f"cache.{flat}": f"[cache.{sub}] {field}" for flat, (sub, field) in FLAT.items()}
 
 
 def _in_range(values: dict[str, float], lo: float, hi: float, hi_open: bool, what: str) -> dict[str, float]:

@@ -32,9 +32,9 @@ from gateway.request.volatile_learner import VolatileLearner
 from gateway.storage.admin_store import AdminStore
 from gateway.storage.entry_ids import EntryIds
 from gateway.storage.evidence_store import EvidenceStore
-from gateway.storage.recorder import Recorder
+from gateway.storage.recorder import Recorder, SqlRequestLog
 from gateway.storage.responses_store import ResponsesStore
-from gateway.storage.store import Store
+from gateway.storage.store import Store, sql_stores
 from gateway.upstream.health import HealthProbes
 from gateway.upstream.proxy import Backends
 from gateway.upstream.supervisor import BuiltinBackend
@@ -58,6 +58,7 @@ async def started_gateway(
     data_dir = settings.data_dir
     data_dir.mkdir(parents=True, exist_ok=True)
     store = Store(settings.gateway.resolved_database_url(data_dir), clock)
+    stores = sql_stores(store)  # the entries, replies and change feed (gateway/storage/interfaces.py)
     live = LiveSettings(settings, AdminStore(store.session))
     settings = await asyncio.to_thread(live.load)  # run-time changes saved earlier win over the file
     admin_token = resolve_admin_token(settings.admin.token, data_dir)
@@ -82,7 +83,7 @@ async def started_gateway(
     )
     lines = ThresholdProvider(EvidenceStore(store.session), clock, c.error_bound.ageing)
     await asyncio.to_thread(lines.load)  # the false-hit evidence every replica wrote
-    cache = ResponseCache(live.cache_settings, store, index, batcher, verifier, lines)
+    cache = ResponseCache(live.cache_settings, stores, index, batcher, verifier, lines)
     n = await asyncio.to_thread(cache.rebuild_index, progress)
     log.info("cache: %d entries, %d in the vector index", cache.entries, n)
     builtin = None
@@ -108,7 +109,9 @@ async def started_gateway(
     metrics.watch_audits(
         auditor.counts, lambda: auditor.backend_tokens, lambda: lines.view(live.current.cache)
     )
-    recorder = Recorder(store, per_request=settings.gateway.request_log_commit == "per_request")
+    recorder = Recorder(
+        SqlRequestLog(store.session), per_request=settings.gateway.request_log_commit == "per_request"
+    )
     admin = AdminStore(store.session)
     tenants = Tenants(settings.tenants)
     entry_ids = EntryIds(admin_token)
@@ -121,7 +124,7 @@ async def started_gateway(
         volatile,
         cache,
         backends,
-        store,
+        stores.replies,
         metrics,
         recorder,
         PrefixSalts(admin_token),
@@ -133,7 +136,7 @@ async def started_gateway(
         pipeline=pipeline,
         embeddings=Embeddings(live, tenants, cache, backends, metrics, recorder, entry_ids),
         cache=cache,
-        store=store,
+        replies=stores.replies,
         admin=admin,
         backends=backends,
         tenants=tenants,

@@ -12,10 +12,12 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, field_validator, model_validator
 
+from backend.config import MOVED as ENGINE_MOVED
 from backend.config import BackendServerConfig, EngineConfig
 from configtools import Strict as _Strict
 from configtools import typed_section
 from configtools.loader import load_toml
+from gateway.cache_config import MOVED as CACHE_MOVED
 from gateway.cache_config import CacheConfig
 from policies.canonicalize_config import CanonicalizeConfig
 from policies.routing import RoutingMode
@@ -30,6 +32,9 @@ __all__ = [
     "load_settings",
 ]
 
+
+# Every key a user's file may still name at its old place (the engine's, then [cache]'s).
+MOVED: dict[str, str] = {**ENGINE_MOVED, **CACHE_MOVED}
 
 # Headers the gateway sets itself on every upstream request; a backend's ``headers`` may not replace them.
 _RESERVED_HEADERS = frozenset({"host", "content-length", "content-type", "transfer-encoding", "connection"})
@@ -258,7 +263,7 @@ def load_settings(path: str | os.PathLike[str] | None = None, **gateway_override
     """Packaged defaults, the user's file merged over them, then command-line overrides. The gateway's
     sections raise pydantic's ValidationError (naming the key), the engine's and [canonicalize] a
     ValueError naming theirs; a moved key, a ValueError naming its new place."""
-    raw = load_toml(path)
+    raw = load_toml(path, MOVED)
     gateway = {**raw["gateway"], **{k: v for k, v in gateway_overrides.items() if v is not None}}
     return Settings(
         gateway=GatewayConfig.model_validate(gateway),

@@ -21,8 +21,8 @@ from gateway.request.tenants import Tenants
 from gateway.request.volatile_learner import VolatileLearner
 from gateway.storage.admin_store import AdminStore
 from gateway.storage.entry_ids import EntryIds
+from gateway.storage.interfaces import ReplyStore
 from gateway.storage.responses_store import ResponsesStore
-from gateway.storage.store import Store
 from gateway.upstream.proxy import Backends
 
 
@@ -32,7 +32,7 @@ class Parts:
     pipeline: Gateway  # one request through the stages
     embeddings: Embeddings  # /v1/embeddings: an exact entry per input
     cache: ResponseCache
-    store: Store
+    replies: ReplyStore  # the reply texts canonicalization restores (the admin API clears them)
     admin: AdminStore
     backends: Backends
     tenants: Tenants

@@ -404,6 +404,7 @@ def test_settings_and_learned_thresholds_survive_a_restart(backend_url, tmp_path
 def test_a_database_from_an_older_version_gets_the_new_columns(tmp_path):
     import sqlite3
 
+    from gateway.storage.recorder import SqlRequestLog
     from gateway.storage.store import Store
 
     url = f"sqlite:///{tmp_path / 'old.db'}"
@@ -424,7 +425,7 @@ def test_a_database_from_an_older_version_gets_the_new_columns(tmp_path):
         assert {"response_id", "query", "backend"} <= cols
         assert "threshold" in {r[1] for r in conn.execute("PRAGMA table_info(cache_entries)")}
         assert "ix_requests_response_id" in {r[1] for r in conn.execute("PRAGMA index_list(requests)")}
-    store.log_requests(
+    SqlRequestLog(store.session).log_requests(
         [RequestRecord.from_dict(log_row(1) | {"response_id": "chatcmpl-1", "backend": "http://b/v1"})]
     )
     store.close()

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from gateway.offline.analyze import main_analyze, main_export
+from gateway.storage.recorder import SqlRequestLog
 from gateway.storage.request_record import RequestRecord
 from gateway.storage.store import Store
 from gateway.storage.tables import Feedback, RequestRow
@@ -82,7 +83,7 @@ def log_db(tmp_path_factory) -> tuple[str, list[dict], set[str], Path]:
     rows = [make_row(i, BASE + 270 * i) for i in range(40)]
     old = [make_row(40 + i, BASE - 86400 + i) for i in range(2)]
     store = Store(url)
-    store.log_requests([RequestRecord.from_dict(r) for r in rows + old])
+    SqlRequestLog(store.session).log_requests([RequestRecord.from_dict(r) for r in rows + old])
     flagged = [r for r in rows if r["cache_result"] == "semantic-hit"][:2]
     with store.session.begin() as s:
         for r in flagged:

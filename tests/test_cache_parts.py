@@ -13,7 +13,7 @@ from gateway.cache.exact import ExactTier
 from gateway.cache.memo import EntryMemo
 from gateway.cache.response_cache import ResponseCache
 from gateway.config import load_settings
-from gateway.storage.store import Store
+from gateway.storage.store import Store, sql_stores
 from gateway.storage.tables import CacheEntry
 from policies.cache_keys import request_keys
 from policies.cacheability import UNKNOWN_LENGTH, Freshness, answer_length, unservable
@@ -69,7 +69,8 @@ def keys(text: str, max_tokens: int | None = None):
 
 async def test_exact_tier_serves_what_fits_and_learns_keys_it_did_not_know(tmp_path):
     url = f"sqlite:///{tmp_path / 'exact.db'}"
-    here, there = Store(url), Store(url)
+    db_here, db_there = Store(url), Store(url)
+    here, there = sql_stores(db_here).entries, sql_stores(db_there).entries
     now = time.time()
     k = keys("hello")
     long_id = here.add_entry(entry(k.exact, now, completion_tokens=50))
@@ -86,12 +87,13 @@ async def test_exact_tier_serves_what_fits_and_learns_keys_it_did_not_know(tmp_p
     assert new_id in tier  # learned from the database
     tier.drop(new_id)
     assert new_id not in tier
-    here.close()
-    there.close()
+    db_here.close()
+    db_there.close()
 
 
 async def test_entry_memo_keeps_the_most_recently_used(tmp_path):
-    store = Store(f"sqlite:///{tmp_path / 'memo.db'}")
+    db = Store(f"sqlite:///{tmp_path / 'memo.db'}")
+    store = sql_stores(db).entries
     now = time.time()
     ids = [store.add_entry(entry(f"k{i}", now)) for i in range(3)]
     memo = EntryMemo(store, size=2)
@@ -99,15 +101,17 @@ async def test_entry_memo_keeps_the_most_recently_used(tmp_path):
     await memo.get([ids[0]])  # now the most recent
     assert set(await memo.get([ids[2], 999_999])) == {ids[2]}  # an unknown id is not found
     assert ids[0] in memo and ids[1] not in memo and ids[2] in memo
-    store.close()
+    db.close()
 
 
 async def test_every_part_reads_the_settings_in_force(tmp_path):
     """The cache reads its settings through a provider: a change applies without being assigned in."""
-    store = Store(f"sqlite:///{tmp_path / 'live.db'}")
+    db = Store(f"sqlite:///{tmp_path / 'live.db'}")
+    stores = sql_stores(db)
+    store = stores.entries
     base = load_settings(None).cache
     current = [base]
-    cache = ResponseCache(lambda: current[0], store, ScopedIndex(dim=4), None, None)
+    cache = ResponseCache(lambda: current[0], stores, ScopedIndex(dim=4), None, None)
     assert cache.threshold("m", "acme") == base.threshold
     current[0] = base.model_copy(
         update={"thresholds_by_tenant": {"acme": 0.5}, "max_entries": 4, "exact": False}
@@ -119,4 +123,4 @@ async def test_every_part_reads_the_settings_in_force(tmp_path):
         await cache.insert("t", "m", "chat", keys(f"q{i}"), None, answer, 60)
     assert cache.entries <= 4 and store.totals()[0] == cache.entries  # evicted under the new budget
     assert (await cache.lookup("t", "acme", "m", keys("q5"))).reason == "exact-only"  # exact tier off
-    store.close()
+    db.close()

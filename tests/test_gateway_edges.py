@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from embeddings.index import ScopedIndex
 from gateway.cache.response_cache import ResponseCache
 from gateway.config import load_settings
-from gateway.storage.store import Store
+from gateway.storage.store import Store, sql_stores
 from gateway.storage.tables import CacheEntry
 from gateway.upstream.streams import SseRecorder
 from policies.cache_keys import request_keys
@@ -199,6 +199,7 @@ def test_answers_with_the_same_text_committed_at_once_are_all_stored(gw):
 def test_store_commits_entries_whose_replies_race_for_one_key(tmp_path):
     """Four commits at once, each an entry with the same new reply text: all land (insert-or-ignore)."""
     store = Store(f"sqlite:///{tmp_path / 'race.db'}")
+    entries = sql_stores(store).entries
     errors: list[Exception] = []
 
     def add(key: str, barrier: threading.Barrier) -> None:
@@ -209,7 +210,7 @@ def test_store_commits_entries_whose_replies_race_for_one_key(tmp_path):
                            expires_at=now + 60)  # fmt: skip
         barrier.wait()
         try:
-            store.add_entry(entry, {f"reply-{key[:2]}": "Yes"})
+            entries.add_entry(entry, {f"reply-{key[:2]}": "Yes"})
         except Exception as exc:  # noqa: BLE001 - the test reports any
             errors.append(exc)
 
@@ -221,7 +222,7 @@ def test_store_commits_entries_whose_replies_race_for_one_key(tmp_path):
         for t in threads:
             t.join()
     assert not errors, errors[0]
-    assert store.totals()[0] == 80
+    assert entries.totals()[0] == 80
     store.close()
 
 
@@ -312,7 +313,7 @@ async def test_answers_without_usage_are_served_only_where_their_length_is_known
     the response is written here by hand) had its answer stored as 0 tokens long: served to any
     max_tokens. Now a "stop" answer is known to fit only the limit it was asked with."""
     store = Store(f"sqlite:///{tmp_path / 'usage.db'}")
-    cache = ResponseCache(load_settings(None).cache, store, ScopedIndex(dim=4), None, None)
+    cache = ResponseCache(load_settings(None).cache, sql_stores(store), ScopedIndex(dim=4), None, None)
     answer = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "A long answer"},
                            "finish_reason": "stop"}]}  # fmt: skip
 
@@ -334,12 +335,14 @@ async def test_remembered_replies_are_pruned_and_flushed(tmp_path):
     clock = MovableClock()
     store = Store(f"sqlite:///{tmp_path / 'replies.db'}", clock)
     config = settings.cache.model_copy(update={"max_ttl_seconds": 60})
-    cache = ResponseCache(config, store, ScopedIndex(dim=4), None, None)
-    store.remember_replies({"k-old": "an old reply"})
+    stores = sql_stores(store)
+    cache = ResponseCache(config, stores, ScopedIndex(dim=4), None, None)
+    replies = stores.replies
+    replies.remember_replies({"k-old": "an old reply"})
     clock.advance(61)
-    store.remember_replies({"k-new": "a new reply"})
+    replies.remember_replies({"k-new": "a new reply"})
     await cache.expire()
-    assert store.lookup_reply("k-old") is None and store.lookup_reply("k-new") == "a new reply"
-    store.clear_replies()
-    assert store.lookup_reply("k-new") is None
+    assert replies.lookup_reply("k-old") is None and replies.lookup_reply("k-new") == "a new reply"
+    replies.clear_replies()
+    assert replies.lookup_reply("k-new") is None
     store.close()

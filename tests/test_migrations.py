@@ -17,7 +17,7 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Engine, MetaData, create_engine, insert, select, text
 
 from gateway.storage import migrate
-from gateway.storage.store import Store
+from gateway.storage.store import Store, sql_stores
 from gateway.storage.tables import Base, CacheEntry, EntryDeletion
 from tests.historic_schemas import SHAPES, shape
 from tests.test_shared_store import fresh_database
@@ -83,16 +83,17 @@ def check_upgrade(url: str, name: str) -> None:
         had_copy = "ux_entries_live_key" not in {i.name for i in md.tables["cache_entries"].indexes}
         deleted = "entry_deletions" in md.tables
         store = Store(url, clock=lambda: NOW)
+        stores = sql_stores(store)
         try:
-            got = store.get_entries([1, 2, 3])
+            got = stores.entries.get_entries([1, 2, 3])
             assert sorted(got) == [2, 3]  # the older copy of key a retired, the rest kept
             for row in entries:
                 assert {k: getattr(got[row["id"]], k) for k in row} == row
-            assert [e.id for e in store.find_exact("t", "m", "a", NOW)] == [2]
+            assert [e.id for e in stores.entries.find_exact("t", "m", "a", NOW)] == [2]
             with engine.connect() as conn:
                 kept = conn.execute(select(*[text(k) for k in request]).select_from(text("requests"))).one()
                 assert dict(zip(request, kept, strict=True)) == request
-                assert store.lookup_reply("k") == "reply"
+                assert stores.replies.lookup_reply("k") == "reply"
                 version = conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
             assert version == migrate.head()
             with store.session() as s:
@@ -101,7 +102,7 @@ def check_upgrade(url: str, name: str) -> None:
             assert schema_diff(engine) == []
             # and the store works on it: a new entry gets a new id, the key rule holds
             new = CacheEntry(**(entry_row(Base.metadata, 0, "a", "newer a") | {"id": None}))
-            new_id, replaced = store.put_entry(new)
+            new_id, replaced = stores.entries.put_entry(new)
             assert new_id > (7 if deleted else 3) and [i for i, _ in replaced] == [2]
         finally:
             store.close()

@@ -19,7 +19,7 @@ import openai
 import pytest
 from sqlalchemy import func, select
 
-from gateway.storage.store import Store
+from gateway.storage.store import Store, sql_stores
 from gateway.storage.tables import LIVE_KEY_INDEX, CacheEntry, EntryDeletion, RequestRow
 from testkit.servers import serve_in_thread
 from tests.test_admin import flagged_by_tenant
@@ -88,7 +88,7 @@ def live_rows(url: str) -> dict[str, list[tuple[int, str]]]:
 def key_of(url: str, entry_id: int) -> str:
     store = Store(url)
     try:
-        [entry] = store.get_entries([entry_id]).values()
+        [entry] = sql_stores(store).entries.get_entries([entry_id]).values()
         return entry.exact_key
     finally:
         store.close()
@@ -176,6 +176,7 @@ def test_the_store_keeps_one_live_entry_when_writers_race_for_a_key(shared_url) 
     """Eight writers at once, on two stores (as two replicas), one key, three rounds: every commit
     lands, one row stays live, and each replaced row is logged for the replicas."""
     stores = [Store(shared_url), Store(shared_url)]
+    entries = [sql_stores(store).entries for store in stores]
     errors: list[Exception] = []
 
     def put(i: int, barrier: threading.Barrier) -> None:
@@ -185,7 +186,7 @@ def test_the_store_keeps_one_live_entry_when_writers_race_for_a_key(shared_url) 
                            expires_at=now + 60)  # fmt: skip
         barrier.wait()
         try:
-            stores[i % 2].put_entry(entry, {f"reply-{i % 3}": "same text"})
+            entries[i % 2].put_entry(entry, {f"reply-{i % 3}": "same text"})
         except Exception as exc:  # noqa: BLE001 - the test reports any
             errors.append(exc)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select
 
-from gateway.storage.recorder import Recorder
+from gateway.storage.recorder import Recorder, SqlRequestLog
 from gateway.storage.request_record import RequestRecord
 from gateway.storage.store import Store
 from gateway.storage.tables import RequestRow
@@ -45,7 +45,7 @@ def test_close_writes_every_recorded_row(tmp_path: Path, close_after_s: float) -
     store = Store(f"sqlite:///{tmp_path / 'log.db'}")
 
     async def run() -> None:
-        rec = Recorder(store, flush_every_s=0.2)
+        rec = Recorder(SqlRequestLog(store.session), flush_every_s=0.2)
         rec.start()
         for i in range(50):
             await rec.record(RequestRecord.from_dict(row(i)))
@@ -64,7 +64,7 @@ def test_rows_recorded_while_a_batch_is_written_go_in_the_next(tmp_path: Path) -
     store = Store(f"sqlite:///{tmp_path / 'log.db'}")
 
     async def run() -> int:
-        rec = Recorder(store, flush_every_s=0.05, max_batch=7)
+        rec = Recorder(SqlRequestLog(store.session), flush_every_s=0.05, max_batch=7)
         rec.start()
         for i in range(100):
             await rec.record(RequestRecord.from_dict(row(i)))

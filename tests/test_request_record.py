@@ -10,7 +10,7 @@ from gateway.request.flow import Flow
 from gateway.request.tenants import Tenant
 from gateway.storage.admin_store import AdminStore
 from gateway.storage.entry_ids import EntryIds
-from gateway.storage.recorder import Recorder
+from gateway.storage.recorder import Recorder, SqlRequestLog
 from gateway.storage.request_record import CacheResult
 from gateway.storage.store import Store
 from policies.cache_keys import request_keys
@@ -47,7 +47,7 @@ def test_a_flow_fills_its_record_and_it_reads_back_by_attribute(tmp_path):
         "below-threshold",
         record.id,
     )
-    recorder = Recorder(store, per_request=True)
+    recorder = Recorder(SqlRequestLog(store.session), per_request=True)
     asyncio.run(recorder.record(record))
     assert recorder.recent("chatcmpl-1") is record
     back = AdminStore(store.session).find_request("chatcmpl-1")

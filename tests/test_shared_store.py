@@ -18,7 +18,7 @@ import pytest
 from gateway.config import Settings
 from gateway.offline.analyze_summary import build_summary
 from gateway.storage.request_log import read_database
-from gateway.storage.store import Store
+from gateway.storage.store import Store, sql_stores
 from tests.test_admin import TOKEN, admin_settings, api
 from tests.test_gateway import ask, backend_url, chat, gateway  # noqa: F401
 
@@ -148,7 +148,8 @@ async def test_sync_moves_the_counts_and_the_index_with_other_replicas(tmp_path)
 
     url = f"sqlite:///{tmp_path / 'shared.db'}"
     config = load_settings(None).cache
-    here, there = Store(url), Store(url)
+    db_here, db_there = Store(url), Store(url)
+    here, there = sql_stores(db_here), sql_stores(db_there)
     cache = ResponseCache(config, here, ScopedIndex(dim=4, background=False), None, None)
     cache.rebuild_index(progress=False)
 
@@ -159,21 +160,21 @@ async def test_sync_moves_the_counts_and_the_index_with_other_replicas(tmp_path)
                           query_text=f"q{i}", embedding=vec, response="{}" * (i + 1), finish_reason="stop",
                           size_bytes=10 * (i + 1), created_at=now, expires_at=now + 600)  # fmt: skip
 
-    ids = [there.add_entry(entry(i)) for i in range(3)]
+    ids = [there.entries.add_entry(entry(i)) for i in range(3)]
     assert await cache.sync() == 3
     assert (cache.entries, cache.bytes, len(cache.index)) == (3, 60, 3)
     assert await cache.sync() == 0  # the overlap window sees them again, known: nothing to do
-    there.mark_bad(ids[0])
-    there.delete_entries([ids[1]])
+    there.entries.mark_bad(ids[0])
+    there.entries.delete_entries([ids[1]])
     assert await cache.sync() == 2
     # the flagged entry is still a row (counted), the deleted one is gone
-    assert (cache.entries, cache.bytes, len(cache.index)) == (2, 40, 1) == (*here.totals(), 1)
+    assert (cache.entries, cache.bytes, len(cache.index)) == (2, 40, 1) == (*here.entries.totals(), 1)
     assert ids[2] in cache.index and ids[0] not in cache.exact
     await cache.delete([ids[2]])  # this replica's own deletion: counted once
     assert await cache.sync() == 0
-    assert (cache.entries, cache.bytes, len(cache.index)) == (1, 10, 0) == (*here.totals(), 0)
-    here.close()
-    there.close()
+    assert (cache.entries, cache.bytes, len(cache.index)) == (1, 10, 0) == (*here.entries.totals(), 0)
+    db_here.close()
+    db_there.close()
 
 
 @pytest.mark.parametrize(

@@ -128,6 +128,7 @@ def test_no_store_requests_teach_nothing(gw: tuple[str, str]) -> None:
 
 
 def test_a_request_log_from_before_the_volatile_column_gets_it(tmp_path) -> None:
+    from gateway.storage.recorder import SqlRequestLog
     from gateway.storage.request_record import RequestRecord
     from gateway.storage.store import Store
     from tests.test_recorder import row as log_row
@@ -138,7 +139,8 @@ def test_a_request_log_from_before_the_volatile_column_gets_it(tmp_path) -> None
         conn.execute("DROP TABLE alembic_version")  # and before Alembic
         conn.execute('ALTER TABLE requests DROP COLUMN "volatile"')
     store = Store(url)
-    store.log_requests([RequestRecord.from_dict(log_row(1) | {"volatile": "learned:abc[Customer tier:]"})])
+    row = RequestRecord.from_dict(log_row(1) | {"volatile": "learned:abc[Customer tier:]"})
+    SqlRequestLog(store.session).log_requests([row])
     store.close()
     with sqlite3.connect(tmp_path / "old.db") as conn:
         assert conn.execute("SELECT volatile FROM requests").fetchall() == [("learned:abc[Customer tier:]",)]

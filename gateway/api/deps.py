@@ -23,8 +23,8 @@ from gateway.request.tenants import Tenants
 from gateway.request.volatile_learner import VolatileLearner
 from gateway.storage.admin_store import AdminStore
 from gateway.storage.entry_ids import EntryIds
+from gateway.storage.interfaces import ReplyStore
 from gateway.storage.responses_store import ResponsesStore
-from gateway.storage.store import Store
 from gateway.upstream.proxy import Backends
 from protocol.errors import ApiError
 
@@ -51,7 +51,7 @@ PipelineDep = Annotated[Gateway, Depends(_part(lambda p: p.pipeline))]
 EmbeddingsDep = Annotated[Embeddings, Depends(_part(lambda p: p.embeddings))]
 # what is stored, and the cache over it
 CacheDep = Annotated[ResponseCache, Depends(_part(lambda p: p.cache))]
-StoreDep = Annotated[Store, Depends(_part(lambda p: p.store))]
+StoreDep = Annotated[ReplyStore, Depends(_part(lambda p: p.replies))]
 AdminStoreDep = Annotated[AdminStore, Depends(_part(lambda p: p.admin))]
 ResponsesDep = Annotated[ResponsesStore, Depends(_part(lambda p: p.responses))]
 ReportsDep = Annotated[BadHitReports, Depends(_part(lambda p: p.feedback))]

@@ -10,15 +10,15 @@ from __future__ import annotations
 import asyncio
 
 from gateway.cache.memo import EntryMemo
-from gateway.storage.store import Store
+from gateway.storage.interfaces import EntryStore
 from gateway.storage.tables import CacheEntry
 from policies.cache_keys import RequestKeys
 from policies.cacheability import Freshness, unservable
 
 
 class ExactTier:
-    def __init__(self, store: Store, memo: EntryMemo) -> None:
-        self.store = store
+    def __init__(self, entries: EntryStore, memo: EntryMemo) -> None:
+        self.entries = entries
         self.memo = memo
         self._ids: dict[str, list[int]] = {}  # exact key -> entry ids
         self._key_of: dict[int, str] = {}
@@ -31,7 +31,7 @@ class ExactTier:
         """Load the mirror from the database (on start)."""
         self._ids.clear()
         self._key_of.clear()
-        for key, entry_id in self.store.exact_keys():
+        for key, entry_id in self.entries.exact_keys():
             self.add(key, entry_id)
 
     def add(self, key: str, entry_id: int) -> None:
@@ -56,7 +56,7 @@ class ExactTier:
         if found:
             candidates = sorted(found.values(), key=lambda e: -e.id)
         else:  # unknown here, or replaced by another replica since the last sync
-            candidates = await asyncio.to_thread(self.store.find_exact, tenant, model, keys.exact, now)
+            candidates = await asyncio.to_thread(self.entries.find_exact, tenant, model, keys.exact, now)
             for entry in candidates:
                 self.memo.remember(entry)
                 self.add(entry.exact_key, entry.id)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway.config import CacheConfig
-from gateway.storage.store import Store
+from gateway.storage.interfaces import CacheStores
 
 log = logging.getLogger("cachegw.gateway")
 
@@ -36,15 +36,15 @@ class Maintenance:
     def __init__(
         self,
         settings: Callable[[], CacheConfig],
-        store: Store,
+        stores: CacheStores,
         forget: Callable[[list[int]], None],
     ) -> None:
         """``forget`` drops deleted entries from every in-memory view."""
         self.settings = settings
-        self.store = store
-        self.clock = store.clock
+        self.entries, self.replies, self.changes = stores.entries, stores.replies, stores.changes
+        self.clock = self.entries.clock
         self.forget = forget
-        self.totals = Totals(*store.totals())
+        self.totals = Totals(*self.entries.totals())
         self._evict_lock = asyncio.Lock()
         self._pending_hits: dict[int, tuple[int, float]] = {}
 
@@ -60,15 +60,15 @@ class Maintenance:
 
     async def flush_hits(self) -> None:
         hits, self._pending_hits = self._pending_hits, {}
-        await asyncio.to_thread(self.store.record_hits, hits)
+        await asyncio.to_thread(self.entries.record_hits, hits)
 
     async def recount(self) -> None:
         """Read the totals from the database (in place: ``ReplicaSync`` holds the same object)."""
-        self.totals.entries, self.totals.bytes = await asyncio.to_thread(self.store.totals)
+        self.totals.entries, self.totals.bytes = await asyncio.to_thread(self.entries.totals)
 
     async def delete(self, ids: list[int]) -> int:
         """Remove entries from the database first, then from the in-memory views."""
-        removed = await asyncio.to_thread(self.store.delete_entries, ids)
+        removed = await asyncio.to_thread(self.entries.delete_entries, ids)
         self.forget(ids)
         await self.recount()
         return removed
@@ -81,7 +81,7 @@ class Maintenance:
             over_b = self.totals.bytes - int(c.max_bytes * 0.95)
             if over_n <= 0 and over_b <= 0:
                 return 0
-            order = await asyncio.to_thread(self.store.eviction_order, c.eviction, max(over_n, 0) + 1000)
+            order = await asyncio.to_thread(self.entries.eviction_order, c.eviction, max(over_n, 0) + 1000)
             victims: list[int] = []
             freed = 0
             for entry_id, size in order:
@@ -97,10 +97,10 @@ class Maintenance:
         """Delete expired entries; also prunes the deletion log and old replies, and recounts the
         totals."""
         now = self.clock()
-        await asyncio.to_thread(self.store.prune_deletions, now - DELETION_LOG_S)
+        await asyncio.to_thread(self.changes.prune_deletions, now - DELETION_LOG_S)
         # a conversation that comes back later than any entry can live loses only a prefix-cache hit
-        await asyncio.to_thread(self.store.prune_replies, now - self.settings().max_ttl_seconds)
-        ids = await asyncio.to_thread(self.store.expired_ids, now)
+        await asyncio.to_thread(self.replies.prune_replies, now - self.settings().max_ttl_seconds)
+        ids = await asyncio.to_thread(self.entries.expired_ids, now)
         if ids:
             return await self.delete(ids)
         await self.recount()

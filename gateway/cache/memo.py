@@ -9,15 +9,15 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 
-from gateway.storage.store import Store
+from gateway.storage.interfaces import EntryStore
 from gateway.storage.tables import CacheEntry
 
 MEMO_ENTRIES = 10_000  # entries kept in memory
 
 
 class EntryMemo:
-    def __init__(self, store: Store, size: int = MEMO_ENTRIES) -> None:
-        self.store = store
+    def __init__(self, entries: EntryStore, size: int = MEMO_ENTRIES) -> None:
+        self.entries = entries
         self.size = size
         self._entries: OrderedDict[int, CacheEntry] = OrderedDict()
 
@@ -29,7 +29,7 @@ class EntryMemo:
         found = {i: self._entries[i] for i in ids if i in self._entries}
         missing = [i for i in ids if i not in found]
         if missing:
-            for entry_id, entry in (await asyncio.to_thread(self.store.get_entries, missing)).items():
+            for entry_id, entry in (await asyncio.to_thread(self.entries.get_entries, missing)).items():
                 found[entry_id] = self.remember(entry)
         for i in found:
             self._entries.move_to_end(i)

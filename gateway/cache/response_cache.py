@@ -1,15 +1,16 @@
 """The two-tier response cache: exact repeats, then paraphrases within the same scope.
 
 This is the facade the gateway uses; each job is its own module: the exact tier
-(``cache_exact.py``), the semantic tier (``cache_semantic.py``), budgets, expiry and hit counts
-(``cache_maintenance.py``) and replica sync (``cache_sync.py``); what may be stored or served is
+(``exact.py``), the semantic tier (``semantic.py``), budgets, expiry and hit counts
+(``maintenance.py``) and replica sync (``sync.py``); what may be stored or served is
 ``policies.cacheability``. Every part reads its settings from one provider, so a run-time change
 applies to the next request.
 
 The database is the source of truth: an entry is committed before it enters the in-memory views
-(exact keys, FAISS index, memo) and removed from them after it leaves the database, and the views
+(exact keys, vector index, memo) and removed from them after it leaves the database, and the views
 are rebuilt from the database on start, so a crash can lose an index entry but never serve a
-deleted one.
+deleted one. The stores and the index are reached through their interfaces
+(``gateway/storage/interfaces.py``), whichever implementation ``gateway/compose.py`` picked.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from collections.abc import Callable
 import numpy as np
 
 from embeddings.batcher import EmbeddingBatcher
-from embeddings.index import ScopedIndex
 from gateway.cache.error_control import ThresholdProvider
 from gateway.cache.exact import ExactTier
 from gateway.cache.locks import KeyedLocks
@@ -32,8 +32,8 @@ from gateway.cache.memo import EntryMemo
 from gateway.cache.semantic import SemanticTier
 from gateway.cache.sync import ReplicaSync
 from gateway.config import CacheConfig
+from gateway.storage.interfaces import CacheStores, VectorIndex
 from gateway.storage.request_record import CacheResult
-from gateway.storage.store import Store
 from gateway.storage.tables import CacheEntry
 from policies.cache_keys import RequestKeys
 from policies.cacheability import ANY_AGE, Freshness, answer_length, judge_answer
@@ -45,26 +45,29 @@ class ResponseCache:
     def __init__(
         self,
         settings: CacheConfig | Callable[[], CacheConfig],
-        store: Store,
-        index: ScopedIndex,
+        stores: CacheStores,
+        index: VectorIndex,
         batcher: EmbeddingBatcher | None,
         verifier: Verifier | None,
         lines: ThresholdProvider | None = None,
     ) -> None:
         """``settings`` gives the [cache] settings in force (a fixed ``CacheConfig`` for tools and
-        tests); ``store.clock`` is the wall clock of expiry, freshness and sync; ``lines`` each scope's
-        false-hit-bound line (``gateway/cache/error_control.py``; None: static thresholds only)."""
+        tests); ``stores.entries.clock`` is the wall clock of expiry, freshness and sync; ``lines``
+        each scope's false-hit-bound line (``gateway/cache/error_control.py``; None: static
+        thresholds only)."""
         self.settings: Callable[[], CacheConfig] = (
             settings if callable(settings) else lambda: settings  # type: ignore[return-value]
         )
-        self.store = store
+        self.entry_store = stores.entries
         self.index = index
-        self.clock = store.clock
-        self.memo = EntryMemo(store)
-        self.exact = ExactTier(store, self.memo)
+        self.clock = self.entry_store.clock
+        self.memo = EntryMemo(self.entry_store)
+        self.exact = ExactTier(self.entry_store, self.memo)
         self.semantic = SemanticTier(self.settings, index, batcher, verifier, self.memo, lines)
-        self.maintenance = Maintenance(self.settings, store, self._forget)
-        self.replicas = ReplicaSync(store, self.exact, self.memo, index, self.maintenance, self._forget)
+        self.maintenance = Maintenance(self.settings, stores, self._forget)
+        self.replicas = ReplicaSync(
+            self.entry_store, stores.changes, self.exact, self.memo, index, self.maintenance, self._forget
+        )
         self._storing = KeyedLocks()  # one insert per exact key at a time: its replace is seen whole
         if self.settings().semantic:
             warm_alignment()
@@ -93,8 +96,8 @@ class ResponseCache:
     def rebuild_index(self, progress: bool = True) -> int:
         """Load the in-memory views (exact keys, vector index) from the database."""
         self.exact.rebuild()
-        total = self.store.count_embeddings()
-        self.index.rebuild(self.store.iter_embeddings(), total=total, progress=progress)
+        total = self.entry_store.count_embeddings()
+        self.index.rebuild(self.entry_store.iter_embeddings(), total=total, progress=progress)
         return len(self.index)
 
     async def lookup(
@@ -130,7 +133,7 @@ class ResponseCache:
         ttl_seconds: int,
         replies: dict[str, str] | None = None,
     ) -> int | None:
-        """Store a completed answer, with ``replies`` (Store.remember_replies) in the same commit;
+        """Store a completed answer, with ``replies`` (``ReplyStore.remember_replies``) in the same commit;
         returns its entry id (None if it may not be stored, and then nothing is written)."""
         verdict = judge_answer(response, keys.max_tokens)
         if not verdict.store:
@@ -207,7 +210,7 @@ class ResponseCache:
         """Commit the entry as its key's one live answer, then bring every view and the totals along."""
         scope = entry.scope
         async with self._storing.hold(keys.exact):
-            entry_id, replaced = await asyncio.to_thread(self.store.put_entry, entry, replies)
+            entry_id, replaced = await asyncio.to_thread(self.entry_store.put_entry, entry, replies)
             # the key's earlier answer is gone from the database: from every view here too (only what
             # this replica counted is uncounted; ``sync`` never sees these ids again)
             known = [(i, size) for i, size in replaced if i in self.exact]
@@ -237,12 +240,12 @@ class ResponseCache:
         while closer paraphrases still do.
         """
         # from the database, not the memo: another replica may have deleted or flagged it
-        entry = (await asyncio.to_thread(self.store.get_entries, [entry_id])).get(entry_id)
+        entry = (await asyncio.to_thread(self.entry_store.get_entries, [entry_id])).get(entry_id)
         if entry is None:
             return None
         self.memo.remember(entry)  # replaces a stale memo copy; updated below with the database
         if whole_entry or similarity is None:
-            await asyncio.to_thread(self.store.mark_bad, entry_id)
+            await asyncio.to_thread(self.entry_store.mark_bad, entry_id)
             entry.bad = True
             self.index.remove([entry_id])
             self.exact.drop(entry_id)
@@ -250,7 +253,7 @@ class ResponseCache:
         # capped at 1: a paraphrase flagged that close leaves the entry to its own exact repeats
         margin = self.settings().feedback_margin
         threshold = min(1.0, max(entry.threshold or 0.0, similarity + margin))
-        await asyncio.to_thread(self.store.set_entry_threshold, entry_id, threshold)
+        await asyncio.to_thread(self.entry_store.set_entry_threshold, entry_id, threshold)
         entry.threshold = threshold
         return entry, f"entry threshold raised to {threshold:.4f}"
 

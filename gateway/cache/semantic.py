@@ -16,11 +16,11 @@ from collections.abc import Callable
 import numpy as np
 
 from embeddings.batcher import EmbeddingBatcher
-from embeddings.index import ScopedIndex
 from gateway.cache.error_control import ScopeLine, ThresholdProvider
 from gateway.cache.lookup import Lookup
 from gateway.cache.memo import EntryMemo
 from gateway.config import CacheConfig
+from gateway.storage.interfaces import VectorIndex
 from gateway.storage.request_record import CacheResult
 from gateway.storage.tables import CacheEntry
 from policies.cache_keys import RequestKeys
@@ -36,7 +36,7 @@ class SemanticTier:
     def __init__(
         self,
         settings: Callable[[], CacheConfig],
-        index: ScopedIndex,
+        index: VectorIndex,
         batcher: EmbeddingBatcher | None,
         verifier: Verifier | None,
         memo: EntryMemo,

@@ -11,11 +11,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from embeddings.index import ScopedIndex
 from gateway.cache.exact import ExactTier
 from gateway.cache.maintenance import Maintenance
 from gateway.cache.memo import EntryMemo
-from gateway.storage.store import Store
+from gateway.storage.interfaces import ChangeFeed, EntryStore, VectorIndex
 
 SYNC_OVERLAP_S = 60.0  # how far back each sync looks again: late commits, replica clocks that differ
 
@@ -23,15 +22,16 @@ SYNC_OVERLAP_S = 60.0  # how far back each sync looks again: late commits, repli
 class ReplicaSync:
     def __init__(
         self,
-        store: Store,
+        entries: EntryStore,
+        changes: ChangeFeed,
         exact: ExactTier,
         memo: EntryMemo,
-        index: ScopedIndex,
+        index: VectorIndex,
         maintenance: Maintenance,
         forget: Callable[[list[int]], None],
     ) -> None:
-        self.store = store
-        self.clock = store.clock
+        self.entries, self.changes = entries, changes
+        self.clock = entries.clock
         self.exact, self.memo, self.index = exact, memo, index
         self.maintenance = maintenance
         self.forget = forget
@@ -45,14 +45,16 @@ class ReplicaSync:
         clock is behind is still seen; what is already known is skipped.
         """
         now = self.clock()
-        changed, deleted = await asyncio.to_thread(self.store.changes_since, self.synced_at - SYNC_OVERLAP_S)
+        changed, deleted = await asyncio.to_thread(
+            self.changes.changes_since, self.synced_at - SYNC_OVERLAP_S
+        )
         self.synced_at = now
         exact, memo, totals = self.exact, self.memo, self.maintenance.totals
         # counters move by what others did: their deletions of entries known here, their new entries
         gone = [i for i, _ in deleted if i in exact or i in self.index or i in memo]
         freed = {i: size for i, size in deleted if i in exact}
         wanted = [i for i, updated in changed if updated or i not in exact]
-        fresh = await asyncio.to_thread(self.store.get_entries, wanted) if wanted else {}
+        fresh = await asyncio.to_thread(self.entries.get_entries, wanted) if wanted else {}
         added = 0
         for entry_id, entry in fresh.items():
             known = entry_id in exact

@@ -27,9 +27,10 @@ from gateway.request.hits import hit_response, hit_stream
 from gateway.request.tenants import PrefixSalts, Tenants
 from gateway.request.volatile_learner import VolatileLearner
 from gateway.storage.entry_ids import EntryIds
+from gateway.storage.interfaces import ReplyStore
 from gateway.storage.recorder import Recorder
 from gateway.storage.request_record import CacheResult
-from gateway.storage.store import Store, reply_key
+from gateway.storage.store import reply_key
 from gateway.storage.tables import CacheEntry
 from gateway.upstream.proxy import Backends
 from gateway.upstream.streams import SseRecorder, StreamRelay
@@ -53,7 +54,7 @@ class Gateway:
         volatile: VolatileLearner,
         cache: ResponseCache,
         backends: Backends,
-        store: Store,
+        store: ReplyStore,
         metrics: GatewayMetrics,
         recorder: Recorder,
         salts: PrefixSalts,

@@ -1,8 +1,11 @@
-"""SQL storage of cache entries, the request log, and the replies the gateway produced.
+"""The database, and the SQL stores of what an answer writes: its cache entry and its reply texts.
 
-SQLAlchemy 2 on any URL; SQLite (the default, in the data dir) runs in WAL mode so readers never
-wait for the writer and a kill -9 loses nothing that was committed. Every method is synchronous
-and short: the app calls them from worker threads.
+``Store`` opens the database (SQLAlchemy 2 on any URL; SQLite, the default in the data dir, runs in
+WAL mode so readers never wait for the writer and a kill -9 loses nothing that was committed); each
+table's store takes its sessions: ``SqlEntries`` and ``SqlReplies`` here (one commit holds an entry
+and its replies), the change feed (``changes.py``), the request log (``recorder.py``), the admin side
+(``admin_store.py``) and the false-hit evidence (``evidence_store.py``). ``sql_stores`` builds the
+cache's. Every method is synchronous and short: the app calls them from worker threads.
 
 One live entry per exact key: storing an answer retires the key's other live entries in the same
 transaction (``put_entry``), and on SQLite and PostgreSQL a unique partial index over the live rows
@@ -24,18 +27,10 @@ from pathlib import Path
 
 import numpy as np
 from alembic.util import CommandError
-from sqlalchemy import (
-    create_engine,
-    delete,
-    event,
-    exists,
-    func,
-    select,
-    update,
-)
+from sqlalchemy import create_engine, delete, event, func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import (
     Session,
@@ -43,13 +38,11 @@ from sqlalchemy.orm import (
     sessionmaker,
 )
 
+from gateway.storage.changes import SqlChanges, delete_logged, log_deletions
+from gateway.storage.interfaces import CacheStores
 from gateway.storage.migrate import upgrade
-from gateway.storage.request_record import RequestRecord
-from gateway.storage.tables import (
-    CacheEntry,
-    EntryDeletion,
-    Reply,
-)
+from gateway.storage.tables import CacheEntry, Reply
+from policies.canonicalize import Restore
 
 log = logging.getLogger("cachegw.gateway")
 
@@ -82,27 +75,11 @@ def _retire_key(s: Session, entry: CacheEntry) -> list[tuple[int, int]]:
     if s.get_bind().dialect.delete_returning:  # SQLite >= 3.35, PostgreSQL: one statement
         rows = s.execute(delete(table).where(*live).returning(table.c.id, table.c.size_bytes)).all()
         gone = [(int(i), int(size)) for i, size in rows]
-        _log_deletions(s, gone)
+        log_deletions(s, gone)
         return gone
     gone = [(int(i), int(size)) for i, size in s.execute(select(table.c.id, table.c.size_bytes).where(*live))]
-    _delete_logged(s, gone)
+    delete_logged(s, gone)
     return gone
-
-
-def _delete_logged(conn: Connection | Session, gone: list[tuple[int, int]]) -> None:
-    """Delete entries by (id, size) and log their deletion in the same transaction."""
-    if not gone:
-        return
-    conn.execute(delete(CacheEntry).where(CacheEntry.id.in_([i for i, _ in gone])))
-    _log_deletions(conn, gone)
-
-
-def _log_deletions(conn: Connection | Session, gone: list[tuple[int, int]]) -> None:
-    """So other replicas drop the entries too (``Store.changes_since``)."""
-    if gone:
-        now = time.time()
-        rows = [{"entry_id": i, "size_bytes": size, "ts": now} for i, size in gone]
-        conn.execute(EntryDeletion.__table__.insert(), rows)  # type: ignore[attr-defined]
 
 
 def reply_key(tenant: str, normalized_text: str) -> str:
@@ -115,8 +92,11 @@ class StoreError(RuntimeError):
 
 
 class Store:
+    """The database, opened and upgraded to the models' schema; each table's store takes its sessions."""
+
     def __init__(self, url: str, clock: Callable[[], float] = time.time) -> None:
-        """``clock`` is the wall clock of expiry and reply ages (tests give one they can move)."""
+        """``clock`` is the wall clock of expiry and reply ages (tests give one they can move); the
+        stores built on this database read it."""
         self.clock = clock
         if url.startswith("sqlite:///"):
             Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
@@ -138,7 +118,58 @@ class Store:
     def close(self) -> None:
         self.engine.dispose()
 
-    # Entries
+
+class SqlReplies:
+    """``ReplyStore`` in the ``replies`` table."""
+
+    def __init__(self, session: sessionmaker[Session], clock: Callable[[], float]) -> None:
+        self.session, self.clock = session, clock
+
+    def remember_replies(self, replies: dict[str, str]) -> None:
+        """key -> exact text; an existing key keeps its first text."""
+        if not replies:
+            return
+        with self.session.begin() as s:
+            self.add_replies(s, replies)
+
+    def add_replies(self, s: Session, replies: dict[str, str]) -> None:
+        """In the caller's transaction (``SqlEntries.put_entry``). Insert-or-ignore: two answers with
+        the same text committing at once must not fail each other's commit (it holds the entry too)."""
+        now = self.clock()
+        rows = [{"key": k, "text": t, "created_at": now} for k, t in replies.items()]
+        dialect = s.get_bind().dialect.name
+        if dialect in ("sqlite", "postgresql"):
+            insert = sqlite_insert if dialect == "sqlite" else pg_insert
+            s.execute(insert(Reply).values(rows).on_conflict_do_nothing(index_elements=["key"]))
+            return
+        known = set(s.scalars(select(Reply.key).where(Reply.key.in_(list(replies)))))
+        s.add_all(Reply(**row) for row in rows if row["key"] not in known)
+
+    def prune_replies(self, before: float) -> None:
+        with self.session.begin() as s:
+            s.execute(delete(Reply).where(Reply.created_at < before))
+
+    def clear_replies(self) -> None:
+        with self.session.begin() as s:
+            s.execute(delete(Reply))
+
+    def reply_restorer(self, tenant: str) -> Restore:
+        """The tenant's earlier replies by their normalized text (canonicalization restores their bytes)."""
+        return lambda normalized: self.lookup_reply(reply_key(tenant, normalized))
+
+    def lookup_reply(self, key: str) -> str | None:
+        with self.session() as s:
+            return s.scalar(select(Reply.text).where(Reply.key == key))
+
+
+class SqlEntries:
+    """``EntryStore`` in the ``cache_entries`` table; an entry's reply texts go to ``replies`` in the
+    same commit."""
+
+    def __init__(
+        self, session: sessionmaker[Session], clock: Callable[[], float], replies: SqlReplies
+    ) -> None:
+        self.session, self.clock, self.replies = session, clock, replies
 
     def add_entry(self, entry: CacheEntry, replies: dict[str, str] | None = None) -> int:
         """``put_entry``, for callers that do not keep their own view of the entries."""
@@ -161,7 +192,7 @@ class Store:
                         s.execute(select(func.pg_advisory_xact_lock(_key_lock_id(entry))))
                     replaced = _retire_key(s, entry)
                     if replies:
-                        self._add_replies(s, replies)
+                        self.replies.add_replies(s, replies)
                     s.add(entry)
                     s.flush()
                     return entry.id, replaced
@@ -215,35 +246,13 @@ class Store:
             s.execute(q.values(**values, updated_at=time.time()))
 
     def delete_entries(self, ids: list[int]) -> int:
-        """Delete entries and log their ids in the same commit (``changes_since`` reads the log)."""
+        """Delete entries and log their ids in the same commit (``SqlChanges`` reads the log)."""
         if not ids:
             return 0
         with self.session.begin() as s:
             gone = s.execute(select(CacheEntry.id, CacheEntry.size_bytes).where(CacheEntry.id.in_(ids))).all()
-            _delete_logged(s, [(int(i), int(size)) for i, size in gone])
+            delete_logged(s, [(int(i), int(size)) for i, size in gone])
             return len(gone)
-
-    def changes_since(self, since: float) -> tuple[list[tuple[int, bool]], list[tuple[int, int]]]:
-        """What any replica changed from ``since`` on: ([(id, updated)] of entries created or updated,
-        [(id, size_bytes)] of entries deleted). Ids only; the caller fetches the entries it does not
-        know yet."""
-        with self.session() as s:
-            rows = s.execute(
-                select(CacheEntry.id, CacheEntry.updated_at).where(
-                    (CacheEntry.created_at >= since) | (CacheEntry.updated_at >= since)
-                )
-            ).all()
-            # an id back in the table was reused (databases made before ids were AUTOINCREMENT): keep it
-            reused = exists().where(CacheEntry.id == EntryDeletion.entry_id)
-            q = select(EntryDeletion.entry_id, EntryDeletion.size_bytes).where(
-                EntryDeletion.ts >= since, ~reused
-            )
-            deleted = [(int(i), int(size)) for i, size in s.execute(q)]
-            return [(int(i), u is not None and u >= since) for i, u in rows], deleted
-
-    def prune_deletions(self, before: float) -> None:
-        with self.session.begin() as s:
-            s.execute(delete(EntryDeletion).where(EntryDeletion.ts < before))
 
     def expired_ids(self, now: float) -> list[int]:
         with self.session() as s:
@@ -300,45 +309,8 @@ class Store:
                 s.scalar(select(func.count(CacheEntry.id)).where(CacheEntry.embedding.is_not(None))) or 0
             )
 
-    # Request log and replies
 
-    def log_requests(self, records: list[RequestRecord]) -> None:
-        if records:
-            with self.session.begin() as s:
-                s.add_all(record.to_row() for record in records)
-
-    def remember_replies(self, replies: dict[str, str]) -> None:
-        """key -> exact text; an existing key keeps its first text."""
-        if not replies:
-            return
-        with self.session.begin() as s:
-            self._add_replies(s, replies)
-
-    def _add_replies(self, s: Session, replies: dict[str, str]) -> None:
-        """Insert-or-ignore: two answers with the same text committing at once must not fail each
-        other's commit (it holds the entry too)."""
-        now = self.clock()
-        rows = [{"key": k, "text": t, "created_at": now} for k, t in replies.items()]
-        dialect = s.get_bind().dialect.name
-        if dialect in ("sqlite", "postgresql"):
-            insert = sqlite_insert if dialect == "sqlite" else pg_insert
-            s.execute(insert(Reply).values(rows).on_conflict_do_nothing(index_elements=["key"]))
-            return
-        known = set(s.scalars(select(Reply.key).where(Reply.key.in_(list(replies)))))
-        s.add_all(Reply(**row) for row in rows if row["key"] not in known)
-
-    def prune_replies(self, before: float) -> None:
-        with self.session.begin() as s:
-            s.execute(delete(Reply).where(Reply.created_at < before))
-
-    def clear_replies(self) -> None:
-        with self.session.begin() as s:
-            s.execute(delete(Reply))
-
-    def reply_restorer(self, tenant: str) -> Callable[[str], str | None]:
-        """The tenant's earlier replies by their normalized text (canonicalization restores their bytes)."""
-        return lambda normalized: self.lookup_reply(reply_key(tenant, normalized))
-
-    def lookup_reply(self, key: str) -> str | None:
-        with self.session() as s:
-            return s.scalar(select(Reply.text).where(Reply.key == key))
+def sql_stores(db: Store) -> CacheStores:
+    """The cache's stores in ``db`` (what ``gateway/compose.py`` hands the response cache)."""
+    replies = SqlReplies(db.session, db.clock)
+    return CacheStores(SqlEntries(db.session, db.clock, replies), replies, SqlChanges(db.session))
