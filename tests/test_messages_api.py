@@ -272,3 +272,14 @@ def test_litellm_as_a_client(gw: str) -> None:
     )
     assert answer._hidden_params["additional_headers"]["llm_provider-x-cache"] == "exact-hit"
     assert answer.choices[0].message.content == text_of(first)  # the entry the SDK's request made
+
+
+def test_a_stop_sequence_met_is_named(gw: str) -> None:
+    """The engine names the stop string it met (as vLLM's ``stop_reason``), so Messages can say
+    ``stop_sequence``; a stream's reassembled answer keeps it too."""
+    kw = {"messages": user("Write a sentence about the sea."), "stop_sequences": ["e"], "max_tokens": 40}
+    message, _ = create(gw, **kw, extra_body={"temperature": 0})
+    assert message.stop_reason == "stop_sequence" and message.stop_sequence == "e"
+    kw["messages"] = user("Write a sentence about the sky.")
+    _, _, final, _ = stream(gw, **kw, extra_body={"temperature": 0})
+    assert final.stop_reason == "stop_sequence" and final.stop_sequence == "e"

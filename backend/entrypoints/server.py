@@ -284,6 +284,7 @@ class _ChatShaper(Shaper):
             "message": message,
             "logprobs": self.logprobs(c.logprobs),
             "finish_reason": finish,
+            "stop_reason": matched_stop(c, finish),
         }
 
     def response(self, out: RequestOutput) -> dict[str, Any]:
@@ -316,9 +317,15 @@ class _ChatShaper(Shaper):
                     yield self.chunk(self.choice({"content": delta}, self.logprobs(entries), index=c.index))
                 if c.finish_reason is not None:
                     cursor.done = True
-                    yield self.chunk(self.choice({}, finish=c.finish_reason, index=c.index))
+                    last = self.choice({}, finish=c.finish_reason, index=c.index)
+                    yield self.chunk({**last, "stop_reason": matched_stop(c, c.finish_reason)})
             if out.finished and self.include_usage:
                 yield self.usage_chunk(out)
+
+
+def matched_stop(c: CompletionOutput, finish: str | None) -> str | None:
+    """The stop string that ended the answer (vLLM's ``stop_reason``; a stop token id is not named)."""
+    return c.stop_reason if finish == "stop" and isinstance(c.stop_reason, str) else None
 
 
 # --- app -------------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ class SseRecorder:
         self.endpoint = endpoint
         self.text: list[str] = []
         self.finish_reason: str | None = None
+        self.stop_reason: Any = None
         self.usage: dict[str, Any] | None = None
         self.meta: dict[str, Any] = {}
         self.done = False
@@ -92,6 +93,7 @@ class SseRecorder:
                 self.text.append(choice["text"])
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
+                self.stop_reason = choice.get("stop_reason")  # the stop string met (vLLM, our engine)
         return obj.get("choices") == [] and bool(obj.get("usage"))
 
     def _tool_call_deltas(self, deltas: Any) -> bool:
@@ -137,6 +139,8 @@ class SseRecorder:
                 "message": {"role": "assistant", "content": text or (None if self.calls else ""), **extra},
                 "finish_reason": self.finish_reason,
             }
+            if self.stop_reason is not None:
+                choice["stop_reason"] = self.stop_reason
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": text, "finish_reason": self.finish_reason, "logprobs": None}
