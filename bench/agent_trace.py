@@ -24,6 +24,7 @@ import asyncio
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -240,7 +241,8 @@ async def run(args: argparse.Namespace) -> dict:
         await wait_health(url, proc, timeout=900)
         say(f"gateway healthy after {time.monotonic() - t0:.0f} s")
         async with httpx.AsyncClient(timeout=600) as c:
-            pool_tokens = args.pool_tokens
+            pool_tokens = pool_tokens_of((work / "serve.log").read_text())
+            say(f"the engine's KV pool: {pool_tokens} tokens")
             rows: list[dict] = []
             for phase in ("calm", "pressure", "replay"):
                 rows += await trace(c, url, phase, args, pool_tokens)
@@ -251,6 +253,14 @@ async def run(args: argparse.Namespace) -> dict:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
     return {"pool_tokens": pool_tokens, "rows": rows, "summary": summarize(rows)}
+
+
+def pool_tokens_of(log: str) -> int:
+    """The engine's KV pool in tokens, from its start-up line ("2912 KV blocks x 16 tokens")."""
+    found = re.search(r"(\d+) KV blocks x (\d+) tokens", log)
+    if found is None:
+        raise RuntimeError("the engine's start-up line did not say its KV pool")
+    return int(found[1]) * int(found[2])
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -278,9 +288,6 @@ def main() -> None:
     p.add_argument(
         "--flood", type=float, default=1.3, help="KV pools' worth of unrelated prompts between turns"
     )
-    # the default pool: kv_cache_bytes = 1 GiB of float32 KV; SmolLM2-135M keeps 2 x 30 layers x 3 heads
-    # x 64 dims x 4 bytes = 46,080 bytes a token
-    p.add_argument("--pool-tokens", type=int, default=(1 << 30) // 46_080)
     args = p.parse_args()
     result = asyncio.run(run(args))
     save("agent_trace", {"args": vars(args), **result})
