@@ -27,11 +27,13 @@ from gateway.parts import Parts
 from gateway.request.admin_auth import AdminAuth, resolve_admin_token
 from gateway.request.embeddings import Embeddings
 from gateway.request.pipeline import Gateway
+from gateway.request.rate_limits import RateLimiter
 from gateway.request.tenants import PrefixSalts, Tenants
 from gateway.request.volatile_learner import VolatileLearner
 from gateway.storage.admin_store import AdminStore
 from gateway.storage.entry_ids import EntryIds
 from gateway.storage.evidence_store import EvidenceStore
+from gateway.storage.rate_store import RateStore
 from gateway.storage.recorder import Recorder, SqlRequestLog
 from gateway.storage.responses_store import ResponsesStore
 from gateway.storage.store import Store, sql_stores
@@ -118,6 +120,7 @@ async def started_gateway(
     volatile = VolatileLearner()
     responses = ResponsesStore(store.session, clock)
     retention_s = settings.gateway.responses_retention_days * 86400
+    limits = RateLimiter(settings.tenants, RateStore(store.session), clock)
     pipeline = Gateway(
         live,
         tenants,
@@ -129,6 +132,7 @@ async def started_gateway(
         recorder,
         PrefixSalts(admin_token),
         entry_ids,
+        limits,
         auditor,
     )
     parts = Parts(
@@ -151,6 +155,9 @@ async def started_gateway(
     recorder.start()
     chores = [
         asyncio.create_task(_every(EXPIRY_EVERY_S, cache.expire), name="cachegw-expiry"),
+        asyncio.create_task(
+            _every(EXPIRY_EVERY_S, lambda: asyncio.to_thread(limits.prune)), name="cachegw-rates"
+        ),
         asyncio.create_task(
             _every(EXPIRY_EVERY_S, lambda: asyncio.to_thread(responses.prune, retention_s)),
             name="cachegw-responses-retention",

@@ -153,6 +153,17 @@ class GatewayConfig(_Strict):
         return self.database_url or f"sqlite:///{data_dir / 'cachegw.db'}"
 
 
+class RateLimit(_Strict):
+    """A tenant's budget a minute, counted across replicas in the database (0 = no limit)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    requests_per_minute: int = Field(default=0, ge=0, description="requests a minute, hits included")
+    tokens_per_minute: int = Field(
+        default=0, ge=0, description="backend tokens (prompt + completion) a minute"
+    )
+
+
 class TenantsConfig(_Strict):
     mode: Literal["open", "keys"] = Field(
         description='"open": any API key is its own tenant; "keys": only those below'
@@ -166,6 +177,26 @@ class TenantsConfig(_Strict):
         {}, description="group = [tenant names or key hashes] sharing one salt (one backend prefix cache)"
     )
     keys: dict[str, str] = Field(description='name = "api-key", used when mode = "keys"')
+    priority_range: tuple[int, int] = Field(
+        default=(0, 0), description="the `priority` values any tenant may send: [lowest, highest]"
+    )
+    priority_ranges: dict[str, tuple[int, int]] = Field(
+        default={}, description="tenant name (or key hash) = [lowest, highest] `priority` it may send"
+    )
+    rate_limits: dict[str, RateLimit] = Field(
+        default={},
+        description='tenant name, key hash or "*" (every other tenant) = requests and tokens a minute',
+    )
+
+    @field_validator("priority_range", "priority_ranges")
+    @classmethod
+    def _ranges(cls, value: Any) -> Any:
+        for lo, hi in [value] if isinstance(value, tuple) else value.values():
+            if not -1000 <= lo <= hi <= 1000:
+                raise ValueError(
+                    f"a priority range is [lowest, highest] within -1000..1000, got [{lo}, {hi}]"
+                )
+        return value
 
     @field_validator("keys")
     @classmethod

@@ -24,12 +24,13 @@ from gateway.live_settings import LiveSettings
 from gateway.metrics import GatewayMetrics
 from gateway.request.flow import Flow
 from gateway.request.hits import hit_response, hit_stream
+from gateway.request.rate_limits import RateLimiter
 from gateway.request.tenants import PrefixSalts, Tenants
 from gateway.request.volatile_learner import VolatileLearner
 from gateway.storage.entry_ids import EntryIds
 from gateway.storage.interfaces import ReplyStore
 from gateway.storage.recorder import Recorder
-from gateway.storage.request_record import CacheResult
+from gateway.storage.request_record import NOT_HITS, CacheResult
 from gateway.storage.store import reply_key
 from gateway.storage.tables import CacheEntry
 from gateway.upstream.proxy import Backends
@@ -59,6 +60,7 @@ class Gateway:
         recorder: Recorder,
         salts: PrefixSalts,
         entry_ids: EntryIds,
+        limits: RateLimiter,
         auditor: Auditor | None = None,
     ) -> None:
         """The parts ``handle`` uses, built by ``gateway/compose.py``; ``auditor`` re-asks a share of
@@ -66,7 +68,7 @@ class Gateway:
         self.live, self.tenants, self.volatile = live, tenants, volatile
         self.cache, self.backends, self.store = cache, backends, store
         self.metrics, self.recorder, self.salts = metrics, recorder, salts
-        self.entry_ids, self.auditor = entry_ids, auditor
+        self.entry_ids, self.auditor, self.limits = entry_ids, auditor, limits
         self._tasks: set[asyncio.Task] = set()  # stream bookkeeping that outlives its response
 
     @property
@@ -101,6 +103,9 @@ class Gateway:
                 400, "model must be a non-empty string; leave it out for the default.", param="model"
             )
         model = body.get("model") or ""
+        self.tenants.check_priority(tenant, body.get("priority"))
+        if self.limits.configured:  # a 429 before any work when the tenant is over its budget
+            await self.limits.admit(tenant)
         candidates = await self.backends.route(model or None)  # 404 for an unknown model, before any work
         ttl = self._ttl(request, settings)
         policy = CachePolicy(
@@ -291,5 +296,9 @@ class Gateway:
 
     async def _record(self, flow: Flow, status: int, usage: dict, error: str | None = None) -> None:
         record = flow.close(status, usage, error, log_query=self.settings.gateway.log_query_text)
+        if self.limits.configured and record.cache_result in NOT_HITS:
+            await self.limits.spend(
+                flow.tenant, (record.prompt_tokens or 0) + (record.completion_tokens or 0)
+            )
         self.metrics.observe_request(record)
         await self.recorder.record(record)

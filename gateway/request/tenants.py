@@ -36,6 +36,21 @@ class Tenants:
         self.by_hash = {key_hash(k): name for name, k in config.keys.items()}
         self._group_of = {m: g for g, members in config.prefix_groups.items() for m in members}
 
+    def check_priority(self, tenant: Tenant, priority: object) -> None:
+        """A 400 for a ``priority`` outside what the operator granted this tenant ([tenants])."""
+        if priority is None:
+            return
+        lo, hi = self.config.priority_ranges.get(
+            tenant.name, self.config.priority_ranges.get(tenant.id, self.config.priority_range)
+        )
+        if not isinstance(priority, int) or isinstance(priority, bool) or not lo <= priority <= hi:
+            raise ApiError(
+                400,
+                f"priority must be an integer from {lo} to {hi} for this API key.",
+                param="priority",
+                code="priority_not_allowed",
+            )
+
     def prefix_key(self, tenant: Tenant) -> str:
         """Who shares the backend's prefix cache: a ``prefix_groups`` group the operator declared
         (named by tenant name or key hash), else whoever shares the tenant's cached answers."""

@@ -193,3 +193,14 @@ class StoredResponse(Base):
     created_at: Mapped[float] = mapped_column(Float, index=True)  # pruned by age
     response: Mapped[str] = mapped_column(Text)  # the Response object, JSON
     items: Mapped[str] = mapped_column(Text)  # the whole conversation's input items before it, JSON
+
+
+class RateWindow(Base):
+    """What one tenant spent in one minute (``window``: minutes since the epoch), counted by every replica
+    in one row: the per-tenant rate limits (``[tenants] rate_limits``) read it back."""
+
+    __tablename__ = "rate_windows"
+    tenant: Mapped[str] = mapped_column(String(64), primary_key=True)
+    window: Mapped[int] = mapped_column(Integer, primary_key=True)
+    requests: Mapped[int] = mapped_column(Integer, default=0)
+    tokens: Mapped[int] = mapped_column(Integer, default=0)
