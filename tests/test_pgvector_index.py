@@ -170,7 +170,8 @@ def test_the_revisions_install_it_where_pgvector_exists_and_nothing_elsewhere(pg
     upgrade(sqlite, create_new=False)
     with sqlite.connect() as conn:
         assert not installed(conn)
-        assert conn.execute(text("SELECT name FROM sqlite_master WHERE name = 'entry_vectors'")).first() is None
+        found = conn.execute(text("SELECT name FROM sqlite_master WHERE name = 'entry_vectors'"))
+        assert found.first() is None
     with pytest.raises(PgVectorError, match="needs PostgreSQL"):
         PgVectorIndex(sqlite)
     sqlite.dispose()

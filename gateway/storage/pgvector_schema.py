@@ -68,7 +68,7 @@ BEGIN
 END
 $fn$"""
 
-_TRIGGER = f"""
+_TRIGGER = """
 CREATE TRIGGER cachegw_entry_vectors AFTER INSERT OR UPDATE OF bad ON cache_entries
 FOR EACH ROW EXECUTE FUNCTION cachegw_entry_vector_follow()"""
 
