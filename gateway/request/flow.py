@@ -15,6 +15,7 @@ from typing import Any
 
 from gateway.cache.lookup import Lookup
 from gateway.request.tenants import Tenant
+from gateway.request.tracing import RequestTrace
 from gateway.storage.entry_ids import EntryIds
 from gateway.storage.request_record import CacheResult, RequestRecord
 from policies.cache_keys import RequestKeys
@@ -40,6 +41,7 @@ class Flow:
     keys: RequestKeys | None = None
     lookup: Lookup | None = None
     cache_salt: str | None = None  # sent upstream in place of the client's (prefix isolation)
+    trace: RequestTrace = field(default_factory=RequestTrace.off)  # its spans (gateway/request/tracing.py)
 
     @classmethod
     def begin(
@@ -78,6 +80,11 @@ class Flow:
         message = choice.get("message")
         text = message.get("content") if isinstance(message, dict) else choice.get("text")
         return text if isinstance(text, str) and text else None
+
+    def upstream_headers(self) -> dict[str, str]:
+        """What the backend is told besides the body: the request id and the trace (starts the backend
+        call's span)."""
+        return self.trace.backend_headers(self.record.id, self.record.stream)
 
     def canonicalized(self, canon: Canonical) -> None:
         self.body = canon.body
