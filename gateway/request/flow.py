@@ -45,7 +45,13 @@ class Flow:
 
     @classmethod
     def begin(
-        cls, endpoint: str, tenant: Tenant, model: str, body: dict[str, Any], cacheable: Cacheability
+        cls,
+        endpoint: str,
+        tenant: Tenant,
+        model: str,
+        body: dict[str, Any],
+        cacheable: Cacheability,
+        trace: RequestTrace | None = None,
     ) -> Flow:
         record = RequestRecord(
             id=f"req-{uuid.uuid4().hex}",
@@ -56,7 +62,9 @@ class Flow:
             stream=bool(body.get("stream")),
             reason=cacheable.reason,  # x-cache-reason: the cacheability row, or the lookup's why
         )
-        return cls(record, tenant, body, cacheable)
+        if trace is None:  # a request without spans (the embeddings API)
+            return cls(record, tenant, body, cacheable)
+        return cls(record, tenant, body, cacheable, trace=trace)
 
     def draft(self) -> str | None:
         """A refused near miss's stored answer as the backend's draft (``cachegw_draft``): the text of

@@ -122,8 +122,8 @@ class Gateway:
             serve_unset_temperature=settings.cache.serves_unset_temperature(model, tenant.name),
         )
         cacheable = decide(body, request.headers, policy)
-        flow = Flow.begin(endpoint, tenant, model, body, cacheable)
-        flow.record.api, flow.trace = api or endpoint, trace
+        flow = Flow.begin(endpoint, tenant, model, body, cacheable, trace)
+        flow.record.api = api or endpoint
         restore = self.store.reply_restorer(tenant.cache_key)
         learn = not cacheable.keeps_nothing  # no-store: not even its system prompt is kept
         flow.canonicalized(
