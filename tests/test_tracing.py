@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -274,3 +275,16 @@ def test_the_built_in_engine_receives_the_request_id_and_the_trace(
     backend = by_name(exporter.get_finished_spans())["cachegw.backend"]
     sent = f"00-{hexid(backend.context.trace_id, 32)}-{hexid(backend.context.span_id, 16)}-"  # then flags
     assert any(f"traceparent {sent}" in m for m in caplog.messages), caplog.messages[-5:]
+
+
+def test_without_the_sdk_or_when_disabled_tracing_stays_off(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A configured endpoint is not a failed start: without the `otel` extra it is reported, and off."""
+    monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.http.trace_exporter", None)
+    with caplog.at_level(logging.WARNING, logger="cachegw.gateway"):
+        assert not Tracing.configured("http://127.0.0.1:4318").enabled
+    assert any("opentelemetry-sdk is missing" in m for m in caplog.messages)
+    monkeypatch.undo()
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    assert not Tracing.configured("http://127.0.0.1:4318").enabled
