@@ -29,6 +29,7 @@ from gateway.request.embeddings import Embeddings
 from gateway.request.pipeline import Gateway
 from gateway.request.rate_limits import RateLimiter
 from gateway.request.tenants import PrefixSalts, Tenants
+from gateway.request.tracing import Tracing
 from gateway.request.volatile_learner import VolatileLearner
 from gateway.storage.admin_store import AdminStore
 from gateway.storage.entry_ids import EntryIds
@@ -54,10 +55,12 @@ async def started_gateway(
     progress: bool = True,
     clock: Callable[[], float] = time.time,
     engine_cpus: frozenset[int] | None = None,
+    tracing: Tracing | None = None,
 ) -> AsyncIterator[Parts]:
     """Every part of the gateway, built once, started in order, stopped in reverse; ``clock`` is the cache's
     wall clock (expiry, freshness), which tests move instead of sleeping; ``engine_cpus`` the built-in
-    engine's cores (``split_cores``)."""
+    engine's cores (``split_cores``); ``tracing`` a tracer of the caller's (else ``[gateway]
+    otlp_endpoint``'s, which is flushed at the end)."""
     data_dir = settings.data_dir
     data_dir.mkdir(parents=True, exist_ok=True)
     store = Store(settings.gateway.resolved_database_url(data_dir), clock)
@@ -113,6 +116,8 @@ async def started_gateway(
     responses = ResponsesStore(store.session, clock)
     retention_s = settings.gateway.responses_retention_days * 86400
     limits = RateLimiter(settings.tenants, RateStore(store.session), clock)
+    own_tracing = tracing is None
+    tracing = tracing or Tracing.configured(settings.gateway.otlp_endpoint)
     pipeline = Gateway(
         live,
         tenants,
@@ -126,6 +131,7 @@ async def started_gateway(
         entry_ids,
         limits,
         auditor,
+        tracing,
     )
     parts = Parts(
         live=live,
@@ -179,6 +185,8 @@ async def started_gateway(
             await builtin.stop()
         batcher.close()
         store.close()
+        if own_tracing:
+            await asyncio.to_thread(tracing.shutdown)  # the spans still buffered are exported
 
 
 def vector_index(settings: Settings, store: Store, dim: int) -> ScopedIndex | PgVectorIndex:

@@ -132,6 +132,10 @@ class GatewayConfig(_Strict):
     responses_retention_days: float = Field(
         gt=0, description="stored Responses (previous_response_id, GET) are deleted after this many days"
     )
+    otlp_endpoint: str = Field(
+        description='OTLP/HTTP collector for traces (e.g. "http://127.0.0.1:4318"); "" = '
+        "OTEL_EXPORTER_OTLP_ENDPOINT if set, else no tracing"
+    )
 
     @field_validator("backends", mode="before")
     @classmethod

@@ -54,6 +54,18 @@ log = logging.getLogger("cachegw.backend")
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
 T = TypeVar("T")
+_GIVEN_ID = re.compile(r"[A-Za-z0-9._:-]{1,96}")  # an x-request-id the completion id may carry
+
+
+def completion_id(prefix: str, request: Request) -> str:
+    """The answer's id: with the caller's ``x-request-id`` in it (as vLLM does), so a gateway's request
+    log and this server's logs name one request alike; a random tail keeps ids unique. The caller's
+    ``traceparent`` is logged beside it (debug)."""
+    given = request.headers.get("x-request-id", "")
+    tail = uuid.uuid4().hex
+    rid = f"{prefix}-{given}-{tail[:12]}" if _GIVEN_ID.fullmatch(given) else f"{prefix}-{tail}"
+    log.debug("%s: traceparent %s", rid, request.headers.get("traceparent", "-"))
+    return rid
 
 
 class _EventStream(StreamingResponse):
@@ -204,7 +216,7 @@ class _Server:
             text = prompt if isinstance(prompt, str) else await self.in_tokenizer_thread(self.decode, prompt)
             echo = Echo(text, req.logprobs is not None)
         shaper = CompletionShaper(
-            f"cmpl-{uuid.uuid4().hex}", self.model_name, self.texts, req.include_usage, echo
+            completion_id("cmpl", request), self.model_name, self.texts, req.include_usage, echo
         )
         stream = await self.start(shaper.id, ids, params, req.cache_salt)
         if req.stream:
@@ -226,7 +238,7 @@ class _Server:
         if asks:
             params.pins = await self.in_tokenizer_thread(pin_requests, self.tokenizer, req, tools, ids, asks)
         shaper = _ChatShaper(
-            f"chatcmpl-{uuid.uuid4().hex}",
+            completion_id("chatcmpl", request),
             self.model_name,
             self.texts,
             req.include_usage,

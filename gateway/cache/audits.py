@@ -174,7 +174,9 @@ class Auditor:
         urls = self.backends.order(await self.backends.route(job.model or None), job.endpoint, body)
         path = "/chat/completions" if job.endpoint == "chat" else "/completions"
         self.backend_requests += 1
-        status, data, _, _ = await self.backends.post_json(urls, path, body, job.cache_salt)
+        # the audited request's id, marked: the backend's logs tell audits from the clients' requests
+        audit_id = {"x-request-id": f"{job.request_id}-audit"}
+        status, data, _, _ = await self.backends.post_json(urls, path, body, job.cache_salt, None, audit_id)
         if status != 200:
             raise RuntimeError(f"the backend answered the audit with {status}")
         usage = data.get("usage") or {}

@@ -197,7 +197,7 @@ class Embeddings:
             # routed by the first input, as a completion by its prompt: inputs spread over the backends
             urls = self.backends.order(candidates, ENDPOINT, {"prompt": missing[0].value})
             status, data, record.backend_ms, record.backend = await self.backends.post_json(
-                urls, "/embeddings", upstream
+                urls, "/embeddings", upstream, headers=flow.upstream_headers()
             )
         except ApiError as exc:
             record.backend_ms = (time.perf_counter() - start) * 1e3

@@ -15,6 +15,7 @@ from typing import Any
 
 from gateway.cache.lookup import Lookup
 from gateway.request.tenants import Tenant
+from gateway.request.tracing import RequestTrace
 from gateway.storage.entry_ids import EntryIds
 from gateway.storage.request_record import CacheResult, RequestRecord
 from policies.cache_keys import RequestKeys
@@ -40,10 +41,17 @@ class Flow:
     keys: RequestKeys | None = None
     lookup: Lookup | None = None
     cache_salt: str | None = None  # sent upstream in place of the client's (prefix isolation)
+    trace: RequestTrace = field(default_factory=RequestTrace.off)  # its spans (gateway/request/tracing.py)
 
     @classmethod
     def begin(
-        cls, endpoint: str, tenant: Tenant, model: str, body: dict[str, Any], cacheable: Cacheability
+        cls,
+        endpoint: str,
+        tenant: Tenant,
+        model: str,
+        body: dict[str, Any],
+        cacheable: Cacheability,
+        trace: RequestTrace | None = None,
     ) -> Flow:
         record = RequestRecord(
             id=f"req-{uuid.uuid4().hex}",
@@ -54,7 +62,9 @@ class Flow:
             stream=bool(body.get("stream")),
             reason=cacheable.reason,  # x-cache-reason: the cacheability row, or the lookup's why
         )
-        return cls(record, tenant, body, cacheable)
+        if trace is None:  # a request without spans (the embeddings API)
+            return cls(record, tenant, body, cacheable)
+        return cls(record, tenant, body, cacheable, trace=trace)
 
     def draft(self) -> str | None:
         """A refused near miss's stored answer as the backend's draft (``cachegw_draft``): the text of
@@ -78,6 +88,11 @@ class Flow:
         message = choice.get("message")
         text = message.get("content") if isinstance(message, dict) else choice.get("text")
         return text if isinstance(text, str) and text else None
+
+    def upstream_headers(self) -> dict[str, str]:
+        """What the backend is told besides the body: the request id and the trace (starts the backend
+        call's span)."""
+        return self.trace.backend_headers(self.record.id, self.record.stream)
 
     def canonicalized(self, canon: Canonical) -> None:
         self.body = canon.body

@@ -26,6 +26,7 @@ from gateway.request.flow import Flow
 from gateway.request.hits import hit_response, hit_stream
 from gateway.request.rate_limits import RateLimiter
 from gateway.request.tenants import PrefixSalts, Tenants
+from gateway.request.tracing import RequestTrace, Tracing
 from gateway.request.volatile_learner import VolatileLearner
 from gateway.storage.entry_ids import EntryIds
 from gateway.storage.interfaces import ReplyStore
@@ -62,13 +63,16 @@ class Gateway:
         entry_ids: EntryIds,
         limits: RateLimiter,
         auditor: Auditor | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         """The parts ``handle`` uses, built by ``gateway/compose.py``; ``auditor`` re-asks a share of
-        semantic hits and near misses (the false-hit bound's evidence), None audits nothing."""
+        semantic hits and near misses (the false-hit bound's evidence), None audits nothing; ``tracing``
+        records each request's spans (None: no tracing)."""
         self.live, self.tenants, self.volatile = live, tenants, volatile
         self.cache, self.backends, self.store = cache, backends, store
         self.metrics, self.recorder, self.salts = metrics, recorder, salts
         self.entry_ids, self.auditor, self.limits = entry_ids, auditor, limits
+        self.tracing = tracing or Tracing()
         self._tasks: set[asyncio.Task] = set()  # stream bookkeeping that outlives its response
 
     @property
@@ -92,6 +96,16 @@ class Gateway:
         """Answer one chat or completions request. The other APIs (``api``: responses, messages) come
         translated into a chat body (``raw``), so every API shares one cache; their routes translate the
         answer back (gateway/api/)."""
+        trace = self.tracing.begin(request.headers, api or endpoint, endpoint)
+        try:
+            return await self._handle(request, endpoint, api, raw, trace)
+        except BaseException as exc:  # recorded requests ended their span already
+            trace.fail(exc.status if isinstance(exc, ApiError) else 500, f"{type(exc).__name__}: {exc}")
+            raise
+
+    async def _handle(
+        self, request: Request, endpoint: str, api: str | None, raw: bytes | None, trace: RequestTrace
+    ) -> Response:
         settings = self.settings  # one consistent view for the whole request
         tenant = self.tenants.from_headers(request.headers)
         if raw is None:
@@ -113,7 +127,7 @@ class Gateway:
             serve_unset_temperature=settings.cache.serves_unset_temperature(model, tenant.name),
         )
         cacheable = decide(body, request.headers, policy)
-        flow = Flow.begin(endpoint, tenant, model, body, cacheable)
+        flow = Flow.begin(endpoint, tenant, model, body, cacheable, trace)
         flow.record.api = api or endpoint
         restore = self.store.reply_restorer(tenant.cache_key)
         learn = not cacheable.keeps_nothing  # no-store: not even its system prompt is kept
@@ -127,8 +141,8 @@ class Gateway:
         if not use_cache:
             record.reason = "disabled"
         if use_cache and cacheable.may_serve:
-            flow.lookup = await self.cache.lookup(
-                tenant.cache_key, tenant.name, model, flow.keys, fresh=cacheable.fresh
+            flow.lookup = await trace.lookup(
+                self.cache.lookup(tenant.cache_key, tenant.name, model, flow.keys, fresh=cacheable.fresh)
             )
             self.metrics.lookup.observe(flow.lookup.lookup_ms / 1e3)
             if flow.lookup.embed_ms is not None:
@@ -176,11 +190,12 @@ class Gateway:
         record = flow.record
         try:
             status, data, record.backend_ms, record.backend = await self.backends.post_json(
-                urls, path, body, flow.cache_salt, flow.draft()
+                urls, path, body, flow.cache_salt, flow.draft(), flow.upstream_headers()
             )
         except ApiError as exc:  # down, timed out, garbled: the log must show it too
             await self._record_failure(flow, exc, start)
             raise
+        flow.trace.backend_done(record.backend, status)
         record.response_id = data.get("id") if isinstance(data.get("id"), str) else None
         self.metrics.backend.observe(record.backend_ms / 1e3)
         if status == 200:
@@ -201,7 +216,7 @@ class Gateway:
         record = flow.record
         try:
             record.backend, response = await self.backends.open_stream(
-                urls, path, upstream, flow.cache_salt, flow.draft()
+                urls, path, upstream, flow.cache_salt, flow.draft(), flow.upstream_headers()
             )
         except ApiError as exc:
             await self._record_failure(flow, exc, start)
@@ -226,6 +241,7 @@ class Gateway:
 
     async def _finish_stream(self, flow: Flow, recorder: SseRecorder, store: bool, ttl: int) -> None:
         flow.record.response_id = recorder.meta.get("id")
+        flow.trace.backend_done(flow.record.backend, 200, recorder.broken)
         if recorder.broken is not None:  # logged as the 502 the client was told of, never stored
             self.metrics.count_error(502, "backend_error")
             broke = f"backend_error: stream broke after {recorder.relayed_bytes} bytes: {recorder.broken}"
@@ -271,15 +287,17 @@ class Gateway:
         try:
             if store and flow.keys is not None:
                 embedding = flow.lookup.embedding if flow.lookup else None
-                record.stored_entry_id = await self.cache.insert(
-                    flow.tenant.cache_key,
-                    record.model,
-                    record.endpoint,
-                    flow.keys,
-                    embedding,
-                    data,
-                    ttl,
-                    replies,
+                record.stored_entry_id = await flow.trace.store(
+                    self.cache.insert(
+                        flow.tenant.cache_key,
+                        record.model,
+                        record.endpoint,
+                        flow.keys,
+                        embedding,
+                        data,
+                        ttl,
+                        replies,
+                    )
                 )
             if replies and record.stored_entry_id is None:  # not stored: the reply text alone (one commit)
                 await asyncio.to_thread(self.store.remember_replies, replies)
@@ -300,5 +318,6 @@ class Gateway:
             await self.limits.spend(
                 flow.tenant, (record.prompt_tokens or 0) + (record.completion_tokens or 0)
             )
+        flow.trace.close(record)
         self.metrics.observe_request(record)
         await self.recorder.record(record)

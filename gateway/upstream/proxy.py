@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -52,7 +52,9 @@ class Backends:
     """The configured backends: which serve a model, in which order to try them, and the one HTTP client.
 
     Each backend's own headers (its API key) go on every request to it; nothing of the client's request
-    but the body is forwarded, so a client's key never reaches a backend."""
+    but the body is forwarded, so a client's key never reaches a backend. The gateway adds its own
+    ``headers`` to a request (the request id and trace context, ``gateway/request/tracing.py``); a
+    backend's configured headers win over them."""
 
     def __init__(
         self,
@@ -195,6 +197,7 @@ class Backends:
         body: dict[str, Any],
         cache_salt: str | None = None,
         draft: str | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> tuple[str, httpx.Response]:
         """POST to the first backend that takes the connection; (its url, the response, body unread).
 
@@ -209,12 +212,12 @@ class Backends:
             gone = self.gone(url)
             try:
                 salted_body = {**body, "cache_salt": cache_salt} if salted else body
-                response = await unless_gone(gone, self._post(url, path, salted_body))
+                response = await unless_gone(gone, self._post(url, path, salted_body, headers))
                 if salted and response.status_code == 400 and b"cache_salt" in await response.aread():
                     await response.aclose()
                     self.no_salt.add(url)
                     log.warning("backend %s refuses cache_salt: tenants share its prefix cache", url)
-                    response = await unless_gone(gone, self._post(url, path, body))
+                    response = await unless_gone(gone, self._post(url, path, body, headers))
             except MarkedDown:
                 raise self.unavailable() from None
             except _RETRYABLE as exc:
@@ -231,8 +234,11 @@ class Backends:
         assert last is not None, "no backend to send to"
         raise backend_unavailable(", ".join(urls), last) from last
 
-    async def _post(self, url: str, path: str, body: dict[str, Any]) -> httpx.Response:
-        request = self.client.build_request("POST", f"{url}{path}", json=body, headers=self._headers[url])
+    async def _post(
+        self, url: str, path: str, body: dict[str, Any], headers: Mapping[str, str] | None = None
+    ) -> httpx.Response:
+        sent = {**headers, **self._headers[url]} if headers else self._headers[url]
+        request = self.client.build_request("POST", f"{url}{path}", json=body, headers=sent)
         return await self.client.send(request, stream=True)
 
     async def post_json(
@@ -242,10 +248,11 @@ class Backends:
         body: dict[str, Any],
         cache_salt: str | None = None,
         draft: str | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> tuple[int, dict[str, Any], float, str]:
         """(status, JSON body, ms, the backend that answered)."""
         start = time.perf_counter()
-        url, r = await self._send(urls, path, body, cache_salt, draft)
+        url, r = await self._send(urls, path, body, cache_salt, draft, headers)
         try:
             await unless_gone(self.gone(url), r.aread())
         except MarkedDown:
@@ -272,6 +279,7 @@ class Backends:
         body: dict[str, Any],
         cache_salt: str | None = None,
         draft: str | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> tuple[str, httpx.Response]:
         """Send the request and return the backend that took it and its response, body not yet read."""
-        return await self._send(urls, path, body, cache_salt, draft)
+        return await self._send(urls, path, body, cache_salt, draft, headers)
