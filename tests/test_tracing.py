@@ -26,6 +26,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from gateway.api.app import build_app
 from gateway.compose import started_gateway
 from gateway.config import Settings, load_settings
+from gateway.request.flow import RequestTrace
 from gateway.request.tracing import Tracing, traces_url
 from testkit.servers import Upstream, recording_upstream, serve_in_thread
 from tests.test_gateway import MODEL, ask, settings_for
@@ -207,7 +208,7 @@ def test_unconfigured_tracing_records_nothing_and_passes_the_clients_trace_on(
     for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
         monkeypatch.delenv(name, raising=False)
     off = Tracing.configured("")
-    assert not off.enabled and not off.begin({}, "chat", "chat").span.is_recording()
+    assert not off.enabled and not RequestTrace.begin(off.tracer, {}, "chat", "chat").span.is_recording()
     up, up_url = upstream
     up.seen.clear()
     settings = settings_for(tmp_path, [f"{up_url}/v1"])

@@ -10,12 +10,24 @@ import hashlib
 import json
 import time
 import uuid
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+from opentelemetry.context import Context
+from opentelemetry.trace import (
+    NoOpTracerProvider,
+    Span,
+    SpanKind,
+    Status,
+    StatusCode,
+    Tracer,
+    set_span_in_context,
+)
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from gateway.cache.lookup import Lookup
 from gateway.request.tenants import Tenant
-from gateway.request.tracing import RequestTrace
 from gateway.storage.entry_ids import EntryIds
 from gateway.storage.request_record import CacheResult, RequestRecord
 from policies.cache_keys import RequestKeys
@@ -29,6 +41,113 @@ QUERY_CHARS = 500  # of the last user message kept in the request log (gateway.l
 def query_hash(query: str) -> str:
     """Groups repeats of one query in reports, whatever their whitespace or Unicode form."""
     return hashlib.sha256(normalize_for_match(query).encode()).hexdigest()[:16]
+
+
+T = TypeVar("T")
+REQUEST_ID_HEADER = "x-request-id"
+_W3C = TraceContextTextMapPropagator()  # traceparent/tracestate only: no baggage crosses the gateway
+
+
+def _attrs(**values: Any) -> dict[str, Any]:
+    """Span attributes without the unknown ones (OpenTelemetry refuses None)."""
+    return {f"cachegw.{k}": v for k, v in values.items() if v is not None}
+
+
+class RequestTrace:
+    """The spans of one request. ``close`` ends it with the request log's record (every answered or
+    failed request is recorded once); ``fail`` ends one refused before it had a record."""
+
+    def __init__(self, tracer: Tracer, parent: Context, api: str, endpoint: str) -> None:
+        self._tracer = tracer
+        self.span = tracer.start_span(
+            "cachegw.request", parent, SpanKind.SERVER, _attrs(api=api, endpoint=endpoint)
+        )
+        self._context = set_span_in_context(self.span, parent)
+        self._backend: Span | None = None
+        self._ended = False
+
+    @classmethod
+    def begin(cls, tracer: Tracer, headers: Mapping[str, str], api: str, endpoint: str) -> RequestTrace:
+        """The request's span, a child of the client's ``traceparent`` when it sent one."""
+        return cls(tracer, _W3C.extract(headers), api, endpoint)
+
+    @classmethod
+    def off(cls) -> RequestTrace:
+        """A trace that records nothing (requests built without a tracer)."""
+        return cls(NoOpTracerProvider().get_tracer("cachegw"), Context(), "", "")
+
+    async def lookup(self, pending: Awaitable[Lookup]) -> Lookup:
+        """Await the cache lookup inside its span, which tells what it found and why."""
+        with self._tracer.start_as_current_span("cachegw.lookup", self._context) as span:
+            found = await pending
+            span.set_attributes(
+                _attrs(
+                    cache_result=found.result.value,
+                    reason=found.reason,
+                    similarity=found.similarity,
+                    threshold=found.threshold,
+                    score=found.score,
+                )
+            )
+            return found
+
+    def backend_headers(self, request_id: str, stream: bool) -> dict[str, str]:
+        """Start the backend call's span; the headers that tell the backend the request id and its parent
+        span (``traceparent``: the call's span, or the client's own when tracing is off)."""
+        if self._backend is None:
+            self._backend = self._tracer.start_span(
+                "cachegw.backend", self._context, SpanKind.CLIENT, _attrs(stream=stream)
+            )
+        headers = {REQUEST_ID_HEADER: request_id}
+        _W3C.inject(headers, set_span_in_context(self._backend, self._context))
+        return headers
+
+    def backend_done(self, url: str | None, status: int, error: str | None = None) -> None:
+        """End the backend call's span: who answered, with what (a stream ends when it was relayed)."""
+        span, self._backend = self._backend, None
+        if span is None:
+            return
+        span.set_attributes({**_attrs(backend=url), "http.response.status_code": status})
+        if status >= 400 or error:
+            span.set_status(Status(StatusCode.ERROR, error or f"HTTP {status}"))
+        span.end()
+
+    async def store(self, pending: Awaitable[T]) -> T:
+        """Await the answer's store inside its span (the entry id it got, when one)."""
+        with self._tracer.start_as_current_span("cachegw.store", self._context) as span:
+            stored = await pending
+            if isinstance(stored, int):
+                span.set_attributes(_attrs(entry_id=stored))
+            return stored
+
+    def close(self, record: RequestRecord) -> None:
+        """End the request's span with what its record says (a backend call still open ends with it)."""
+        if self._ended:
+            return
+        self.backend_done(record.backend, record.status or 0, record.error)
+        self.span.set_attributes(
+            _attrs(
+                model=record.model,
+                tenant=record.tenant,
+                cache_result=record.cache_result.value,
+                reason=record.reason,
+                request_id=record.id,
+                stream=record.stream,
+            )
+        )
+        self._end(record.status or 0, record.error)
+
+    def fail(self, status: int, message: str) -> None:
+        """End a request that failed before it was recorded (a 400 for its body, a 404 for its model)."""
+        if not self._ended:
+            self._end(status, message)
+
+    def _end(self, status: int, error: str | None) -> None:
+        self._ended = True
+        self.span.set_attribute("http.response.status_code", status)
+        if status >= 500:  # a client's mistake is not the server span's error
+            self.span.set_status(Status(StatusCode.ERROR, error or f"HTTP {status}"))
+        self.span.end()
 
 
 @dataclass

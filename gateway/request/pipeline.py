@@ -22,11 +22,11 @@ from gateway.cache.response_cache import ResponseCache
 from gateway.config import Settings
 from gateway.live_settings import LiveSettings
 from gateway.metrics import GatewayMetrics
-from gateway.request.flow import Flow
+from gateway.request.flow import Flow, RequestTrace
 from gateway.request.hits import hit_response, hit_stream
 from gateway.request.rate_limits import RateLimiter
 from gateway.request.tenants import PrefixSalts, Tenants
-from gateway.request.tracing import RequestTrace, Tracing
+from gateway.request.tracing import Tracing
 from gateway.request.volatile_learner import VolatileLearner
 from gateway.storage.entry_ids import EntryIds
 from gateway.storage.interfaces import ReplyStore
@@ -96,7 +96,7 @@ class Gateway:
         """Answer one chat or completions request. The other APIs (``api``: responses, messages) come
         translated into a chat body (``raw``), so every API shares one cache; their routes translate the
         answer back (gateway/api/)."""
-        trace = self.tracing.begin(request.headers, api or endpoint, endpoint)
+        trace = RequestTrace.begin(self.tracing.tracer, request.headers, api or endpoint, endpoint)
         try:
             return await self._handle(request, endpoint, api, raw, trace)
         except BaseException as exc:  # recorded requests ended their span already
