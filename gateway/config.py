@@ -132,6 +132,12 @@ class GatewayConfig(_Strict):
     responses_retention_days: float = Field(
         gt=0, description="stored Responses (previous_response_id, GET) are deleted after this many days"
     )
+    request_log_days: float = Field(
+        ge=0, description="request-log rows are deleted after this many days; 0 = kept"
+    )
+    feedback_days: float = Field(
+        ge=0, description="bad-hit reports are deleted after this many days; 0 = kept"
+    )
 
     @field_validator("backends", mode="before")
     @classmethod
@@ -209,6 +215,9 @@ class AdminConfig(_Strict):
     """The admin API (/admin/api) and dashboard (/admin)."""
 
     token: str = Field(description='"" = CACHEGW_ADMIN_TOKEN, else one generated into <data_dir>/admin_token')
+    audit_log_days: float = Field(
+        ge=0, description="admin audit-log events are deleted after this many days; 0 = kept"
+    )
 
 
 class ModelPrice(_Strict):
