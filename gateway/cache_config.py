@@ -127,6 +127,10 @@ class AuditsConfig(Strict):
     send_priority: Literal["auto", "always", "never"] = Field(
         description="auto: priority sent to the built-in engine only | always | never"
     )
+    keep_days: float = Field(
+        ge=0,
+        description="hit_audits rows older than this and than evidence_max_age_s are deleted; 0 = kept",
+    )
 
 
 class CacheConfig(Strict):

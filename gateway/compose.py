@@ -19,6 +19,7 @@ from gateway.cache.error_control import ThresholdProvider
 from gateway.cache.feedback import BadHitReports
 from gateway.cache.maintenance import HIT_FLUSH_S
 from gateway.cache.response_cache import ResponseCache
+from gateway.cache.retention import RETENTION_EVERY_S, Retention
 from gateway.cache.verifier_loader import load_verifier
 from gateway.config import BackendSpec, Settings
 from gateway.live_settings import LiveSettings
@@ -78,7 +79,8 @@ async def started_gateway(
     # loaded even when switched off: the admin API can switch it on at run time
     verifier = await asyncio.to_thread(load_verifier, c, settings.engine.resolved_cache_dir)
     index = await asyncio.to_thread(vector_index, settings, store, encoder.dim)
-    lines = ThresholdProvider(EvidenceStore(store.session), clock, c.error_bound.ageing)
+    evidence = EvidenceStore(store.session)
+    lines = ThresholdProvider(evidence, clock, c.error_bound.ageing)
     await asyncio.to_thread(lines.load)  # the false-hit evidence every replica wrote
     cache = ResponseCache(live.cache_settings, stores, index, batcher, verifier, lines)
     n = await asyncio.to_thread(cache.rebuild_index, progress)
@@ -106,10 +108,10 @@ async def started_gateway(
     metrics.watch_audits(
         auditor.counts, lambda: auditor.backend_tokens, lambda: lines.view(live.current.cache)
     )
-    recorder = Recorder(
-        SqlRequestLog(store.session), per_request=settings.gateway.request_log_commit == "per_request"
-    )
+    request_log = SqlRequestLog(store.session)
+    recorder = Recorder(request_log, per_request=settings.gateway.request_log_commit == "per_request")
     admin = AdminStore(store.session)
+    retention = Retention(request_log, admin, evidence, settings, lines.ageing, clock)
     tenants = Tenants(settings.tenants)
     entry_ids = EntryIds(admin_token)
     volatile = VolatileLearner()
@@ -159,6 +161,9 @@ async def started_gateway(
         asyncio.create_task(
             _every(EXPIRY_EVERY_S, lambda: asyncio.to_thread(responses.prune, retention_s)),
             name="cachegw-responses-retention",
+        ),
+        asyncio.create_task(
+            _every(RETENTION_EVERY_S, lambda: asyncio.to_thread(retention.prune)), name="cachegw-retention"
         ),
         asyncio.create_task(_every(HIT_FLUSH_S, cache.flush_hits), name="cachegw-hits"),
         asyncio.create_task(_every(SETTINGS_POLL_S, live.refresh), name="cachegw-settings"),

@@ -136,6 +136,12 @@ class GatewayConfig(_Strict):
         description='OTLP/HTTP collector for traces (e.g. "http://127.0.0.1:4318"); "" = '
         "OTEL_EXPORTER_OTLP_ENDPOINT if set, else no tracing"
     )
+    request_log_days: float = Field(
+        ge=0, description="request-log rows are deleted after this many days; 0 = kept"
+    )
+    feedback_days: float = Field(
+        ge=0, description="bad-hit reports are deleted after this many days; 0 = kept"
+    )
 
     @field_validator("backends", mode="before")
     @classmethod
@@ -247,6 +253,9 @@ class AdminConfig(_Strict):
     """The admin API (/admin/api) and dashboard (/admin)."""
 
     token: str = Field(description='"" = CACHEGW_ADMIN_TOKEN, else one generated into <data_dir>/admin_token')
+    audit_log_days: float = Field(
+        ge=0, description="admin audit-log events are deleted after this many days; 0 = kept"
+    )
 
 
 class ModelPrice(_Strict):

@@ -18,7 +18,7 @@ from sqlalchemy import Engine, MetaData, create_engine, insert, select, text
 
 from gateway.storage import migrate
 from gateway.storage.store import Store, sql_stores
-from gateway.storage.tables import Base, CacheEntry, EntryDeletion
+from gateway.storage.tables import Base, BigId, CacheEntry, EntryDeletion
 from tests.historic_schemas import SHAPES, shape
 from tests.test_shared_store import fresh_database
 
@@ -75,6 +75,30 @@ def schema_diff(engine: Engine) -> list:
         return compare_metadata(MigrationContext.configure(conn), Base.metadata)
 
 
+def assert_64_bit_ids(engine: Engine) -> None:
+    """On PostgreSQL every id column the models make BIGINT is bigint, and so are the sequences behind
+    the serial keys (a serial's sequence stops at 2^31 - 1 otherwise); SQLite's INTEGER is 64-bit."""
+    if engine.dialect.name != "postgresql":
+        return
+    wanted = {(t.name, c.name) for t in Base.metadata.tables.values() for c in t.c if c.type is BigId}
+    assert ("cache_entries", "id") in wanted and ("hit_audits", "entry_id") in wanted
+    with engine.connect() as conn:
+        types = dict(
+            ((t, c), ty)
+            for t, c, ty in conn.execute(
+                text("SELECT table_name, column_name, data_type FROM information_schema.columns")
+            )
+        )
+        sequences = dict(conn.execute(text("SELECT sequencename, data_type FROM pg_sequences")).all())
+        serials = [
+            conn.execute(text(f"SELECT pg_get_serial_sequence('{t}', 'id')")).scalar()
+            for t, c in sorted(wanted)
+            if c == "id"
+        ]
+    assert {k: types[k] for k in wanted} == dict.fromkeys(wanted, "bigint")
+    assert serials and all(sequences[s.removeprefix("public.")] == "bigint" for s in serials)
+
+
 def check_upgrade(url: str, name: str) -> None:
     md = shape(name)
     engine = create_engine(url)
@@ -100,6 +124,7 @@ def check_upgrade(url: str, name: str) -> None:
                 logged = sorted(s.scalars(select(EntryDeletion.entry_id)))
             assert logged == sorted(([1] if had_copy else []) + ([7] if deleted else []))
             assert schema_diff(engine) == []
+            assert_64_bit_ids(engine)
             # and the store works on it: a new entry gets a new id, the key rule holds
             new = CacheEntry(**(entry_row(Base.metadata, 0, "a", "newer a") | {"id": None}))
             new_id, replaced = stores.entries.put_entry(new)
@@ -136,6 +161,7 @@ def test_the_revisions_alone_build_the_models_schema(dialect: str, tmp_path: Pat
     try:
         migrate.upgrade(engine, create_new=False)
         assert schema_diff(engine) == []
+        assert_64_bit_ids(engine)
     finally:
         engine.dispose()
 

@@ -30,6 +30,7 @@ from backend.core.outputs import CompletionOutput, RequestOutput
 from backend.core.sampling_params import InvalidParameter, SamplingParams
 from backend.entrypoints.choices import CompletionShaper, Cursors, Echo, Shaper
 from backend.entrypoints.embeddings import EmbeddingsEndpoint
+from backend.entrypoints.health_routes import add_health_routes
 from backend.entrypoints.metrics import ServerMetrics
 from backend.entrypoints.openai_mapping import (
     TokenTexts,
@@ -355,6 +356,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, max_request_bytes: in
     app.add_api_route("/v1/models", server.list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model:path}", server.get_model, methods=["GET"])
     app.add_api_route("/health", server.health, methods=["GET"])
+    add_health_routes(app, lambda: engine.is_alive)
     app.add_api_route("/metrics", server.metrics_text, methods=["GET"])
     return app
 

@@ -24,6 +24,7 @@ from gateway.api.deps import (
     TenantsDep,
 )
 from gateway.api.embeddings_api import embeddings_router
+from gateway.api.health_api import health_router
 from gateway.api.messages_api import messages_router
 from gateway.api.metrics_http import metrics_response
 from gateway.api.responses_api import responses_router
@@ -53,6 +54,7 @@ def build_app(parts_factory) -> FastAPI:
     app.include_router(admin_router())
     app.include_router(responses_router())
     app.include_router(embeddings_router())
+    app.include_router(health_router())  # /health/live, /health/ready (Kubernetes probes)
     app.include_router(messages_router())  # Anthropic's /v1/messages, through the chat pipeline
 
     @app.get("/admin", include_in_schema=False)

@@ -8,9 +8,10 @@ import json
 import time
 from typing import Any
 
-from sqlalchemy import func, or_, select
+from sqlalchemy import func, literal, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from gateway.storage.prune import delete_older
 from gateway.storage.request_record import COLUMNS, RequestRecord
 from gateway.storage.tables import AuditEvent, CacheEntry, Feedback, RequestRow, Setting
 
@@ -113,6 +114,15 @@ class AdminStore:
                 for a in rows
             ]
 
+    def prune_audit_log(self, before: float) -> int:
+        """Drop admin-API events older than ``before`` (``[admin] audit_log_days``)."""
+        return delete_older(self.session, AuditEvent.ts, AuditEvent.id, before)
+
+    def ping(self) -> None:
+        """One trivial query: raises while the database does not answer (``/health/ready``)."""
+        with self.session() as s:
+            s.execute(select(literal(1)))
+
     # Feedback
 
     def add_feedback(self, row: dict[str, Any], audit: dict[str, Any]) -> int:
@@ -127,6 +137,11 @@ class AdminStore:
         with self.session() as s:
             q = select(Feedback).where(Feedback.ts >= since).order_by(Feedback.id.desc()).limit(limit)
             return [{c: getattr(f, c) for c in Feedback.__table__.columns.keys()} for f in s.scalars(q)]
+
+    def prune_feedback(self, before: float) -> int:
+        """Drop bad-hit reports older than ``before`` (``[gateway] feedback_days``); what they did to
+        entries (flags, learned thresholds) and their false-hit evidence stay."""
+        return delete_older(self.session, Feedback.ts, Feedback.id, before)
 
     def flagged_request_ids(self, since: float) -> list[str]:
         with self.session() as s:

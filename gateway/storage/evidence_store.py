@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, fields
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from gateway.storage.prune import delete_older
 from gateway.storage.tables import HitAudit
 
 
@@ -43,6 +44,11 @@ class EvidenceStore:
         with self.session() as s:
             found = s.scalars(select(HitAudit).where(HitAudit.ts >= ts).order_by(HitAudit.id)).all()
             return [EvidenceRow(**{f.name: getattr(r, f.name) for f in fields(EvidenceRow)}) for r in found]
+
+    def prune(self, before: float) -> int:
+        """Drop rows older than ``before``: the caller keeps every row the evidence window may still
+        count (``gateway/cache/retention.py``)."""
+        return delete_older(self.session, HitAudit.ts, HitAudit.id, before)
 
     def backend_tokens(self) -> int:
         """What every audit's re-ask to the backend has cost, over all replicas."""

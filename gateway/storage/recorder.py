@@ -15,7 +15,9 @@ from collections import OrderedDict
 from sqlalchemy.orm import Session, sessionmaker
 
 from gateway.storage.interfaces import RequestLogSink
+from gateway.storage.prune import delete_older
 from gateway.storage.request_record import RequestRecord
+from gateway.storage.tables import RequestRow
 
 log = logging.getLogger("cachegw.gateway")
 
@@ -33,6 +35,10 @@ class SqlRequestLog:
         if records:
             with self.session.begin() as s:
                 s.add_all(record.to_row() for record in records)
+
+    def prune(self, before: float) -> int:
+        """Drop the rows of requests made before ``before`` (``[gateway] request_log_days``)."""
+        return delete_older(self.session, RequestRow.ts, RequestRow.id, before)
 
 
 class Recorder:

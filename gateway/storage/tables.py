@@ -5,11 +5,14 @@ reads and writes most of them, ``evidence_store.py`` the evidence).
 
 from __future__ import annotations
 
-from sqlalchemy import Boolean, Float, Index, Integer, LargeBinary, String, Text
+from sqlalchemy import BigInteger, Boolean, Float, Index, Integer, LargeBinary, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 # The largest SQL integer (SQLite INTEGER, PostgreSQL BIGINT): ids and offsets above it are 400s.
 MAX_ID = 2**63 - 1
+# Entry ids and the keys of growing tables: BIGINT (PostgreSQL), and INTEGER on SQLite, where it is
+# 64-bit already and only INTEGER PRIMARY KEY is the rowid that autoincrement needs.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
 
 
 class Base(DeclarativeBase):
@@ -23,7 +26,7 @@ class CacheEntry(Base):
     # ids are never reused (SQLite reuses the highest deleted one otherwise): replicas, the index
     # snapshots and the deletion log all name entries by id
     __table_args__ = {"sqlite_autoincrement": True}
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     tenant: Mapped[str] = mapped_column(String(64), index=True)
     model: Mapped[str] = mapped_column(String(256), index=True)
     endpoint: Mapped[str] = mapped_column(String(32))
@@ -52,8 +55,8 @@ class EntryDeletion(Base):
     """An entry id deleted (evicted, expired, purged), kept a while so other replicas drop it too."""
 
     __tablename__ = "entry_deletions"
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    entry_id: Mapped[int] = mapped_column(Integer)
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    entry_id: Mapped[int] = mapped_column(BigId)
     size_bytes: Mapped[int] = mapped_column(Integer, default=0)  # so replicas keep their byte count
     ts: Mapped[float] = mapped_column(Float, index=True)
 
@@ -74,7 +77,7 @@ class RequestRow(Base):
     )  # a gateway.cache.lookup.CacheResult value
     similarity: Mapped[float | None] = mapped_column(Float, nullable=True)  # nearest neighbour, hit or not
     threshold: Mapped[float | None] = mapped_column(Float, nullable=True)
-    entry_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    entry_id: Mapped[int | None] = mapped_column(BigId, nullable=True)
     rules_fired: Mapped[str] = mapped_column(String(256), default="")
     reason: Mapped[str | None] = mapped_column(String(32), nullable=True)  # x-cache-reason
     # volatile values moved out of the system prompt: "pattern:N" or "learned:<template>[label]"
@@ -90,7 +93,7 @@ class RequestRow(Base):
     status: Mapped[int] = mapped_column(Integer)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     response_id: Mapped[str | None] = mapped_column(String(128), nullable=True, index=True)  # body "id"
-    stored_entry_id: Mapped[int | None] = mapped_column(Integer, nullable=True)  # a miss stored as entry
+    stored_entry_id: Mapped[int | None] = mapped_column(BigId, nullable=True)  # a miss stored as entry
     scope: Mapped[str | None] = mapped_column(String(64), nullable=True)
     system_hash: Mapped[str | None] = mapped_column(String(16), nullable=True)
     query_hash: Mapped[str | None] = mapped_column(String(16), nullable=True)
@@ -124,7 +127,7 @@ class AuditEvent(Base):
     """Who changed what through the admin API, and when."""
 
     __tablename__ = "audit"
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     ts: Mapped[float] = mapped_column(Float, index=True)
     actor: Mapped[str] = mapped_column(String(128))
     action: Mapped[str] = mapped_column(String(64))
@@ -137,10 +140,10 @@ class Feedback(Base):
     """A hit reported bad, by a tenant or an admin."""
 
     __tablename__ = "feedback"
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     ts: Mapped[float] = mapped_column(Float, index=True)
     request_id: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
-    entry_id: Mapped[int] = mapped_column(Integer, index=True)
+    entry_id: Mapped[int] = mapped_column(BigId, index=True)
     tenant: Mapped[str] = mapped_column(String(64))
     actor: Mapped[str] = mapped_column(String(128))
     verdict: Mapped[str] = mapped_column(String(16))
@@ -157,14 +160,14 @@ class HitAudit(Base):
     every replica reads the rows newer than its last look on the sync cycle."""
 
     __tablename__ = "hit_audits"
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     ts: Mapped[float] = mapped_column(Float, index=True)
     model: Mapped[str] = mapped_column(String(256))
     tenant: Mapped[str] = mapped_column(String(64))  # the tenant's name (or key hash), as thresholds
     score: Mapped[float] = mapped_column(Float)  # verifier probability, or cosine with the verifier off
     right: Mapped[bool] = mapped_column(Boolean)
     source: Mapped[str] = mapped_column(String(16))  # hit | near-miss | feedback | seed
-    entry_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    entry_id: Mapped[int | None] = mapped_column(BigId, nullable=True)
     request_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
     backend_tokens: Mapped[int] = mapped_column(Integer, default=0)  # what the audit's re-ask cost
 
