@@ -13,6 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from configtools.logs import REQUEST_ID
 from gateway.cache.lookup import Lookup
 from gateway.request.tenants import Tenant
 from gateway.storage.entry_ids import EntryIds
@@ -54,6 +55,7 @@ class Flow:
             stream=bool(body.get("stream")),
             reason=cacheable.reason,  # x-cache-reason: the cacheability row, or the lookup's why
         )
+        REQUEST_ID.set(record.id)  # JSON log lines of this request's task name it (configtools/logs.py)
         return cls(record, tenant, body, cacheable)
 
     def draft(self) -> str | None:
