@@ -2,7 +2,8 @@
 
 A package of its own, importing nothing of ours, so ``backend/``, ``policies/`` and ``gateway/`` may all
 use it without an import against the one-way graph (tests/test_import_graph.py). ``loader`` reads
-config.toml (and a user's file over it); ``reference`` writes docs/config.md from the models.
+config.toml (a user's file and ``env``'s ``CACHEGW_*__*`` variables over it); ``reference`` writes
+docs/config.md from the models; ``logs`` sets up the commands' text or JSON log.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""config.toml read once: the packaged defaults, with a user's file merged over them key by key.
+"""config.toml read once: the packaged defaults, a user's file merged over them key by key, then the
+``CACHEGW_<SECTION>__<KEY>`` environment variables (``configtools.env``) over both.
 
 Both `cachegw serve` (the gateway's sections) and `cachegw backend` (the engine's) read it here, so
 neither reaches into the other for loading. A key a user's file still names at its old place is an
@@ -11,10 +12,16 @@ from __future__ import annotations
 import os
 import tomllib
 from collections.abc import Mapping
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
-DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config.toml"
+from configtools.env import apply_env
+
+# The defaults' one source is config.toml at the repository root, where users read it. A wheel carries
+# it as configtools/defaults.toml (copied by setup.py's build step); a source checkout reads the file.
+PACKAGED_DEFAULTS = "defaults.toml"
+SOURCE_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config.toml"
 
 # Keys that moved, as "section.key" (dotted sub-tables) -> their new place: what each reader passes.
 Moved = Mapping[str, str]
@@ -47,11 +54,28 @@ def moved_keys(user: Mapping[str, Any], moved: Moved) -> list[str]:
     return found
 
 
-def load_toml(path: str | os.PathLike[str] | None = None, moved: Moved | None = None) -> dict[str, Any]:
-    """The packaged defaults, with the user's file (if any) merged over them. A key of ``moved`` is
-    a ValueError naming its new place."""
-    with open(DEFAULT_CONFIG_PATH, "rb") as f:
-        data = tomllib.load(f)
+def defaults_text() -> str:
+    """config.toml's text: the wheel's configtools/defaults.toml when installed, else the checkout's."""
+    packaged = resources.files("configtools").joinpath(PACKAGED_DEFAULTS)
+    if packaged.is_file():
+        return packaged.read_text(encoding="utf-8")
+    return SOURCE_CONFIG_PATH.read_text(encoding="utf-8")
+
+
+def load_defaults() -> dict[str, Any]:
+    """The packaged defaults alone (what docs/config.md documents)."""
+    return tomllib.loads(defaults_text())
+
+
+def load_toml(
+    path: str | os.PathLike[str] | None = None,
+    moved: Moved | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """The packaged defaults, the user's file (if any) merged over them, then the ``CACHEGW_*__*``
+    variables of ``environ`` (default: the process's). A key of ``moved`` is a ValueError naming its
+    new place; a variable that names no key, a ValueError naming the variable."""
+    defaults = data = load_defaults()
     if path is not None:
         with open(path, "rb") as f:
             user = tomllib.load(f)
@@ -59,4 +83,4 @@ def load_toml(path: str | os.PathLike[str] | None = None, moved: Moved | None = 
         if found:
             raise ValueError(f"config {os.fspath(path)}: moved keys: {'; '.join(found)}")
         data = merge(data, user)
-    return data
+    return apply_env(data, os.environ if environ is None else environ, defaults)

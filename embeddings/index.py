@@ -16,6 +16,7 @@ spending minutes rebuilding the graph.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 from collections.abc import Iterable, Sequence
@@ -278,6 +279,7 @@ class ScopedIndex:
         Rows are staged per scope in contiguous arrays, then each scope is built once at its final size,
         which is much faster than growing through the flat -> HNSW switch; flat scopes keep the staging array.
         """
+        progress = progress and not os.environ.get("TQDM_DISABLE")  # tqdm's own switch (JSON logs set it)
         staged: dict[str, FlatIndex] = {}
         for scope, i, vec in tqdm(
             items, total=total, disable=not progress, file=sys.stderr, desc="index load"

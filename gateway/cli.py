@@ -3,13 +3,42 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
+from importlib import metadata
 from typing import TYPE_CHECKING
+
+from configtools.logs import FORMAT_ENV, FORMATS, LEVEL_ENV, LEVELS, env_choice, setup_logging
 
 if TYPE_CHECKING:
     from gateway.config import Settings
+
+
+def _add_log_args(p: argparse.ArgumentParser) -> None:
+    """--log-level and --log-format, defaulting to CACHEGW_LOG_LEVEL / CACHEGW_LOG_FORMAT (which is how
+    `cachegw serve` hands its choice to the built-in engine's process)."""
+    p.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=LEVELS,
+        default=env_choice(LEVEL_ENV, LEVELS, "INFO"),
+        help=f"least severe level logged (default INFO, or ${LEVEL_ENV})",
+    )
+    p.add_argument(
+        "--log-format",
+        type=str.lower,
+        choices=FORMATS,
+        default=env_choice(FORMAT_ENV, FORMATS, "text"),
+        help="text lines, or JSON lines with ts, level, logger, message, request_id "
+        f"(default text, or ${FORMAT_ENV})",
+    )
+
+
+def _version() -> str:
+    try:
+        return metadata.version("cachegw")
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
 
 
 def _add_backend_args(p: argparse.ArgumentParser) -> None:
@@ -99,6 +128,7 @@ PASSTHROUGH = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cachegw", description="OpenAI-compatible caching gateway for LLMs")
+    parser.add_argument("--version", action="version", version=f"cachegw {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser(
         "serve", help="start the caching gateway (and the built-in backend unless config names others)"
@@ -107,9 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", help="address to listen on (default from config)")
     p.add_argument("--port", type=int, help="port to listen on (default 8000)")
     p.add_argument("--data-dir", help="where the database and index files live (default ./data)")
+    _add_log_args(p)
     p.set_defaults(func=_cmd_serve)
     p = sub.add_parser("backend", help="start the built-in inference engine's OpenAI-compatible server")
     _add_backend_args(p)
+    _add_log_args(p)
     p.set_defaults(func=_cmd_backend)
     sub.add_parser("train-verifier", help="fit the semantic-cache verifier (--pairs FILE.csv)")
     sub.add_parser(
@@ -123,12 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in PASSTHROUGH:
-        return PASSTHROUGH[argv[0]](argv[1:])
-    args = build_parser().parse_args(argv)
     try:
+        if argv and argv[0] in PASSTHROUGH:
+            setup_logging()
+            return PASSTHROUGH[argv[0]](argv[1:])
+        args = build_parser().parse_args(argv)
+        setup_logging(args.log_level, args.log_format)
         return args.func(args)
     except KeyboardInterrupt:
         return 130

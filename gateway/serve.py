@@ -46,7 +46,7 @@ def run_gateway(settings: Settings) -> None:
     log.info("gateway on http://%s:%d/v1 (data in %s)", g.host, g.port, settings.data_dir)
     log.info("dashboard on http://%s:%d/admin (admin token: see docs/admin.md)", g.host, g.port)
     if not g.metrics_port:
-        uvicorn.run(app, host=g.host, port=g.port, log_level="info")
+        uvicorn.run(app, host=g.host, port=g.port, log_config=None, log_level=None)  # gateway/logs.py
         return
     log.info("metrics on http://%s:%d/metrics only", g.metrics_host, g.metrics_port)
     asyncio.run(serve_with_metrics(app, settings))
@@ -58,7 +58,7 @@ async def serve_with_metrics(app: FastAPI, settings: Settings) -> None:
     Each server catches SIGINT/SIGTERM while it runs and hands the signal on when it returns (uvicorn
     re-raises it), so a stop signal ends both."""
     g = settings.gateway
-    main = uvicorn.Server(uvicorn.Config(app, host=g.host, port=g.port, log_level="info"))
+    main = uvicorn.Server(uvicorn.Config(app, host=g.host, port=g.port, log_config=None, log_level=None))
     side = metrics_app(app.state.parts)
     metrics = uvicorn.Server(
         # log_config None: a second logging setup would silence the main server's log

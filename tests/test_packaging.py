@@ -95,21 +95,30 @@ print(head())
 """
 
 
-def test_an_installed_wheel_finds_its_migrations(tmp_path: Path) -> None:
-    """The migration scripts ship as package data: a wheel installed elsewhere builds a database with them."""
-    wheels, target, src = tmp_path / "wheels", tmp_path / "site", tmp_path / "src"
-    # built from a copy of the sources git knows: setuptools writes build/ beside them and keeps stale files
+def build_wheel(tmp_path: Path) -> Path:
+    """The wheel, built from a copy of the sources git knows (setuptools writes build/ beside them and
+    keeps stale files there): the packages and the root files the build reads (setup.py copies
+    config.toml into the wheel)."""
+    wheels, src = tmp_path / "wheels", tmp_path / "src"
     listed = ["git", "ls-files", "--cached", "--others", "--exclude-standard"]
     tracked = subprocess.run(listed, cwd=ROOT, capture_output=True, text=True, check=True)
     packages = {p.rstrip("*") for p in PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]}
+    root_files = ("pyproject.toml", "setup.py", "MANIFEST.in", "config.toml", "README.md", "LICENSE")
     for name in tracked.stdout.splitlines():
-        wanted = name.split("/")[0] in packages or name in ("pyproject.toml", "README.md", "LICENSE")
+        wanted = name.split("/")[0] in packages or name in root_files
         if wanted and (ROOT / name).is_file():
             (src / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, src / name)
     build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
     subprocess.run([*build, "-w", str(wheels), str(src)], check=True, capture_output=True, timeout=300)
     [wheel] = wheels.glob("cachegw-*.whl")
+    return wheel
+
+
+def test_an_installed_wheel_finds_its_migrations(tmp_path: Path) -> None:
+    """The migration scripts ship as package data: a wheel installed elsewhere builds a database with them."""
+    target = tmp_path / "site"
+    wheel = build_wheel(tmp_path)
     install = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)]
     subprocess.run(install, check=True, capture_output=True, timeout=300)
     res = subprocess.run(

@@ -393,6 +393,7 @@ def run_backend(
     port = server_cfg.port if port is None else port
     log.info("serving %s at %s/v1 (health %s/health, metrics %s/metrics)", name, *[_url(host, port)] * 3)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="info")
+        # uvicorn's loggers left to the root handler `cachegw backend` set up (level and format flags)
+        uvicorn.run(app, host=host, port=port, log_config=None, log_level=None)
     finally:
         engine.shutdown()

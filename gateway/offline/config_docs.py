@@ -7,9 +7,7 @@ tests/test_config_reference.py fails when docs/config.md is not what this prints
 
 from __future__ import annotations
 
-import tomllib
-
-from configtools.loader import DEFAULT_CONFIG_PATH
+from configtools.loader import load_defaults
 from configtools.reference import render
 from gateway.config import Settings
 
@@ -19,13 +17,14 @@ Generated from the schema (`gateway/config.py`, `gateway/cache_config.py`, `back
 `policies/canonicalize_config.py`) and [config.toml](../config.toml)'s defaults by `make config-docs`;
 do not edit by hand. config.toml's comments say more about each key. A user's file (`--config FILE`)
 needs only the keys it changes; an unknown key, a value out of range, or a key at a place it has moved
-from stops the start with an error naming it."""
+from stops the start with an error naming it. Any key can also be set by an environment variable,
+`CACHEGW_<SECTION>__<KEY>` (sub-tables joined by `__`: `CACHEGW_CACHE__ENCODER__THREADS=2`; values as
+TOML, `CACHEGW_GATEWAY__BACKENDS='["http://gpu1:8000/v1"]'`), which wins over the file; a secret can be
+read from a file named by `CACHEGW_<SECTION>__<KEY>_FILE` (docs/operations.md)."""
 
 
 def reference() -> str:
-    with open(DEFAULT_CONFIG_PATH, "rb") as f:
-        defaults = tomllib.load(f)
-    return render(Settings, defaults, HEADER)
+    return render(Settings, load_defaults(), HEADER)
 
 
 if __name__ == "__main__":

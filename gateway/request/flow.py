@@ -26,6 +26,7 @@ from opentelemetry.trace import (
 )
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from configtools.logs import REQUEST_ID
 from gateway.cache.lookup import Lookup
 from gateway.request.tenants import Tenant
 from gateway.storage.entry_ids import EntryIds
@@ -181,6 +182,7 @@ class Flow:
             stream=bool(body.get("stream")),
             reason=cacheable.reason,  # x-cache-reason: the cacheability row, or the lookup's why
         )
+        REQUEST_ID.set(record.id)  # JSON log lines of this request's task name it (configtools/logs.py)
         if trace is None:  # a request without spans (the embeddings API)
             return cls(record, tenant, body, cacheable)
         return cls(record, tenant, body, cacheable, trace=trace)
