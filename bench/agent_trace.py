@@ -23,10 +23,7 @@ import argparse
 import asyncio
 import csv
 import json
-import os
 import re
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,7 +33,7 @@ from typing import Any
 import httpx
 
 from bench.common import ROOT, SHARED_DATA, save, say
-from bench.gateway_latency import start, wait_health
+from bench.gateway_latency import start, stop, wait_health
 
 MODEL = "SmolLM2-135M-Instruct"
 SHAPES = ("chat", "responses", "messages")
@@ -247,11 +244,7 @@ async def run(args: argparse.Namespace) -> dict:
             for phase in ("calm", "pressure", "replay"):
                 rows += await trace(c, url, phase, args, pool_tokens)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop(proc, 60)
     return {"pool_tokens": pool_tokens, "rows": rows, "summary": summarize(rows)}
 
 

@@ -89,6 +89,15 @@ def start(cmd: list[str], log: Path) -> subprocess.Popen:
     )
 
 
+def stop(proc: subprocess.Popen, grace: float = 30) -> None:
+    """SIGTERM the process group ``start`` made, SIGKILL it after ``grace`` seconds."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
 async def wait_health(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
     async with httpx.AsyncClient(timeout=2) as c:
         deadline = time.monotonic() + timeout

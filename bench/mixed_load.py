@@ -25,8 +25,6 @@ import argparse
 import asyncio
 import itertools
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +33,7 @@ from pathlib import Path
 import httpx
 
 from bench.common import RESULTS, ROOT, pct, save, say
-from bench.gateway_latency import QUESTIONS, body, paraphrase, start, timed, wait_health
+from bench.gateway_latency import QUESTIONS, body, paraphrase, start, stop, timed, wait_health
 
 LAYOUTS = {
     "before": '[engine]\ncpus = "all"\nthreads = 0\nomp_wait_policy = "runtime"\ncompile = "off"\n',
@@ -125,11 +123,7 @@ async def one_layout(name: str, args: argparse.Namespace, work: Path, salt: str)
             )
             result[f"engine_beside@{rate:g}"], result[f"hits_beside_engine@{rate:g}"] = engine, hits
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop(proc)
     say(f"{name}: {result}")
     return result
 

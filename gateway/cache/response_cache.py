@@ -19,6 +19,7 @@ import asyncio
 import json
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -145,24 +146,20 @@ class ResponseCache:
         elif keys.query and embedding is None:
             embedding = await self.semantic.embed(keys.query)
         usage = response.get("usage") or {}
-        body = json.dumps(response, ensure_ascii=False)
-        now = self.clock()
-        entry = CacheEntry(
-            tenant=tenant,
-            model=model,
-            endpoint=endpoint,
+        entry = self._entry(
+            tenant,
+            model,
+            endpoint,
+            keys,
+            response,
+            ttl_seconds,
             scope=scope or "",
-            exact_key=keys.exact,
             query_text=keys.query or "",
-            response=body,
             finish_reason=finish,
             max_tokens=keys.max_tokens,
             embedding=None if embedding is None or not scope else embedding.astype(np.float32).tobytes(),
             prompt_tokens=int(usage.get("prompt_tokens") or 0),
             completion_tokens=answer_length(usage, keys.max_tokens, finish),
-            size_bytes=len(body.encode()),
-            created_at=now,
-            expires_at=now + ttl_seconds,
         )
         return await self._put(entry, keys, embedding, replies)
 
@@ -179,26 +176,44 @@ class ResponseCache:
         """Store an answer that only an exact repeat may be served (one input's embedding): no
         judging of choices, no vector, finish "stop"; ``query_text`` is what the dashboard shows of
         the request. Returns its entry id."""
+        entry = self._entry(tenant, model, endpoint, keys, response, ttl_seconds, query_text=query_text)
+        return await self._put(entry, keys, None, None)
+
+    def _entry(
+        self,
+        tenant: str,
+        model: str,
+        endpoint: str,
+        keys: RequestKeys,
+        response: dict,
+        ttl_seconds: int,
+        **fields: Any,
+    ) -> CacheEntry:
+        """A new entry for ``keys``' answer, stored from now for ``ttl_seconds``; ``fields`` over the
+        defaults of an exact-only answer (no scope, no vector, finish "stop", no token counts)."""
         body = json.dumps(response, ensure_ascii=False)
         now = self.clock()
-        entry = CacheEntry(
+        values: dict[str, Any] = {
+            "scope": "",
+            "query_text": "",
+            "finish_reason": "stop",
+            "max_tokens": None,
+            "embedding": None,
+            "prompt_tokens": 0,
+            "completion_tokens": 0,
+            **fields,
+        }
+        return CacheEntry(
             tenant=tenant,
             model=model,
             endpoint=endpoint,
-            scope="",
             exact_key=keys.exact,
-            query_text=query_text,
             response=body,
-            finish_reason="stop",
-            max_tokens=None,
-            embedding=None,
-            prompt_tokens=0,
-            completion_tokens=0,
             size_bytes=len(body.encode()),
             created_at=now,
             expires_at=now + ttl_seconds,
+            **values,
         )
-        return await self._put(entry, keys, None, None)
 
     async def _put(
         self,

@@ -28,7 +28,7 @@ from gateway.cache.response_cache import ResponseCache
 from gateway.live_settings import LiveSettings
 from gateway.metrics import GatewayMetrics
 from gateway.request.flow import Flow
-from gateway.request.pipeline import Gateway
+from gateway.request.pipeline import request_ttl
 from gateway.request.tenants import Tenants
 from gateway.storage.entry_ids import EntryIds
 from gateway.storage.recorder import Recorder
@@ -121,7 +121,7 @@ class Embeddings:
         inputs = req.inputs()
         model = req.model or ""
         candidates = await self.backends.route(model or None)  # 404 for an unknown model, before any work
-        ttl = Gateway._ttl(request, settings)  # x-cache-ttl, read as chat reads it
+        ttl = request_ttl(request, settings)
         # nothing samples (no body field of the table applies): the request's Cache-Control decides
         cacheable = decide({}, request.headers, CachePolicy(serve_temperature_above_zero=True))
         flow = Flow.begin(ENDPOINT, tenant, model, {}, cacheable)

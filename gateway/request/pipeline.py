@@ -46,6 +46,18 @@ from protocol.requests import ChatCompletionRequest, CompletionRequest, load_jso
 log = logging.getLogger("cachegw.gateway")
 
 
+def request_ttl(request: Request, settings: Settings) -> int:
+    """How long an answer to this request is kept: ``x-cache-ttl`` within ``max_ttl_seconds``, else
+    the configured default (every route that stores answers reads it so)."""
+    raw = request.headers.get("x-cache-ttl")
+    if raw is None:
+        return settings.cache.ttl_seconds
+    raw = raw.strip()
+    if not (raw.isascii() and raw.isdigit()) or int(raw) <= 0:  # "²".isdigit() is True
+        raise ApiError(400, "x-cache-ttl must be a positive number of seconds.", param="x-cache-ttl")
+    return min(int(raw), settings.cache.max_ttl_seconds)
+
+
 class Gateway:
     """The parts a request needs, and the pipeline over them (``handle``)."""
 
@@ -80,16 +92,6 @@ class Gateway:
         """The settings in force: config.toml with the run-time changes over it."""
         return self.live.current
 
-    @staticmethod
-    def _ttl(request: Request, settings: Settings) -> int:
-        raw = request.headers.get("x-cache-ttl")
-        if raw is None:
-            return settings.cache.ttl_seconds
-        raw = raw.strip()
-        if not (raw.isascii() and raw.isdigit()) or int(raw) <= 0:  # "²".isdigit() is True
-            raise ApiError(400, "x-cache-ttl must be a positive number of seconds.", param="x-cache-ttl")
-        return min(int(raw), settings.cache.max_ttl_seconds)
-
     async def handle(
         self, request: Request, endpoint: str, api: str | None = None, raw: bytes | None = None
     ) -> Response:
@@ -121,7 +123,7 @@ class Gateway:
         if self.limits.configured:  # a 429 before any work when the tenant is over its budget
             await self.limits.admit(tenant)
         candidates = await self.backends.route(model or None)  # 404 for an unknown model, before any work
-        ttl = self._ttl(request, settings)
+        ttl = request_ttl(request, settings)
         policy = CachePolicy(
             serve_temperature_above_zero=settings.cache.serve_temperature_above_zero,
             serve_unset_temperature=settings.cache.serves_unset_temperature(model, tenant.name),

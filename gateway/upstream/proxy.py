@@ -180,7 +180,7 @@ class Backends:
         refusing = set(self.refusing())
         return sorted(self.router.order(up, endpoint, body), key=lambda u: u in refusing)  # stable sort
 
-    def _drafted(self, url: str, body: dict[str, Any], draft: str | None) -> dict[str, Any]:
+    def _for_backend(self, url: str, body: dict[str, Any], draft: str | None) -> dict[str, Any]:
         """The body with ``cachegw_draft`` for a backend that takes drafts (the gateway's draft over
         the client's own); without it for any other, which may not know the field. ``cache_pins``
         (gateway/api/messages_api.py) likewise goes only to backends that pin."""
@@ -203,11 +203,11 @@ class Backends:
 
         ``cache_salt`` replaces the body's own for backends that take it; one that answers a 400
         naming ``cache_salt`` is remembered and sent the client's body as it came from then on.
-        ``draft`` goes to the backends that take drafts (``_drafted``)."""
+        ``draft`` goes to the backends that take drafts (``_for_backend``)."""
         last: Exception | None = None
         original = body
         for url in urls:
-            body = self._drafted(url, original, draft)
+            body = self._for_backend(url, original, draft)
             salted = cache_salt is not None and url not in self.no_salt
             gone = self.gone(url)
             try:
