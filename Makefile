@@ -58,11 +58,11 @@ bench: install
 # (writes gateway/storage/migrations/versions/NNNN_*.py; read it, then run tests/test_migrations.py).
 migration: install
 	test -n "$(m)" || (echo 'usage: make migration m="what changed"'; exit 1)
-	$(BIN)/python -m gateway.storage.migrate "$(m)"
+	$(BIN)/python -m cachegw.gateway.storage.migrate "$(m)"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
 
 # docs/config.md from the schema and config.toml's defaults (tests/test_config_reference.py checks it).
 config-docs:
-	$(BIN)/python -m gateway.offline.config_docs > docs/config.md
+	$(BIN)/python -m cachegw.gateway.offline.config_docs > docs/config.md

@@ -1,5 +1,5 @@
 """What pyproject.toml cannot say: the wheel carries config.toml (the defaults, kept at the repository
-root where users read and copy it) as configtools/defaults.toml, so an installed `cachegw` starts
+root where users read and copy it) as cachegw/configtools/defaults.toml, so an installed `cachegw` starts
 without a checkout. One source: the copy is made at build time, never committed."""
 
 from pathlib import Path
@@ -11,13 +11,13 @@ ROOT = Path(__file__).resolve().parent
 
 
 class BuildWithDefaults(build_py):
-    """build_py, then config.toml copied in as configtools/defaults.toml (an editable install reads
+    """build_py, then config.toml copied in as cachegw/configtools/defaults.toml (an editable install reads
     the checkout's config.toml directly: configtools/loader.py)."""
 
     def run(self) -> None:
         super().run()
         if not getattr(self, "editable_mode", False):
-            target = Path(self.build_lib) / "configtools" / "defaults.toml"
+            target = Path(self.build_lib) / "cachegw" / "configtools" / "defaults.toml"
             self.copy_file(str(ROOT / "config.toml"), str(target))
 
 

@@ -10,11 +10,11 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "LLM": "backend.entrypoints.llm",
-    "SamplingParams": "backend.core.sampling_params",
-    "InvalidParameter": "backend.core.sampling_params",
-    "RequestOutput": "backend.core.outputs",
-    "CompletionOutput": "backend.core.outputs",
+    "LLM": "cachegw.backend.entrypoints.llm",
+    "SamplingParams": "cachegw.backend.core.sampling_params",
+    "InvalidParameter": "cachegw.backend.core.sampling_params",
+    "RequestOutput": "cachegw.backend.core.outputs",
+    "CompletionOutput": "cachegw.backend.core.outputs",
 }
 __all__ = list(_EXPORTS)
 

@@ -12,9 +12,9 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from configtools import Strict, section_error, typed_section
-from configtools.cpus import parse_cpus
-from configtools.loader import load_toml
+from cachegw.configtools import Strict, section_error, typed_section
+from cachegw.configtools.cpus import parse_cpus
+from cachegw.configtools.loader import load_toml
 
 # The built-in engine's keys that [gateway] held before the engine had sections of its own.
 MOVED: dict[str, str] = {

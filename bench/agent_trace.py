@@ -224,7 +224,7 @@ async def run(args: argparse.Namespace) -> dict:
     cmd = [
         sys.executable,
         "-m",
-        "gateway.cli",
+        "cachegw.gateway.cli",
         "serve",
         "--config",
         str(config_file(work)),

@@ -42,7 +42,7 @@ def texts(tokenizer, count: int, tokens: int) -> list[list[int]]:
 
 def scores(llm, prompt: list[int]) -> list[float]:
     """Logprob of each prompt token after the first (echo scoring)."""
-    from backend import SamplingParams
+    from cachegw.backend import SamplingParams
 
     out = llm.generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=0, echo=True))[0]
     return [d["logprob"] for d in out.prompt_logprobs[1:]]
@@ -60,7 +60,7 @@ def main() -> None:
     ap.add_argument("--texts", type=int, default=2)
     ap.add_argument("--sinks", type=int, default=4)
     args = ap.parse_args()
-    from backend import LLM
+    from cachegw.backend import LLM
 
     ctx = args.context
     base = dict(

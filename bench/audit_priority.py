@@ -31,7 +31,7 @@ QUESTIONS = [
 
 def run(llm: object, audits: int, clients: int, audit_priority: int, max_tokens: int) -> dict[str, float]:
     """Steps until the clients finished (mean, max) and until the last audit finished."""
-    from backend.core.sampling_params import SamplingParams
+    from cachegw.backend.core.sampling_params import SamplingParams
 
     engine = llm.engine  # type: ignore[attr-defined]
     tok = engine.tokenizer
@@ -73,8 +73,8 @@ def main() -> None:
     args = p.parse_args()
     import torch
 
-    from backend import LLM
-    from gateway.config import load_settings
+    from cachegw.backend import LLM
+    from cachegw.gateway.config import load_settings
 
     torch.set_num_threads(args.threads)
     priority = load_settings(None).cache.audits.priority

@@ -49,7 +49,7 @@ def qqp_pairs(data: Path, rng: random.Random) -> Pairs:
 
 
 def banking_pairs(data: Path, rng: random.Random) -> Pairs:
-    from gateway.offline.calibrate import gateway_encoder
+    from cachegw.gateway.offline.calibrate import gateway_encoder
 
     with open(data / "banking77_train.csv", newline="") as f:
         rows = rng.sample(list(csv.DictReader(f)), TEXTS)
@@ -65,9 +65,9 @@ def banking_pairs(data: Path, rng: random.Random) -> Pairs:
 
 def candidates(pairs: Pairs, n: int) -> Pairs:
     """Half right, half wrong, among the pairs the semantic tier would judge."""
-    from gateway.cache.verifier_loader import load_verifier
-    from gateway.config import load_settings
-    from gateway.offline.evidence_seed import seed_scores
+    from cachegw.gateway.cache.verifier_loader import load_verifier
+    from cachegw.gateway.config import load_settings
+    from cachegw.gateway.offline.evidence_seed import seed_scores
 
     s = load_settings(None)
     verifier = load_verifier(s.cache, s.engine.resolved_cache_dir)
@@ -92,10 +92,10 @@ def judged_yes(out: Any, tok: Any) -> bool:
 
 def verdicts(pairs: Pairs, llm: Any, max_tokens: int) -> dict[str, np.ndarray]:
     """Every method's verdict per pair ("right" = True), and the labels under "label"."""
-    from backend.core.sampling_params import SamplingParams
-    from gateway.cache.verifier_loader import load_verifier
-    from gateway.config import load_settings
-    from gateway.offline.calibrate import gateway_encoder
+    from cachegw.backend.core.sampling_params import SamplingParams
+    from cachegw.gateway.cache.verifier_loader import load_verifier
+    from cachegw.gateway.config import load_settings
+    from cachegw.gateway.offline.calibrate import gateway_encoder
 
     tok = llm.tokenizer
 
@@ -160,7 +160,7 @@ def main() -> None:
     args = p.parse_args()
     import torch
 
-    from backend import LLM
+    from cachegw.backend import LLM
 
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()

@@ -38,7 +38,7 @@ import httpx
 
 from bench.chaos_load import POOL, Load, Outcome, ask, long_streams
 from bench.common import ROOT, save, say
-from gateway.upstream.supervisor import port_is_free
+from cachegw.gateway.upstream.supervisor import port_is_free
 
 FAULTS = ("engine-kill", "engine-stop", "stream-crash", "gateway-kill")
 
@@ -75,7 +75,7 @@ class Gateway:
     def start(self, timeout: float = 240) -> None:
         self.starts += 1
         log = (self.work / f"gateway-{self.starts}.log").open("w")
-        cmd = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(self.config)]
+        cmd = [sys.executable, "-m", "cachegw.gateway.cli", "serve", "--config", str(self.config)]
         cmd += ["--data-dir", str(self.work / "data"), "--port", str(self.port)]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log, start_new_session=True)
@@ -92,7 +92,7 @@ class Gateway:
         raise RuntimeError("cachegw serve did not become healthy")
 
     def engine_pid(self) -> int | None:
-        pattern = f"gateway.cli backend .*--port {self.engine_port}"
+        pattern = f"cachegw.gateway.cli backend .*--port {self.engine_port}"
         out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
         return int(out[0]) if out else None
 

@@ -89,7 +89,7 @@ def main() -> None:
     ap.add_argument("--spins", default="", help="GOMP_SPINCOUNT values to add for several threads")
     ap.add_argument("--out", default="contention")
     args = ap.parse_args()
-    from backend.executor.model_loader import embedded_gguf_path
+    from cachegw.backend.executor.model_loader import embedded_gguf_path
 
     gguf = str(embedded_gguf_path())
     try:

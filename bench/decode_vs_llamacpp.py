@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="decode_vs_llamacpp")
     args = ap.parse_args()
-    from backend.executor.model_loader import embedded_gguf_path
+    from cachegw.backend.executor.model_loader import embedded_gguf_path
 
     gguf = embedded_gguf_path()
     rng = random.Random(0)

@@ -119,8 +119,8 @@ def main() -> None:
 
     import torch
 
-    from embeddings.encoder import Encoder
-    from embeddings.onnx_encoder import OnnxEncoder
+    from cachegw.embeddings.encoder import Encoder
+    from cachegw.embeddings.onnx_encoder import OnnxEncoder
 
     torch.set_num_threads(args.threads)
     queries, source = load_queries(args.queries)

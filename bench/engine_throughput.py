@@ -58,7 +58,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="engine_throughput")
     args = ap.parse_args()
-    from backend.executor.model_loader import embedded_gguf_path
+    from cachegw.backend.executor.model_loader import embedded_gguf_path
 
     sizes = [int(c) for c in args.concurrency.split(",")]
     env = torch_env(args.threads)

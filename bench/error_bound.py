@@ -123,7 +123,7 @@ def qqp_replay(data: Path, pairs: int, seed: int) -> Replay:
 def banking_replay(data: Path, texts: int, seed: int) -> Replay:
     """A support desk with ``INTENTS`` intents (drawn at random): ``texts`` of their queries replayed in
     random order; the rest seed the evidence as nearest-neighbour pairs (same intent = right)."""
-    from gateway.offline.calibrate import _encoder
+    from cachegw.gateway.offline.calibrate import _encoder
 
     with open(data / "banking77_train.csv", newline="") as f:
         rows = {r["text"]: r["category"] for r in csv.DictReader(f)}
@@ -147,11 +147,11 @@ def banking_replay(data: Path, texts: int, seed: int) -> Replay:
 
 def seed_rows(labelled: tuple[list[str], list[str], np.ndarray]) -> list[Any]:
     """The labelled pairs as evidence rows, scored as `cachegw calibrate --seed-evidence` scores them."""
-    from gateway.config import load_settings
-    from gateway.offline.evidence_seed import seed_scores
-    from gateway.request.tenants import key_hash
-    from gateway.storage.evidence_store import EvidenceRow
-    from policies.verifier import load_verifier
+    from cachegw.gateway.config import load_settings
+    from cachegw.gateway.offline.evidence_seed import seed_scores
+    from cachegw.gateway.request.tenants import key_hash
+    from cachegw.gateway.storage.evidence_store import EvidenceRow
+    from cachegw.policies.verifier import load_verifier
 
     s = load_settings(None)
     verifier = load_verifier(s.cache, s.engine.resolved_cache_dir)
@@ -167,9 +167,9 @@ def seed_rows(labelled: tuple[list[str], list[str], np.ndarray]) -> list[Any]:
 
 @contextlib.contextmanager
 def gateway(backend: str, work: Path, target: float, seeds: list[Any]) -> Iterator[str]:
-    from gateway.api.app import build_app
-    from gateway.compose import started_gateway
-    from gateway.config import load_settings
+    from cachegw.gateway.api.app import build_app
+    from cachegw.gateway.compose import started_gateway
+    from cachegw.gateway.config import load_settings
 
     s = load_settings(None, data_dir=str(work), backends=(backend,))
     cache = {
@@ -185,8 +185,8 @@ def gateway(backend: str, work: Path, target: float, seeds: list[Any]) -> Iterat
         }
     )
     if seeds:  # what `cachegw calibrate --seed-evidence` writes, before the gateway starts
-        from gateway.storage.evidence_store import EvidenceStore
-        from gateway.storage.store import Store
+        from cachegw.gateway.storage.evidence_store import EvidenceStore
+        from cachegw.gateway.storage.store import Store
 
         store = Store(s.gateway.resolved_database_url(work))
         EvidenceStore(store.session).add(seeds)

@@ -33,7 +33,7 @@ import numpy as np
 from tqdm import tqdm
 
 from bench.common import SHARED_DATA, pct, save, say
-from embeddings.index import EF_CONSTRUCTION, EF_SEARCH, HNSW_M, HNSW_THRESHOLD, ScopedIndex
+from cachegw.embeddings.index import EF_CONSTRUCTION, EF_SEARCH, HNSW_M, HNSW_THRESHOLD, ScopedIndex
 
 CACHE = Path("/tmp/cachegw-bench-embeddings")
 CHUNK = 25_000
@@ -145,7 +145,7 @@ def corpus(
 def embed_cached(texts: list[str], desc: str) -> np.ndarray:
     """MiniLM embeddings of texts, cached per chunk under /tmp by content hash (the gateway's encoder:
     ONNX Runtime on every core, same vectors as sentence-transformers, so older chunks stay valid)."""
-    from embeddings.encoder import make_encoder
+    from cachegw.embeddings.encoder import make_encoder
 
     CACHE.mkdir(parents=True, exist_ok=True)
     encoder, parts = make_encoder("auto", threads=os.cpu_count() or 1), []
@@ -275,7 +275,7 @@ async def _batcher_rounds(encoder: Any, lone: list[str], work: list[str], client
     Lone requests: each text encoded directly, then through the batcher. Throughput: rounds of `clients`
     texts encoded one by one, then the same texts sent by `clients` concurrent callers.
     """
-    from embeddings.batcher import EmbeddingBatcher
+    from cachegw.embeddings.batcher import EmbeddingBatcher
 
     batcher = EmbeddingBatcher(encoder, window_ms=2.0, max_batch=64)
     direct, via, serial, concurrent = [], [], 0.0, 0.0
@@ -302,7 +302,7 @@ async def _batcher_rounds(encoder: Any, lone: list[str], work: list[str], client
 
 def bench_batcher(texts: list[str], clients: int = 32, per_client: int = 8) -> dict:
     """Lone-request latency and `clients` concurrent callers' throughput vs one-by-one encoder calls."""
-    from embeddings.encoder import make_encoder
+    from cachegw.embeddings.encoder import make_encoder
 
     enc, work = make_encoder("auto"), texts[: clients * per_client]
     enc.encode(texts[:64])  # load and warm up

@@ -156,7 +156,7 @@ async def run(args: argparse.Namespace, work: Path) -> dict:
         f'[gateway]\nbackends = ["http://127.0.0.1:{bport}/v1"]\n'
         f'[engine]\nquantization = "none"\nmax_num_seqs = 32\ncompile = "off"\n{cache}'
     )
-    exe = [sys.executable, "-m", "gateway.cli"]
+    exe = [sys.executable, "-m", "cachegw.gateway.cli"]
     backend = start([*exe, "backend", "--port", str(bport), "--config", str(config)], work / "backend.log")
     gw = start(
         [*exe, "serve", "--port", str(gport), "--config", str(config), "--data-dir", str(work / "data")],

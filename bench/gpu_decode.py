@@ -50,7 +50,7 @@ def measured_bandwidth() -> float:
 
 def decode_rate(llm, prompt_len: int, new_tokens: int, batch: int) -> float:
     """Output tokens/s of the decode phase (after every first token)."""
-    from backend import SamplingParams
+    from cachegw.backend import SamplingParams
 
     rng = random.Random(batch)
     prompts = [[rng.randrange(1000, 100000) for _ in range(prompt_len)] for _ in range(batch)]
@@ -64,7 +64,7 @@ def decode_rate(llm, prompt_len: int, new_tokens: int, batch: int) -> float:
 
 
 def end_to_end(llm, prompts: list[list[int]], new_tokens: int) -> float:
-    from backend import SamplingParams
+    from cachegw.backend import SamplingParams
 
     start = time.perf_counter()
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
@@ -97,7 +97,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         say("no CUDA device: this benchmark runs only on a GPU machine; nothing written")
         return
-    from backend import LLM
+    from cachegw.backend import LLM
 
     tmp = Path(tempfile.mkdtemp(prefix="cachegw-llama3-8b-"))
     (tmp / "config.json").write_text(json.dumps(LLAMA3_8B))

@@ -50,7 +50,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="cachegw-hung-"))
     gw_port, engine_port = free_port(), free_port()
     (tmp / "config.toml").write_text(f"[gateway]\nport = {gw_port}\n[backend_server]\nport = {engine_port}\n")
-    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(tmp / "config.toml")]
+    cmd = [sys.executable, "-m", "cachegw.gateway.cli", "serve", "--config", str(tmp / "config.toml")]
     log = (tmp / "serve.log").open("w")
     proc = subprocess.Popen(
         [*cmd, "--data-dir", str(tmp / "data")], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
@@ -64,7 +64,9 @@ def main() -> None:
                 raise SystemExit(f"the gateway did not start: see {tmp / 'serve.log'}")
             time.sleep(0.5)
         warm = ask(url, "What is the capital of France?")
-        pids = subprocess.check_output(["pgrep", "-P", str(proc.pid), "-f", "gateway.cli backend"]).split()
+        pids = subprocess.check_output(
+            ["pgrep", "-P", str(proc.pid), "-f", "cachegw.gateway.cli backend"]
+        ).split()
         engine = int(pids[0])
         os.kill(engine, signal.SIGSTOP)
         t0 = time.monotonic()

@@ -25,8 +25,8 @@ import numpy as np
 
 from bench.common import save, say
 from bench.faiss_lookup import corpus, embed_cached, pick_queries
-from embeddings import snapshot
-from embeddings.index import HNSW_THRESHOLD, ScopedIndex
+from cachegw.embeddings import snapshot
+from cachegw.embeddings.index import HNSW_THRESHOLD, ScopedIndex
 
 SCOPE = "bench"
 

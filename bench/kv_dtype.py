@@ -40,14 +40,14 @@ CHUNK = 64  # prefill chunk of the perplexity pass
 
 
 def _engine(weights: str, kv: str, **kw):
-    from backend import LLM
+    from cachegw.backend import LLM
 
     return LLM(compile="off", quantization=weights, dtype="float32", kv_cache_dtype=kv, **kw)
 
 
 def _perplexity(llm, texts: list[str], max_len: int) -> float:
     """Teacher-forced, from the engine's prompt logprobs (prefilled in CHUNK-token steps)."""
-    from backend import SamplingParams
+    from cachegw.backend import SamplingParams
 
     prompts = [llm.tokenizer.encode(t, add_special_tokens=False)[:max_len] for t in texts]
     outs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0))
@@ -56,7 +56,7 @@ def _perplexity(llm, texts: list[str], max_len: int) -> float:
 
 
 def _accuracy_run(weights: str, kv: str, prompts, texts, tokens: int) -> tuple[list[list[int]], float, float]:
-    from backend import SamplingParams
+    from cachegw.backend import SamplingParams
 
     llm = _engine(weights, kv, kv_cache_tokens=65536, max_num_seqs=64, enable_prefix_caching=False)
     start = time.perf_counter()
@@ -121,7 +121,7 @@ def _long_prompt(tokenizer, n: int) -> list[int]:
 
 
 def speed(args: argparse.Namespace) -> None:
-    from backend import SamplingParams
+    from cachegw.backend import SamplingParams
 
     budget = 256 * 2**20
     engines = {

@@ -26,7 +26,7 @@ def rss_bytes() -> int:
 def measure(dtype: str, budget_mib: int) -> dict:
     import torch
 
-    from backend import LLM
+    from cachegw.backend import LLM
 
     llm = LLM(compile="off", dtype=dtype, quantization="none", kv_cache_bytes=budget_mib * 2**20)
     runner = llm.engine.runner

@@ -88,7 +88,7 @@ def ideal_hits(reqs: list[Request], per_id: int, seen: set[tuple[int, ...]] | No
 
 
 def run(llm, prompt: list[int]) -> tuple[float, int]:
-    from backend import SamplingParams
+    from cachegw.backend import SamplingParams
 
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))[0]
     return out.metrics.time_to_first_token, out.num_cached_tokens
@@ -122,7 +122,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="1: two threads collapse on a loaded machine")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from backend import LLM
+    from cachegw.backend import LLM
 
     disk_dir = tempfile.mkdtemp(prefix="kvtier-bench-")
     kv_token = 46080  # SmolLM2 float32 bytes per token

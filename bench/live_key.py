@@ -23,8 +23,8 @@ from sqlalchemy import func, insert, select
 
 from bench.common import pct, save, say
 from bench.replica_sync import rows
-from gateway.storage.store import Store, sql_stores
-from gateway.storage.tables import LIVE_KEY_INDEX, CacheEntry
+from cachegw.gateway.storage.store import Store, sql_stores
+from cachegw.gateway.storage.tables import LIVE_KEY_INDEX, CacheEntry
 
 
 def fill(url: str, n: int, every: int) -> int:

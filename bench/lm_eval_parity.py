@@ -28,10 +28,10 @@ MODEL = "SmolLM2-135M-Instruct"
 @contextlib.contextmanager
 def engine_server() -> Iterator[tuple[str, Path]]:
     """The engine's OpenAI server on loopback; yields its completions URL and the weights folder."""
-    from backend.config import load_engine_config
-    from backend.core.async_engine import AsyncEngine
-    from backend.core.engine import LLMEngine
-    from backend.entrypoints.server import build_app
+    from cachegw.backend.config import load_engine_config
+    from cachegw.backend.core.async_engine import AsyncEngine
+    from cachegw.backend.core.engine import LLMEngine
+    from cachegw.backend.entrypoints.server import build_app
     from testkit.servers import serve_in_thread
 
     llm = LLMEngine(

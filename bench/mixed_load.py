@@ -101,7 +101,7 @@ async def one_layout(name: str, args: argparse.Namespace, work: Path, salt: str)
     config = work / f"{name.replace(', ', '-')}.toml"
     config.write_text(LAYOUTS[name])
     data = work / f"data-{config.stem}-{salt}"
-    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--config", str(config)]
+    cmd = [sys.executable, "-m", "cachegw.gateway.cli", "serve", "--port", str(port), "--config", str(config)]
     proc = start([*cmd, "--data-dir", str(data)], work / f"{config.stem}-{salt}.log")
     try:
         url = f"http://127.0.0.1:{port}"

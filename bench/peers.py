@@ -42,14 +42,14 @@ class _Ours:
         import torch
 
         torch.set_num_threads(threads)
-        from backend import LLM
+        from cachegw.backend import LLM
 
         # A compile running in the background would share the cores with the runs measured: off
         # unless asked for ("startup" compiles before the worker reports ready).
         self.llm = LLM(dtype="float32", **{"compile": "off", **llm_options})
 
     def single(self, prompt: list[int], new: int) -> Speed:
-        from backend import SamplingParams
+        from cachegw.backend import SamplingParams
 
         engine = self.llm.engine
         params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
@@ -63,7 +63,7 @@ class _Ours:
         return _speed(prompt, new, start, first, time.perf_counter())
 
     def batch(self, work: Work) -> float:
-        from backend import SamplingParams
+        from cachegw.backend import SamplingParams
 
         params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in work]
         start = time.perf_counter()
@@ -112,8 +112,8 @@ class _HF:
         torch.set_num_threads(threads)
         from transformers import AutoModelForCausalLM
 
-        from backend.config import load_engine_config
-        from backend.executor.model_loader import resolve_model_dir
+        from cachegw.backend.config import load_engine_config
+        from cachegw.backend.executor.model_loader import resolve_model_dir
 
         cfg = load_engine_config(None)
         folder = resolve_model_dir(cfg.model, cfg.resolved_cache_dir)

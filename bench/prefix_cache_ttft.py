@@ -21,7 +21,7 @@ PROMPT, CACHED = 2000, 1984
 
 
 def ttft(llm, prompt: list[int], salt: str) -> tuple[float, int]:
-    from backend import SamplingParams
+    from cachegw.backend import SamplingParams
 
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1), cache_salt=salt)[0]
     return out.metrics.time_to_first_token, out.num_cached_tokens
@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from backend import LLM
+    from cachegw.backend import LLM
 
     llm = LLM(compile="off", dtype=args.dtype, quantization="none", max_num_batched_tokens=2048)
     rng = random.Random(0)

@@ -101,10 +101,10 @@ def lcp(a: list[int], b: list[int]) -> int:
 @contextlib.contextmanager
 def backend(args: argparse.Namespace, captured: dict) -> Iterator[tuple[str, Any]]:
     """The real engine over HTTP; a finish listener keeps the exact token ids it saw per request."""
-    from backend.config import load_engine_config
-    from backend.core.async_engine import AsyncEngine
-    from backend.core.engine import LLMEngine
-    from backend.entrypoints.server import build_app
+    from cachegw.backend.config import load_engine_config
+    from cachegw.backend.core.async_engine import AsyncEngine
+    from cachegw.backend.core.engine import LLMEngine
+    from cachegw.backend.entrypoints.server import build_app
     from testkit.servers import serve_in_thread
 
     cfg = load_engine_config(
@@ -130,9 +130,9 @@ def backend(args: argparse.Namespace, captured: dict) -> Iterator[tuple[str, Any
 @contextlib.contextmanager
 def gateway(backend_url: str, canonical: bool, learn: bool = True) -> Iterator[str]:
     """A gateway on its own data dir with the response cache off: every turn reaches the backend."""
-    from gateway.api.app import build_app
-    from gateway.compose import started_gateway
-    from gateway.config import load_settings
+    from cachegw.gateway.api.app import build_app
+    from cachegw.gateway.compose import started_gateway
+    from cachegw.gateway.config import load_settings
     from testkit.servers import serve_in_thread
 
     with tempfile.TemporaryDirectory(prefix="cachegw-prefix-") as tmp:

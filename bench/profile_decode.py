@@ -46,7 +46,7 @@ def _group(name: str) -> str:
 def profile(mode: str, steps: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    from backend import LLM, SamplingParams
+    from cachegw.backend import LLM, SamplingParams
 
     weights, *flags = mode.split("+")  # "int4+compile+torch": compiled decode step, torch's kernels
     llm = LLM(

@@ -47,7 +47,7 @@ def _conversations(n_prompts: int, n_texts: int) -> tuple[list[str], list[str]]:
 
 def _perplexity(llm, texts: list[str], max_len: int) -> float:
     """Teacher-forced: each text as one prefill into fresh KV blocks, logits at every position."""
-    from backend.executor.layers.attention import AttentionMetadata
+    from cachegw.backend.executor.layers.attention import AttentionMetadata
 
     runner = llm.engine.runner
     nll, count = 0.0, 0
@@ -64,7 +64,7 @@ def _perplexity(llm, texts: list[str], max_len: int) -> float:
 
 
 def _run(mode: str, prompts: list[str], texts: list[str], tokens: int) -> tuple[list[list[int]], float]:
-    from backend import LLM, SamplingParams
+    from cachegw.backend import LLM, SamplingParams
 
     weights, *flags = mode.split("+")
     # no prefix caching: the perplexity pass writes KV blocks outside the block manager
@@ -93,8 +93,8 @@ def _run_llamacpp(
     import numpy as np
     from llama_cpp import Llama
 
-    from backend import LLM
-    from backend.executor.model_loader import embedded_gguf_path
+    from cachegw.backend import LLM
+    from cachegw.backend.executor.model_loader import embedded_gguf_path
 
     helper = LLM(load_format="dummy", compile="off", kv_cache_tokens=64)  # for its tokenizer and template
     tokenizer = helper.tokenizer

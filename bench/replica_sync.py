@@ -31,11 +31,11 @@ import numpy as np
 from sqlalchemy import insert, text
 
 from bench.common import pct, save, say
-from embeddings.index import ScopedIndex
-from gateway.cache.response_cache import ResponseCache
-from gateway.config import load_settings
-from gateway.storage.store import Store, sql_stores
-from gateway.storage.tables import CacheEntry
+from cachegw.embeddings.index import ScopedIndex
+from cachegw.gateway.cache.response_cache import ResponseCache
+from cachegw.gateway.config import load_settings
+from cachegw.gateway.storage.store import Store, sql_stores
+from cachegw.gateway.storage.tables import CacheEntry
 
 DIM = 384
 SCOPES = 100

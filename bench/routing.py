@@ -52,7 +52,16 @@ def backends(work: Path, kv_tokens: int, concurrency: int) -> Iterator[list[str]
     os.environ.update(env_threads)  # inherited by the two processes: one core each
     procs = [
         start(
-            [sys.executable, "-m", "gateway.cli", "backend", "--port", str(p), "--config", str(config)],
+            [
+                sys.executable,
+                "-m",
+                "cachegw.gateway.cli",
+                "backend",
+                "--port",
+                str(p),
+                "--config",
+                str(config),
+            ],
             work / f"backend-{p}.log",
         )
         for p in PORTS
@@ -71,9 +80,9 @@ def backends(work: Path, kv_tokens: int, concurrency: int) -> Iterator[list[str]
 
 @contextlib.contextmanager
 def gateway(urls: list[str], mode: str, work: Path, name: str) -> Iterator[str]:
-    from gateway.api.app import build_app
-    from gateway.compose import started_gateway
-    from gateway.config import load_settings
+    from cachegw.gateway.api.app import build_app
+    from cachegw.gateway.compose import started_gateway
+    from cachegw.gateway.config import load_settings
 
     s = load_settings(None, data_dir=str(work / f"gw-{name}"), backends=tuple(urls))
     s = s.model_copy(

@@ -91,8 +91,8 @@ def run_one(engine, rid: str, ids: list[int], params) -> tuple[list[int], float,
 
 
 def engine_part(args: argparse.Namespace) -> list[dict]:
-    from backend import LLM, SamplingParams
-    from backend.core.speculative import Speculator
+    from cachegw.backend import LLM, SamplingParams
+    from cachegw.backend.core.speculative import Speculator
 
     llm = LLM(
         compile="off", quantization="none", kv_cache_tokens=16384, max_num_seqs=4, enable_prefix_caching=False
@@ -141,8 +141,8 @@ def batch_part(args: argparse.Namespace) -> list[dict]:
     """Several summaries at once (``--batch-sizes``): does speculation still pay once a batch
     already reads each weight once for many tokens? Wall time of the whole batch, off vs ngram,
     the best of ``--repeats`` interleaved pairs, every sequence allowed to speculate."""
-    from backend import LLM, SamplingParams
-    from backend.core.speculative import Speculator
+    from cachegw.backend import LLM, SamplingParams
+    from cachegw.backend.core.speculative import Speculator
 
     llm = LLM(
         compile="off",
@@ -204,13 +204,13 @@ def gateway_part(args: argparse.Namespace) -> list[dict]:
 
     import openai
 
-    from backend.config import load_engine_config
-    from backend.core.async_engine import AsyncEngine
-    from backend.core.engine import LLMEngine
-    from backend.entrypoints.server import build_app as backend_app
-    from gateway.api.app import build_app
-    from gateway.compose import started_gateway
-    from gateway.config import load_settings
+    from cachegw.backend.config import load_engine_config
+    from cachegw.backend.core.async_engine import AsyncEngine
+    from cachegw.backend.core.engine import LLMEngine
+    from cachegw.backend.entrypoints.server import build_app as backend_app
+    from cachegw.gateway.api.app import build_app
+    from cachegw.gateway.compose import started_gateway
+    from cachegw.gateway.config import load_settings
     from testkit.servers import serve_in_thread
 
     cfg = load_engine_config(

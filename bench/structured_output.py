@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-import backend.executor.sampler as sampler_module
+import cachegw.backend.executor.sampler as sampler_module
 from bench.common import save, say
 
 # An object whose list can go on for as long as max_tokens lets it: both modes run every step.
@@ -64,7 +64,7 @@ class MaskTimer:
 
 
 def add_requests(engine: Any, prompts: list[list[int]], tokens: int, structured: bool, tag: str) -> None:
-    from backend.core.sampling_params import SamplingParams, StructuredOutput
+    from cachegw.backend.core.sampling_params import SamplingParams, StructuredOutput
 
     spec = StructuredOutput.json_schema(OPEN_SCHEMA, True) if structured else None
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, structured=spec)
@@ -131,10 +131,10 @@ def tool_grammars() -> dict[str, Any]:
     each call format, and ``auto`` with a response_format (the union of calls and the schema)."""
     from dataclasses import replace
 
-    from backend.core.sampling_params import StructuredOutput
-    from backend.entrypoints.tool_parser import LLAMA3, MISTRAL
-    from backend.entrypoints.tools import tool_request
     from bench.tool_calls import TOOLS
+    from cachegw.backend.core.sampling_params import StructuredOutput
+    from cachegw.backend.entrypoints.tool_parser import LLAMA3, MISTRAL
+    from cachegw.backend.entrypoints.tools import tool_request
 
     named = {"type": "function", "function": {"name": "convert_currency"}}
     out = {}
@@ -156,8 +156,8 @@ def tool_grammars() -> dict[str, Any]:
 
 def compile_times(llm: Any) -> dict:
     """Cold compile of each schema (a fresh cache), after the one-off tokenizer build."""
-    from backend.core.sampling_params import StructuredOutput
-    from backend.core.structured import GrammarCompiler
+    from cachegw.backend.core.sampling_params import StructuredOutput
+    from cachegw.backend.core.structured import GrammarCompiler
 
     engine = llm.engine
     compiler = GrammarCompiler(engine.tokenizer, engine.runner.spec.vocab_size, engine.eos_token_ids)
@@ -192,7 +192,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from backend import LLM
+    from cachegw.backend import LLM
 
     if args.compile_only:
         compiles = compile_times(

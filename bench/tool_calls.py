@@ -86,12 +86,12 @@ DEFAULT_MODES = "required,auto,required_several"
 
 def run_mode(llm: Any, mode: str, max_tokens: int, limit: int | None = None) -> list[dict[str, Any]]:
     """Every question under one tool_choice, in one batch; per question what came out."""
-    from backend.core.sampling_params import SamplingParams
-    from backend.entrypoints.tool_parser import HERMES
-    from backend.entrypoints.tool_prompt import chat_prompt_ids
-    from backend.entrypoints.tool_responses import tool_message
-    from backend.entrypoints.tools import tool_request
-    from protocol.requests import ChatMessage
+    from cachegw.backend.core.sampling_params import SamplingParams
+    from cachegw.backend.entrypoints.tool_parser import HERMES
+    from cachegw.backend.entrypoints.tool_prompt import chat_prompt_ids
+    from cachegw.backend.entrypoints.tool_responses import tool_message
+    from cachegw.backend.entrypoints.tools import tool_request
+    from cachegw.protocol.requests import ChatMessage
 
     prompts, params, reqs = [], [], []
     for question, expected in QUESTIONS[:limit]:
@@ -162,7 +162,7 @@ def main() -> None:
     parser.add_argument("--several-questions", type=int, default=6, help="questions of required_several")
     args = parser.parse_args()
 
-    from backend import LLM
+    from cachegw.backend import LLM
 
     llm = LLM(compile="off", dtype="float32", quantization="none", kv_cache_tokens=16384, max_num_seqs=32)
     result: dict[str, Any] = {"max_tokens": args.max_tokens, "auto_tokens": args.auto_tokens,

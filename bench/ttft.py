@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--modes", default="auto,none", help="our engine's [engine] quantization, each")
     ap.add_argument("--out", default="ttft")
     args = ap.parse_args()
-    from backend.executor.model_loader import embedded_gguf_path
+    from cachegw.backend.executor.model_loader import embedded_gguf_path
 
     lengths = [int(n) for n in args.lengths.split(",")]
     rng = random.Random(0)

@@ -58,8 +58,8 @@ from bench.verifier_eval import (  # noqa: E402
 )
 from bench.verifier_quality import CACHE_DIR as EMB_DIR  # noqa: E402
 from bench.verifier_token_alignment import print_table, train  # noqa: E402
-from policies.verifier import DEFAULT_RULE, Verifier  # noqa: E402
-from policies.verifier_training import _val_mask  # noqa: E402
+from cachegw.policies.verifier import DEFAULT_RULE, Verifier  # noqa: E402
+from cachegw.policies.verifier_training import _val_mask  # noqa: E402
 
 VAL_FRACTION = 0.15  # the verifier's validation slice (``train_verifier``)
 

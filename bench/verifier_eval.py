@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from policies.pair_guards import guard_reason
-from policies.verifier import DEFAULT_RULE
+from cachegw.policies.pair_guards import guard_reason
+from cachegw.policies.verifier import DEFAULT_RULE
 
 TARGET_RECALL = 0.30
 PROB_GRID = np.round(np.arange(0.30, 0.995, 0.005), 3)

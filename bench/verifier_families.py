@@ -31,10 +31,10 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import RESULTS, machine  # noqa: E402
 from bench.verifier_quality import CACHE_DIR, CachedEncoder, _read_csv, banking77_pairs, split_qqp  # noqa: E402
-from gateway.cache.verifier_loader import load_verifier  # noqa: E402
-from gateway.config import load_settings  # noqa: E402
-from policies.pair_diff import align  # noqa: E402
-from policies.verifier import DEFAULT_RULE, Verifier  # noqa: E402
+from cachegw.gateway.cache.verifier_loader import load_verifier  # noqa: E402
+from cachegw.gateway.config import load_settings  # noqa: E402
+from cachegw.policies.pair_diff import align  # noqa: E402
+from cachegw.policies.verifier import DEFAULT_RULE, Verifier  # noqa: E402
 
 FAMILIES = ROOT / "bench" / "data" / "verifier_families.jsonl"
 CHUNK = 1024

@@ -37,12 +37,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from bench.common import RESULTS as RESULTS_DIR  # noqa: E402
 from bench.common import SHARED_DATA as DATA_DIR  # noqa: E402
 from bench.common import machine  # noqa: E402
-from embeddings.encoder import Encoder  # noqa: E402
-from gateway.cache.verifier_loader import load_verifier  # noqa: E402
-from gateway.config import load_settings  # noqa: E402
-from policies.pair_guards import guard_reason  # noqa: E402
-from policies.verifier import ARTIFACT_PATH, DEFAULT_RULE, Verifier  # noqa: E402
-from policies.verifier_training import train_verifier  # noqa: E402
+from cachegw.embeddings.encoder import Encoder  # noqa: E402
+from cachegw.gateway.cache.verifier_loader import load_verifier  # noqa: E402
+from cachegw.gateway.config import load_settings  # noqa: E402
+from cachegw.policies.pair_guards import guard_reason  # noqa: E402
+from cachegw.policies.verifier import ARTIFACT_PATH, DEFAULT_RULE, Verifier  # noqa: E402
+from cachegw.policies.verifier_training import train_verifier  # noqa: E402
 
 TEST_PERCENT = 30
 BASELINE_COSINES = (0.80, 0.90, 0.95)  # GPTCache / RedisVL / Portkey-style fixed thresholds
@@ -294,8 +294,8 @@ def _retrain(train_rows: list[dict[str, str]], enc: CachedEncoder, cross: bool) 
             w.writerows(train_rows)
         out = {"mlp": train_verifier(str(csv_path), str(ARTIFACT_PATH), encoder=enc)}
         if cross:
-            from embeddings.cross_encoder import ARTIFACT_PATH as CROSS_PATH
-            from gateway.offline.train_verifier import train_cross_from_csv
+            from cachegw.embeddings.cross_encoder import ARTIFACT_PATH as CROSS_PATH
+            from cachegw.gateway.offline.train_verifier import train_cross_from_csv
 
             out["cross_encoder"] = train_cross_from_csv(csv_path, CROSS_PATH)
         return out
@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         "bytes": ARTIFACT_PATH.stat().st_size,
     }
     results["artifact"]["trained"] = verifier.meta.get("metrics", {})
-    from embeddings.cross_encoder import ARTIFACT_PATH as CROSS_PATH
+    from cachegw.embeddings.cross_encoder import ARTIFACT_PATH as CROSS_PATH
 
     results["cross_encoder_artifact"] = {
         "path": str(CROSS_PATH.relative_to(ROOT)),

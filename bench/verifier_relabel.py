@@ -41,9 +41,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import RESULTS as RESULTS_DIR  # noqa: E402
 from bench.verifier_quality import CachedEncoder, _embed_pairs, _read_csv, split_qqp  # noqa: E402
-from gateway.cache.verifier_loader import load_verifier  # noqa: E402
-from gateway.config import load_settings  # noqa: E402
-from policies.verifier import DEFAULT_RULE, Verifier  # noqa: E402
+from cachegw.gateway.cache.verifier_loader import load_verifier  # noqa: E402
+from cachegw.gateway.config import load_settings  # noqa: E402
+from cachegw.policies.verifier import DEFAULT_RULE, Verifier  # noqa: E402
 
 RELABEL_DIR = RESULTS_DIR / "qqp_relabel"
 KEY = RELABEL_DIR / "key.csv"

@@ -48,11 +48,11 @@ sys.path.insert(0, str(ROOT))
 from bench.common import RESULTS as RESULTS_DIR  # noqa: E402
 from bench.common import machine  # noqa: E402
 from bench.verifier_eval import PairSet, auc, operating_points, qqp_pair_sets, subset  # noqa: E402
-from embeddings.onnx_encoder import OnnxEncoder, _plan_batches  # noqa: E402
-from policies.query_parse import STOPWORDS  # noqa: E402
-from policies.verifier import DEFAULT_RULE, Verifier  # noqa: E402
-from policies.verifier_features import LEXICAL_NAMES, pair_features  # noqa: E402
-from policies.verifier_training import _fit_ensemble, _val_mask  # noqa: E402
+from cachegw.embeddings.onnx_encoder import OnnxEncoder, _plan_batches  # noqa: E402
+from cachegw.policies.query_parse import STOPWORDS  # noqa: E402
+from cachegw.policies.verifier import DEFAULT_RULE, Verifier  # noqa: E402
+from cachegw.policies.verifier_features import LEXICAL_NAMES, pair_features  # noqa: E402
+from cachegw.policies.verifier_training import _fit_ensemble, _val_mask  # noqa: E402
 
 CACHE_DIR = Path(tempfile.gettempdir()) / "cachegw-token-align"
 LOW_MATCH = (0.5, 0.6, 0.7)

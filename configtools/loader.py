@@ -16,7 +16,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from configtools.env import apply_env
+from cachegw.configtools.env import apply_env
 
 # The defaults' one source is config.toml at the repository root, where users read it. A wheel carries
 # it as configtools/defaults.toml (copied by setup.py's build step); a source checkout reads the file.
@@ -56,7 +56,7 @@ def moved_keys(user: Mapping[str, Any], moved: Moved) -> list[str]:
 
 def defaults_text() -> str:
     """config.toml's text: the wheel's configtools/defaults.toml when installed, else the checkout's."""
-    packaged = resources.files("configtools").joinpath(PACKAGED_DEFAULTS)
+    packaged = resources.files("cachegw.configtools").joinpath(PACKAGED_DEFAULTS)
     if packaged.is_file():
         return packaged.read_text(encoding="utf-8")
     return SOURCE_CONFIG_PATH.read_text(encoding="utf-8")

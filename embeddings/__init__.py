@@ -1,5 +1,5 @@
 """Sentence embeddings for the semantic cache (all-MiniLM-L6-v2, CPU, offline)."""
 
-from embeddings.encoder import Encoder
+from cachegw.embeddings.encoder import Encoder
 
 __all__ = ["Encoder"]

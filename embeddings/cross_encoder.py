@@ -156,7 +156,7 @@ class CrossEncoder:
         if self._model is not None:
             return self
         torch = _torch()
-        from embeddings.encoder import default_model_path
+        from cachegw.embeddings.encoder import default_model_path
 
         path = self._model_path or default_model_path()
         with np.load(self.artifact, allow_pickle=False) as data:
@@ -246,7 +246,7 @@ def train_cross_encoder(
     step of 32 on a 2-core CPU: 16.7k QQP pairs (plus 10% re-typed copies) for 3 epochs take about 19 min.
     """
     torch = _torch()
-    from embeddings.encoder import default_model_path
+    from cachegw.embeddings.encoder import default_model_path
 
     if len(q1) != len(q2) or len(q1) != len(y):
         raise ValueError("q1, q2 and y differ in length")

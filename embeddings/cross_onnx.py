@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from embeddings.cross_encoder import ARTIFACT_PATH, MAX_LEN, CrossEncoder, merged_model
-from embeddings.onnx_cache import (
+from cachegw.embeddings.cross_encoder import ARTIFACT_PATH, MAX_LEN, CrossEncoder, merged_model
+from cachegw.embeddings.onnx_cache import (
     STALE_TEMP_S,
     cache_root,
     cpu_session,
@@ -108,7 +108,7 @@ class CrossScorer:
         return self
 
     def _load_locked(self) -> None:
-        from embeddings.encoder import default_model_path
+        from cachegw.embeddings.encoder import default_model_path
 
         if not self.artifact.is_file():
             raise FileNotFoundError(f"cross-encoder artifact {self.artifact} not found")

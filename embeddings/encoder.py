@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from embeddings.onnx_encoder import OnnxEncoder
+    from cachegw.embeddings.onnx_encoder import OnnxEncoder
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,9 @@ def make_encoder(
         return Encoder(model_path)
     if backend not in ("onnx", "auto"):
         raise ValueError(f"unknown encoder backend {backend!r} (torch, onnx or auto)")
-    from embeddings.onnx_encoder import OnnxEncoder  # imports numpy only: onnxruntime is needed at load
+    from cachegw.embeddings.onnx_encoder import (
+        OnnxEncoder,  # imports numpy only: onnxruntime is needed at load
+    )
 
     enc = OnnxEncoder(model_path, threads=threads, cache_dir=cache_dir)
     if backend == "onnx":

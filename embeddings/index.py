@@ -28,9 +28,9 @@ import faiss
 import numpy as np
 from tqdm import tqdm
 
-from embeddings import snapshot
-from embeddings.flat_index import FlatIndex
-from embeddings.index_inputs import check_ids, check_scope, check_vecs
+from cachegw.embeddings import snapshot
+from cachegw.embeddings.flat_index import FlatIndex
+from cachegw.embeddings.index_inputs import check_ids, check_scope, check_vecs
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,13 @@ from typing import Any
 
 import numpy as np
 
-from embeddings.onnx_cache import cache_root, cpu_session, file_sha256, open_or_export, package_version
+from cachegw.embeddings.onnx_cache import (
+    cache_root,
+    cpu_session,
+    file_sha256,
+    open_or_export,
+    package_version,
+)
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +111,7 @@ class OnnxEncoder:
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
         import onnxruntime  # noqa: F401  (fail fast, before any export work)
 
-        from embeddings.encoder import default_model_path
+        from cachegw.embeddings.encoder import default_model_path
 
         model_dir = Path(self._model_path or default_model_path())
         st_cfg = _read_json(model_dir / "sentence_bert_config.json")
@@ -118,7 +124,7 @@ class OnnxEncoder:
         path = self._cache_path(model_dir)
         t0 = time.perf_counter()
         tokenizer = self._tokenizer
-        from embeddings.onnx_export import export_transformer  # torch and onnx: only when exporting
+        from cachegw.embeddings.onnx_export import export_transformer  # torch and onnx: only when exporting
 
         session, self.exported = open_or_export(
             path, self._open, lambda: export_transformer(model_dir, path, tokenizer, optimize=self._optimize)

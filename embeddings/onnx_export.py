@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from embeddings.onnx_cache import STALE_TEMP_S
-from embeddings.onnx_encoder import PROBE_MIN_COSINE, PROBE_TEXTS, Tokenizer, mean_pool_normalize
+from cachegw.embeddings.onnx_cache import STALE_TEMP_S
+from cachegw.embeddings.onnx_encoder import PROBE_MIN_COSINE, PROBE_TEXTS, Tokenizer, mean_pool_normalize
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from protocol.errors import ApiError
+from cachegw.protocol.errors import ApiError
 
 M = TypeVar("M", bound=BaseModel)
 

@@ -9,8 +9,8 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from configtools import Strict
-from policies.evidence_window import Ageing
+from cachegw.configtools import Strict
+from cachegw.policies.evidence_window import Ageing
 
 Threshold = float
 

@@ -8,10 +8,10 @@ import sys
 from importlib import metadata
 from typing import TYPE_CHECKING
 
-from configtools.logs import FORMAT_ENV, FORMATS, LEVEL_ENV, LEVELS, env_choice, setup_logging
+from cachegw.configtools.logs import FORMAT_ENV, FORMATS, LEVEL_ENV, LEVELS, env_choice, setup_logging
 
 if TYPE_CHECKING:
-    from gateway.config import Settings
+    from cachegw.gateway.config import Settings
 
 
 def _add_log_args(p: argparse.ArgumentParser) -> None:
@@ -58,7 +58,7 @@ def _add_backend_args(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_backend(args: argparse.Namespace) -> int:
-    from backend.entrypoints.command import main
+    from cachegw.backend.entrypoints.command import main
 
     main(args.config, args.host, args.port, args.model, args.cpus, args.quantization)
     return 0
@@ -66,7 +66,7 @@ def _cmd_backend(args: argparse.Namespace) -> int:
 
 def check_ports(settings: Settings) -> None:
     """A busy gateway port, or a busy port for the built-in engine, stops the start naming it."""
-    from gateway.upstream.supervisor import port_is_free
+    from cachegw.gateway.upstream.supervisor import port_is_free
 
     g = settings.gateway
     wanted = [("gateway", g.host, g.port)]
@@ -83,36 +83,36 @@ def check_ports(settings: Settings) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from gateway.config import load_settings
+    from cachegw.gateway.config import load_settings
 
     settings = load_settings(args.config, host=args.host, port=args.port, data_dir=args.data_dir)
     check_ports(settings)  # in the first second, before torch and the models load
-    from gateway.serve import run_gateway
+    from cachegw.gateway.serve import run_gateway
 
     run_gateway(settings)
     return 0
 
 
 def _train_verifier(argv: list[str]) -> int:
-    from gateway.offline.train_verifier import main_train
+    from cachegw.gateway.offline.train_verifier import main_train
 
     return main_train(argv)
 
 
 def _calibrate(argv: list[str]) -> int:
-    from gateway.offline.calibrate import main_calibrate
+    from cachegw.gateway.offline.calibrate import main_calibrate
 
     return main_calibrate(argv)
 
 
 def _analyze(argv: list[str]) -> int:
-    from gateway.offline.analyze import main_analyze
+    from cachegw.gateway.offline.analyze import main_analyze
 
     return main_analyze(argv)
 
 
 def _export(argv: list[str]) -> int:
-    from gateway.offline.analyze import main_export
+    from cachegw.gateway.offline.analyze import main_export
 
     return main_export(argv)
 

@@ -11,38 +11,38 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable
 
-from embeddings.batcher import EmbeddingBatcher
-from embeddings.encoder import make_encoder
-from embeddings.index import ScopedIndex
-from gateway.cache.audits import Auditor
-from gateway.cache.error_control import ThresholdProvider
-from gateway.cache.feedback import BadHitReports
-from gateway.cache.maintenance import HIT_FLUSH_S
-from gateway.cache.response_cache import ResponseCache
-from gateway.cache.retention import RETENTION_EVERY_S, Retention
-from gateway.cache.verifier_loader import load_verifier
-from gateway.config import BackendSpec, Settings
-from gateway.live_settings import LiveSettings
-from gateway.metrics import BackendCounts, GatewayMetrics
-from gateway.parts import Parts
-from gateway.request.admin_auth import AdminAuth, resolve_admin_token
-from gateway.request.embeddings import Embeddings
-from gateway.request.pipeline import Gateway
-from gateway.request.rate_limits import RateLimiter
-from gateway.request.tenants import PrefixSalts, Tenants
-from gateway.request.tracing import Tracing
-from gateway.request.volatile_learner import VolatileLearner
-from gateway.storage.admin_store import AdminStore
-from gateway.storage.entry_ids import EntryIds
-from gateway.storage.evidence_store import EvidenceStore
-from gateway.storage.pgvector_index import PgVectorIndex
-from gateway.storage.rate_store import RateStore
-from gateway.storage.recorder import Recorder, SqlRequestLog
-from gateway.storage.responses_store import ResponsesStore
-from gateway.storage.store import Store, sql_stores
-from gateway.upstream.health import HealthProbes
-from gateway.upstream.proxy import Backends
-from gateway.upstream.supervisor import BuiltinBackend
+from cachegw.embeddings.batcher import EmbeddingBatcher
+from cachegw.embeddings.encoder import make_encoder
+from cachegw.embeddings.index import ScopedIndex
+from cachegw.gateway.cache.audits import Auditor
+from cachegw.gateway.cache.error_control import ThresholdProvider
+from cachegw.gateway.cache.feedback import BadHitReports
+from cachegw.gateway.cache.maintenance import HIT_FLUSH_S
+from cachegw.gateway.cache.response_cache import ResponseCache
+from cachegw.gateway.cache.retention import RETENTION_EVERY_S, Retention
+from cachegw.gateway.cache.verifier_loader import load_verifier
+from cachegw.gateway.config import BackendSpec, Settings
+from cachegw.gateway.live_settings import LiveSettings
+from cachegw.gateway.metrics import BackendCounts, GatewayMetrics
+from cachegw.gateway.parts import Parts
+from cachegw.gateway.request.admin_auth import AdminAuth, resolve_admin_token
+from cachegw.gateway.request.embeddings import Embeddings
+from cachegw.gateway.request.pipeline import Gateway
+from cachegw.gateway.request.rate_limits import RateLimiter
+from cachegw.gateway.request.tenants import PrefixSalts, Tenants
+from cachegw.gateway.request.tracing import Tracing
+from cachegw.gateway.request.volatile_learner import VolatileLearner
+from cachegw.gateway.storage.admin_store import AdminStore
+from cachegw.gateway.storage.entry_ids import EntryIds
+from cachegw.gateway.storage.evidence_store import EvidenceStore
+from cachegw.gateway.storage.pgvector_index import PgVectorIndex
+from cachegw.gateway.storage.rate_store import RateStore
+from cachegw.gateway.storage.recorder import Recorder, SqlRequestLog
+from cachegw.gateway.storage.responses_store import ResponsesStore
+from cachegw.gateway.storage.store import Store, sql_stores
+from cachegw.gateway.upstream.health import HealthProbes
+from cachegw.gateway.upstream.proxy import Backends
+from cachegw.gateway.upstream.supervisor import BuiltinBackend
 
 log = logging.getLogger("cachegw.gateway")
 EXPIRY_EVERY_S = 60.0

@@ -12,15 +12,15 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, field_validator, model_validator
 
-from backend.config import MOVED as ENGINE_MOVED
-from backend.config import BackendServerConfig, EngineConfig
-from configtools import Strict as _Strict
-from configtools import typed_section
-from configtools.loader import load_toml
-from gateway.cache_config import MOVED as CACHE_MOVED
-from gateway.cache_config import CacheConfig
-from policies.canonicalize_config import CanonicalizeConfig
-from policies.routing import RoutingMode
+from cachegw.backend.config import MOVED as ENGINE_MOVED
+from cachegw.backend.config import BackendServerConfig, EngineConfig
+from cachegw.configtools import Strict as _Strict
+from cachegw.configtools import typed_section
+from cachegw.configtools.loader import load_toml
+from cachegw.gateway.cache_config import MOVED as CACHE_MOVED
+from cachegw.gateway.cache_config import CacheConfig
+from cachegw.policies.canonicalize_config import CanonicalizeConfig
+from cachegw.policies.routing import RoutingMode
 
 __all__ = [
     "BackendSpec",

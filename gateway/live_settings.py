@@ -13,10 +13,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, StrictBool
 
-from gateway.bodies import StrictBody, parse_body
-from gateway.config import CacheConfig, Settings
-from gateway.storage.admin_store import AdminStore
-from policies.canonicalize import RULES
+from cachegw.gateway.bodies import StrictBody, parse_body
+from cachegw.gateway.config import CacheConfig, Settings
+from cachegw.gateway.storage.admin_store import AdminStore
+from cachegw.policies.canonicalize import RULES
 
 KEY = "runtime"
 Unit = Annotated[float, Field(ge=0, le=1)]

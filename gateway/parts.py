@@ -8,22 +8,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.cache.audits import Auditor
-from gateway.cache.feedback import BadHitReports
-from gateway.cache.response_cache import ResponseCache
-from gateway.config import Settings
-from gateway.live_settings import LiveSettings
-from gateway.metrics import GatewayMetrics
-from gateway.request.admin_auth import AdminAuth
-from gateway.request.embeddings import Embeddings
-from gateway.request.pipeline import Gateway
-from gateway.request.tenants import Tenants
-from gateway.request.volatile_learner import VolatileLearner
-from gateway.storage.admin_store import AdminStore
-from gateway.storage.entry_ids import EntryIds
-from gateway.storage.interfaces import ReplyStore
-from gateway.storage.responses_store import ResponsesStore
-from gateway.upstream.proxy import Backends
+from cachegw.gateway.cache.audits import Auditor
+from cachegw.gateway.cache.feedback import BadHitReports
+from cachegw.gateway.cache.response_cache import ResponseCache
+from cachegw.gateway.config import Settings
+from cachegw.gateway.live_settings import LiveSettings
+from cachegw.gateway.metrics import GatewayMetrics
+from cachegw.gateway.request.admin_auth import AdminAuth
+from cachegw.gateway.request.embeddings import Embeddings
+from cachegw.gateway.request.pipeline import Gateway
+from cachegw.gateway.request.tenants import Tenants
+from cachegw.gateway.request.volatile_learner import VolatileLearner
+from cachegw.gateway.storage.admin_store import AdminStore
+from cachegw.gateway.storage.entry_ids import EntryIds
+from cachegw.gateway.storage.interfaces import ReplyStore
+from cachegw.gateway.storage.responses_store import ResponsesStore
+from cachegw.gateway.upstream.proxy import Backends
 
 
 @dataclass(frozen=True)

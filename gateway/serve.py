@@ -10,13 +10,13 @@ import os
 import uvicorn
 from fastapi import FastAPI
 
-from configtools.cpus import format_cpus
-from gateway.api.app import build_app
-from gateway.api.metrics_http import metrics_app
-from gateway.compose import started_gateway
-from gateway.config import Settings
-from gateway.storage.store import Store
-from gateway.upstream.supervisor import CoreSplit, split_cores
+from cachegw.configtools.cpus import format_cpus
+from cachegw.gateway.api.app import build_app
+from cachegw.gateway.api.metrics_http import metrics_app
+from cachegw.gateway.compose import started_gateway
+from cachegw.gateway.config import Settings
+from cachegw.gateway.storage.store import Store
+from cachegw.gateway.upstream.supervisor import CoreSplit, split_cores
 
 log = logging.getLogger("cachegw.gateway")
 

@@ -22,9 +22,9 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-from policies.cacheability import exact_only
-from policies.canonical_text import canonical_json
-from policies.canonicalize import split_volatile_note
+from cachegw.policies.cacheability import exact_only
+from cachegw.policies.canonical_text import canonical_json
+from cachegw.policies.canonicalize import split_volatile_note
 
 # Fields that do not change the answer's content: left out of both keys. max_tokens is checked
 # against the stored answer instead (a truncated answer is not served to a longer max_tokens).

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from policies.canonical_text import normalize_text
-from policies.canonicalize_config import CanonicalizeConfig
+from cachegw.policies.canonical_text import normalize_text
+from cachegw.policies.canonicalize_config import CanonicalizeConfig
 
 _DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})  # instance values, not schema
 

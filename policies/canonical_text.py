@@ -9,7 +9,7 @@ import re
 import unicodedata
 from typing import Any
 
-from policies.canonicalize_config import CanonicalizeConfig
+from cachegw.policies.canonicalize_config import CanonicalizeConfig
 
 _FENCE = re.compile(r"^[ \t]*(`{3,}|~{3,})(.*)$", re.M)
 _TRAILING_WS = re.compile(r"[ \t]+(?=\n|\Z)")

@@ -42,10 +42,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from policies.canonical_schema import canonical_schema, canonical_tools
-from policies.canonical_text import normalize_reply, normalize_text, text_parts, texts_of
-from policies.canonicalize_config import CanonicalizeConfig
-from policies.volatile import (
+from cachegw.policies.canonical_schema import canonical_schema, canonical_tools
+from cachegw.policies.canonical_text import normalize_reply, normalize_text, text_parts, texts_of
+from cachegw.policies.canonicalize_config import CanonicalizeConfig
+from cachegw.policies.volatile import (
     PLACEHOLDER,
     PLACEHOLDER_RE,
     Moved,

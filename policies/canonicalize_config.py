@@ -9,8 +9,8 @@ from typing import Any
 
 from pydantic import Field, PrivateAttr, StrictBool, StrictStr, model_validator
 
-from configtools import Strict, typed_section
-from policies.volatile import (
+from cachegw.configtools import Strict, typed_section
+from cachegw.policies.volatile import (
     DEFAULT_VOLATILE_PATTERNS,
     LearnConfig,
     combine,

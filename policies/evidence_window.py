@@ -15,7 +15,7 @@ from bisect import insort_right
 from collections import deque
 from dataclasses import dataclass
 
-from policies.error_bound import Evidence
+from cachegw.policies.error_bound import Evidence
 
 
 @dataclass(frozen=True)

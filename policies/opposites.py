@@ -7,7 +7,7 @@ head ("dangerous" is similar to "unsafe", the antonym of "safe"). ``build`` read
 once (Debian's ``wordnet-base``: ``/usr/share/wordnet``) into ``artifacts/opposites.json``, which ships
 with the package; at run time only that file is read.
 
-Run ``python -m policies.opposites /usr/share/wordnet`` to rebuild it.
+Run ``python -m cachegw.policies.opposites /usr/share/wordnet`` to rebuild it.
 """
 
 from __future__ import annotations

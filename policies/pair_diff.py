@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from difflib import SequenceMatcher
 from functools import lru_cache
 
-from policies.message_parts import Block, split_message
-from policies.opposites import opposite
-from policies.quantities import warm as warm_units
-from policies.query_parse import STOPWORDS
+from cachegw.policies.message_parts import Block, split_message
+from cachegw.policies.opposites import opposite
+from cachegw.policies.quantities import warm as warm_units
+from cachegw.policies.query_parse import STOPWORDS
 
 _SPAN_MAX = 2  # a substitution of at most this many tokens a side is checked for opposites
 _TOKEN_RE = re.compile(

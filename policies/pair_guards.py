@@ -5,7 +5,7 @@ fires on is never a hit.
 
 from __future__ import annotations
 
-from policies.query_parse import ARTICLES, COORDINATORS, STOPWORDS, ParsedQuery, parse, windows
+from cachegw.policies.query_parse import ARTICLES, COORDINATORS, STOPWORDS, ParsedQuery, parse, windows
 
 _ANTONYMS: tuple[tuple[str, str], ...] = (
     ("best", "worst"),

@@ -9,7 +9,7 @@ import unicodedata
 from dataclasses import dataclass
 from functools import lru_cache
 
-from policies.quantities import quantities
+from cachegw.policies.quantities import quantities
 
 _WORD_RE = re.compile(r"[a-z0-9]+(?:'[a-z]+)?")
 _SEQ_RE = re.compile(r"[a-z0-9]+(?:'[a-z]+)?|[,&/]")

@@ -21,7 +21,7 @@ import itertools
 import json
 from typing import Any, Literal
 
-from policies.canonicalize import without_volatile_note
+from cachegw.policies.canonicalize import without_volatile_note
 
 RoutingMode = Literal["prefix", "round_robin", "first"]
 

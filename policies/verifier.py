@@ -23,10 +23,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from policies.pair_diff import Alignment
-from policies.pair_guards import guard_reason
-from policies.quantities import warm
-from policies.verifier_features import pair_features
+from cachegw.policies.pair_diff import Alignment
+from cachegw.policies.pair_guards import guard_reason
+from cachegw.policies.quantities import warm
+from cachegw.policies.verifier_features import pair_features
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from difflib import SequenceMatcher
 
 import numpy as np
 
-from policies.pair_guards import entity_mismatch
-from policies.query_parse import WH_SLOTS, ParsedQuery, parse
+from cachegw.policies.pair_guards import entity_mismatch
+from cachegw.policies.query_parse import WH_SLOTS, ParsedQuery, parse
 
 
 def _order_agreement(a: ParsedQuery, b: ParsedQuery) -> float:

@@ -13,9 +13,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from policies.pair_guards import guard_reason
-from policies.verifier import DEFAULT_RULE, Verifier, VerifierDataError
-from policies.verifier_features import LEXICAL_NAMES, pair_features
+from cachegw.policies.pair_guards import guard_reason
+from cachegw.policies.verifier import DEFAULT_RULE, Verifier, VerifierDataError
+from cachegw.policies.verifier_features import LEXICAL_NAMES, pair_features
 
 log = logging.getLogger(__name__)
 

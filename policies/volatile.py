@@ -28,7 +28,7 @@ from difflib import SequenceMatcher
 
 from pydantic import Field, StrictBool, StrictFloat, StrictInt
 
-from configtools import Strict
+from cachegw.configtools import Strict
 
 DEFAULT_VOLATILE_PATTERNS: tuple[str, ...] = (
     r"\b\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(:\d{2}(\.\d+)?)?(Z|[+-]\d{2}:?\d{2})?\b",

@@ -8,7 +8,7 @@ import json
 import secrets
 from typing import Any
 
-from protocol.errors import ApiError
+from cachegw.protocol.errors import ApiError
 
 
 def message_id(request_id: str) -> str:

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from protocol.errors import ApiError
+from cachegw.protocol.errors import ApiError
 
 MAX_BREAKPOINTS = 4  # Anthropic's limit on blocks with cache_control
 _TTL_SECONDS = {"5m": 300, "1h": 3600}

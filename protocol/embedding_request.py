@@ -12,8 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from protocol.errors import ApiError
-from protocol.requests import validation_error
+from cachegw.protocol.errors import ApiError
+from cachegw.protocol.requests import validation_error
 
 MAX_INPUTS = 2048  # OpenAI's limit of inputs per request
 

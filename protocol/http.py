@@ -12,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from protocol.errors import ApiError, error_body, error_code
+from cachegw.protocol.errors import ApiError, error_body, error_code
 
 log = logging.getLogger("cachegw.http")
 

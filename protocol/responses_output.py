@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from protocol.responses_request import ResponsesRequest
+from cachegw.protocol.responses_request import ResponsesRequest
 
 
 def _id(prefix: str) -> str:

@@ -17,8 +17,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from protocol.errors import ApiError
-from protocol.requests import Seed
+from cachegw.protocol.errors import ApiError
+from cachegw.protocol.requests import Seed
 
 
 class _Model(BaseModel):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from protocol.errors import error_body
+from cachegw.protocol.errors import error_body
 
 DONE = b"data: [DONE]\n\n"
 

@@ -27,7 +27,7 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 def llm() -> Iterator:
     """float32 weights (`quantization="none"`: what parity needs) with a roomy KV cache (720 MB): loaded
     per module that uses it (a few seconds) and freed after it, not held through the rest of the run."""
-    from backend import LLM
+    from cachegw.backend import LLM
 
     engine = LLM(dtype="float32", quantization="none", kv_cache_tokens=16384, max_num_seqs=16)
     yield engine
@@ -53,8 +53,8 @@ def smol_tokenizer() -> Any:
     grammar tests need no weights."""
     from transformers import AutoTokenizer
 
-    from backend.config import load_engine_config
-    from backend.executor.model_loader import resolve_model_dir
+    from cachegw.backend.config import load_engine_config
+    from cachegw.backend.executor.model_loader import resolve_model_dir
 
     cfg = load_engine_config(None)
     return AutoTokenizer.from_pretrained(str(resolve_model_dir(cfg.model, cfg.resolved_cache_dir)))
@@ -66,9 +66,9 @@ def shared_engine() -> Iterator[Any]:
     puts in front of it shares its weights and KV cache. It runs the GGUF's own 4-bit weights
     (the default `quantization = "auto"`: Q4_1 as int4), which decode 2.5-4x faster here than float32: the
     gateway tests need a real engine, not float32 numbers (the parity tests keep float32 in `llm`)."""
-    from backend.config import load_engine_config
-    from backend.core.async_engine import AsyncEngine
-    from backend.core.engine import LLMEngine
+    from cachegw.backend.config import load_engine_config
+    from cachegw.backend.core.async_engine import AsyncEngine
+    from cachegw.backend.core.engine import LLMEngine
 
     cfg = load_engine_config(
         None, device="cpu", dtype="float32", quantization="auto", kv_cache_tokens=8192, max_num_seqs=8
@@ -84,7 +84,7 @@ def shared_engine() -> Iterator[Any]:
 def shared_backend_url(shared_engine: Any) -> Iterator[str]:
     """The built-in engine behind its OpenAI HTTP server, for the gateway tests: they only send it
     requests (each gateway has its own data dir), so one engine serves every module."""
-    from backend.entrypoints.server import build_app
+    from cachegw.backend.entrypoints.server import build_app
     from testkit.servers import serve_in_thread
 
     with serve_in_thread(build_app(shared_engine, "SmolLM2-135M-Instruct", 1 << 20)) as url:
@@ -96,7 +96,7 @@ def shared_gateway_models() -> Iterator[None]:
     """Every in-process gateway a test starts loads the same encoder and verifier (a few hundred MB of
     ONNX sessions each, and seconds to load); they are read-only, so the session loads each once per
     distinct set of arguments and hands the same objects to every gateway."""
-    import gateway.compose as serve
+    import cachegw.gateway.compose as serve
 
     loaded: dict[tuple, object] = {}
 

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.storage.request_record import RequestRecord
+from cachegw.gateway.storage.request_record import RequestRecord
 from tests.test_gateway import MODEL, MovableClock, ask, backend_url, chat, gateway, settings_for  # noqa: F401
 from tests.test_recorder import row as log_row
 
@@ -404,8 +404,8 @@ def test_settings_and_learned_thresholds_survive_a_restart(backend_url, tmp_path
 def test_a_database_from_an_older_version_gets_the_new_columns(tmp_path):
     import sqlite3
 
-    from gateway.storage.recorder import SqlRequestLog
-    from gateway.storage.store import Store
+    from cachegw.gateway.storage.recorder import SqlRequestLog
+    from cachegw.gateway.storage.store import Store
 
     url = f"sqlite:///{tmp_path / 'old.db'}"
     Store(url).close()

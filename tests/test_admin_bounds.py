@@ -88,7 +88,7 @@ def test_the_aggregations_never_run_on_the_event_loop(gw: str, monkeypatch: pyte
     """The deterministic half of the test above: every stats aggregation runs in a worker thread."""
     import asyncio
 
-    from gateway.storage import stats
+    from cachegw.gateway.storage import stats
 
     on_loop: list[bool] = []
     real_timeseries, real_sweep = stats.timeseries, stats.threshold_sweep

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from gateway.offline.analyze import main_analyze, main_export
-from gateway.storage.recorder import SqlRequestLog
-from gateway.storage.request_record import RequestRecord
-from gateway.storage.store import Store
-from gateway.storage.tables import Feedback, RequestRow
+from cachegw.gateway.offline.analyze import main_analyze, main_export
+from cachegw.gateway.storage.recorder import SqlRequestLog
+from cachegw.gateway.storage.request_record import RequestRecord
+from cachegw.gateway.storage.store import Store
+from cachegw.gateway.storage.tables import Feedback, RequestRow
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = datetime(2025, 3, 1, 10, 0, tzinfo=UTC).timestamp()
@@ -275,7 +275,7 @@ def test_empty_range_and_bad_times(log_db, capsys):
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "gateway.cli", *args]
+    cmd = [sys.executable, "-m", "cachegw.gateway.cli", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 

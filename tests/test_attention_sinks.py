@@ -13,11 +13,11 @@ import json
 import pytest
 import torch
 
-from backend import LLM, SamplingParams
-from backend.executor.layers.attention import AttentionMetadata, store_kv_torch
-from backend.executor.layers.kv_quant import KVCacheFormat
-from backend.executor.layers.rotary import RotaryEmbedding
-from backend.executor.layers.sinks import sink_attention
+from cachegw.backend import LLM, SamplingParams
+from cachegw.backend.executor.layers.attention import AttentionMetadata, store_kv_torch
+from cachegw.backend.executor.layers.kv_quant import KVCacheFormat
+from cachegw.backend.executor.layers.rotary import RotaryEmbedding
+from cachegw.backend.executor.layers.sinks import sink_attention
 from tests.test_model_families import COMMON
 
 SINKS, WINDOW, BS = 4, 12, 8

@@ -15,8 +15,8 @@ import httpx
 import openai
 import pytest
 
-from gateway.cli import main as cli_main
-from gateway.config import load_settings
+from cachegw.gateway.cli import main as cli_main
+from cachegw.gateway.config import load_settings
 from testkit.servers import Upstream, recording_upstream, serve_in_thread
 from tests.test_gateway import gateway
 

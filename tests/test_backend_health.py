@@ -18,9 +18,9 @@ from pathlib import Path
 
 import httpx
 
-from gateway.metrics import BackendCounts, GatewayMetrics
-from gateway.upstream.health import HealthProbes, health_url
-from gateway.upstream.proxy import Backends
+from cachegw.gateway.metrics import BackendCounts, GatewayMetrics
+from cachegw.gateway.upstream.health import HealthProbes, health_url
+from cachegw.gateway.upstream.proxy import Backends
 from testkit.servers import Upstream, recording_upstream, serve_in_thread
 from tests.test_gateway import gateway, settings_for
 

@@ -8,8 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from embeddings.batcher import EmbeddingBatcher
-from embeddings.encoder import Encoder
+from cachegw.embeddings.batcher import EmbeddingBatcher
+from cachegw.embeddings.encoder import Encoder
 
 TEXTS = [
     "How do I reset my password?",

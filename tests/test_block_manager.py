@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from backend.core.block_manager import BlockManager
-from backend.core.sampling_params import SamplingParams
-from backend.core.sequence import Sequence
+from cachegw.backend.core.block_manager import BlockManager
+from cachegw.backend.core.sampling_params import SamplingParams
+from cachegw.backend.core.sequence import Sequence
 
 BS = 4
 

@@ -8,15 +8,15 @@ from dataclasses import dataclass
 
 import pytest
 
-from embeddings.index import ScopedIndex
-from gateway.cache.exact import ExactTier
-from gateway.cache.memo import EntryMemo
-from gateway.cache.response_cache import ResponseCache
-from gateway.config import load_settings
-from gateway.storage.store import Store, sql_stores
-from gateway.storage.tables import CacheEntry
-from policies.cache_keys import request_keys
-from policies.cacheability import UNKNOWN_LENGTH, Freshness, answer_length, unservable
+from cachegw.embeddings.index import ScopedIndex
+from cachegw.gateway.cache.exact import ExactTier
+from cachegw.gateway.cache.memo import EntryMemo
+from cachegw.gateway.cache.response_cache import ResponseCache
+from cachegw.gateway.config import load_settings
+from cachegw.gateway.storage.store import Store, sql_stores
+from cachegw.gateway.storage.tables import CacheEntry
+from cachegw.policies.cache_keys import request_keys
+from cachegw.policies.cacheability import UNKNOWN_LENGTH, Freshness, answer_length, unservable
 
 
 @dataclass

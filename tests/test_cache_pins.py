@@ -12,11 +12,11 @@ from typing import Any
 import httpx
 import pytest
 
-from backend.core.block_manager import BlockManager
-from backend.core.pins import PinRequest, PinTable
-from backend.core.sampling_params import SamplingParams
-from backend.core.scheduler import Scheduler
-from backend.core.sequence import Sequence
+from cachegw.backend.core.block_manager import BlockManager
+from cachegw.backend.core.pins import PinRequest, PinTable
+from cachegw.backend.core.sampling_params import SamplingParams
+from cachegw.backend.core.scheduler import Scheduler
+from cachegw.backend.core.sequence import Sequence
 
 
 class Clock:
@@ -124,8 +124,8 @@ def test_a_waiting_request_that_cannot_fit_beside_pins_takes_their_blocks_when_n
 def test_a_spill_pin_holds_no_pool_block_when_a_tier_exists() -> None:
     import torch
 
-    from backend.core.kv_disk import BlockFormat
-    from backend.core.kv_tier import KVOffload
+    from cachegw.backend.core.kv_disk import BlockFormat
+    from cachegw.backend.core.kv_tier import KVOffload
 
     fmt = BlockFormat("test", torch.float32, (2,))
     tier = KVOffload(fmt, lambda b: torch.full((2,), float(b)), lambda b, d: None, ram_bytes=1 << 10)
@@ -152,10 +152,10 @@ SHARE = 0.25  # at most 16 blocks pinned
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[tuple[Any, str, Clock]]:
-    from backend.config import load_engine_config
-    from backend.core.async_engine import AsyncEngine
-    from backend.core.engine import LLMEngine
-    from backend.entrypoints.server import build_app
+    from cachegw.backend.config import load_engine_config
+    from cachegw.backend.core.async_engine import AsyncEngine
+    from cachegw.backend.core.engine import LLMEngine
+    from cachegw.backend.entrypoints.server import build_app
     from testkit.servers import serve_in_thread
 
     cfg = load_engine_config(
@@ -339,9 +339,9 @@ def test_anthropic_cache_control_through_the_gateway_survives_a_flood(served, tm
     the prefix in the engine; after a flood of other prompts it is read from the cache
     (`cache_read_input_tokens`), while the same-size prompt sent without a breakpoint was evicted."""
     anthropic = pytest.importorskip("anthropic")
-    from gateway.api.app import build_app
-    from gateway.compose import started_gateway
-    from gateway.config import load_settings
+    from cachegw.gateway.api.app import build_app
+    from cachegw.gateway.compose import started_gateway
+    from cachegw.gateway.config import load_settings
     from testkit.servers import serve_in_thread
 
     engine, url, clock = served

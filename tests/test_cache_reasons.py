@@ -90,9 +90,9 @@ def sql_reason_counts(data_dir: Path, sep: str) -> dict[str, int]:
 
 
 def test_analyze_counts_the_same_reasons_as_the_log(gw: tuple[str, Path]) -> None:
-    from gateway.config import load_settings
-    from gateway.offline.analyze_summary import build_summary
-    from gateway.storage.request_log import read_database
+    from cachegw.gateway.config import load_settings
+    from cachegw.gateway.offline.analyze_summary import build_summary
+    from cachegw.gateway.storage.request_log import read_database
 
     url, data_dir = gw
     _, h, _ = chat(url, ask("Which ocean is the largest?"), temperature=None)  # unset: a bypass

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from policies.cacheability import Cacheability, CachePolicy, decide, exact_only, judge_answer
+from cachegw.policies.cacheability import Cacheability, CachePolicy, decide, exact_only, judge_answer
 
 ROOT = Path(__file__).resolve().parents[1]
 STRICT = CachePolicy()

@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from embeddings.encoder import Encoder
-from gateway.cache.verifier_loader import load_verifier
-from gateway.config import load_settings
-from gateway.offline.calibrate import THRESHOLDS, gateway_query, main_calibrate
-from policies.verifier import DecisionRule
+from cachegw.embeddings.encoder import Encoder
+from cachegw.gateway.cache.verifier_loader import load_verifier
+from cachegw.gateway.config import load_settings
+from cachegw.gateway.offline.calibrate import THRESHOLDS, gateway_query, main_calibrate
+from cachegw.policies.verifier import DecisionRule
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -214,7 +214,7 @@ def test_cli_reports_bad_input_without_traceback(tmp_path):
     path.write_text("q1,q2,is_duplicate\na,b,1\n", encoding="utf-8")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "calibrate", "--pairs", str(path)],
+        [sys.executable, "-m", "cachegw.gateway.cli", "calibrate", "--pairs", str(path)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 2
@@ -225,9 +225,9 @@ def test_cli_reports_bad_input_without_traceback(tmp_path):
 def test_seed_evidence_writes_the_candidates_for_the_error_bound(capsys, pairs_csv, tmp_path):
     """`--seed-evidence MODEL`: candidate pairs (over the cosine threshold, no guard) become rows of
     the gateway's hit_audits table, duplicates as right hits; a gateway reads them at start."""
-    from gateway.cache.error_control import ThresholdProvider
-    from gateway.storage.evidence_store import EvidenceStore
-    from gateway.storage.store import Store
+    from cachegw.gateway.cache.error_control import ThresholdProvider
+    from cachegw.gateway.storage.evidence_store import EvidenceStore
+    from cachegw.gateway.storage.store import Store
 
     cfg = tmp_path / "my.toml"
     cfg.write_text(f'[gateway]\ndata_dir = "{tmp_path / "data"}"\n', encoding="utf-8")

@@ -15,9 +15,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from policies.canonical_text import canonical_json, normalize_for_match, normalize_reply
-from policies.canonicalize import RULES, canonicalize
-from policies.canonicalize_config import CanonicalizeConfig
+from cachegw.policies.canonical_text import canonical_json, normalize_for_match, normalize_reply
+from cachegw.policies.canonicalize import RULES, canonicalize
+from cachegw.policies.canonicalize_config import CanonicalizeConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL_ON = CanonicalizeConfig()

@@ -9,8 +9,8 @@ from importlib import metadata
 
 import pytest
 
-from configtools.logs import REQUEST_ID, JsonFormatter, env_choice
-from gateway.cli import build_parser, main
+from cachegw.configtools.logs import REQUEST_ID, JsonFormatter, env_choice
+from cachegw.gateway.cli import build_parser, main
 
 
 def test_version_is_the_installed_distribution(capsys) -> None:

@@ -14,9 +14,9 @@ import time
 import pytest
 import torch
 
-from backend import LLM, SamplingParams
-from backend.executor.compiled_decode import will_compile
-from backend.executor.layers.attention import AttentionMetadata
+from cachegw.backend import LLM, SamplingParams
+from cachegw.backend.executor.compiled_decode import will_compile
+from cachegw.backend.executor.layers.attention import AttentionMetadata
 from tests.test_sliding_window import prompt_of, reference, tiny_windowed
 
 
@@ -55,8 +55,8 @@ def test_compiled_decodes_match_transformers(compiled, lengths):
     """Decodes of similar context lengths share the graph: contexts under one block (a table width of
     1) and past the window. Its attention is cachegw's paged kernel where this CPU runs cachegw's
     kernels (``[engine] cpu_kernels = "auto"``), torch's tensor ops elsewhere."""
-    from backend.executor.layers import cpu_kernels
-    from backend.executor.layers.attention import PagedAttention
+    from cachegw.backend.executor.layers import cpu_kernels
+    from cachegw.backend.executor.layers.attention import PagedAttention
 
     hf, llm = compiled
     layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, PagedAttention)]

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cache_config import FLAT
-from gateway.config import MOVED, load_settings
-from gateway.offline.config_docs import reference
+from cachegw.gateway.cache_config import FLAT
+from cachegw.gateway.config import MOVED, load_settings
+from cachegw.gateway.offline.config_docs import reference
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,10 +11,10 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from backend.config import load_engine_config
-from backend.executor.gguf_weights import decode_blocks
-from backend.executor.layers import cpu_kernels
-from backend.executor.layers.quantized_linear import BlockLinear
+from cachegw.backend.config import load_engine_config
+from cachegw.backend.executor.gguf_weights import decode_blocks
+from cachegw.backend.executor.layers import cpu_kernels
+from cachegw.backend.executor.layers.quantized_linear import BlockLinear
 
 STATUS = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(not STATUS.available, reason=f"cachegw's CPU kernels: {STATUS.reason}")
@@ -93,7 +93,7 @@ def test_paged_decode_attention_matches_the_torch_path(window: int | None) -> No
     """The compiled decode step's attention read straight from the paged cache: the same as the torch
     path's gather, mask and softmax, for grouped heads, a window, a context inside its first block
     and tables padded past the context."""
-    from backend.executor.layers.attention import DecodeMetadata, decode_attention_torch
+    from cachegw.backend.executor.layers.attention import DecodeMetadata, decode_attention_torch
 
     g = torch.Generator().manual_seed(0)
     k_cache, v_cache = torch.randn(2, 40, 4, 3, 32, generator=g)  # 40 blocks of 4 tokens, 3 KV heads

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from backend.config import load_engine_config
-from backend.executor.cpu_threads import plan
-from configtools.cpus import format_cpus, parse_cpus
-from gateway.upstream.supervisor import CoreSplit, split_cores
+from cachegw.backend.config import load_engine_config
+from cachegw.backend.executor.cpu_threads import plan
+from cachegw.configtools.cpus import format_cpus, parse_cpus
+from cachegw.gateway.upstream.supervisor import CoreSplit, split_cores
 
 ALL = frozenset({0, 1, 2, 3})
 
@@ -64,7 +64,7 @@ def test_serve_keeps_the_first_core_and_gives_the_engine_the_rest() -> None:
 
 
 def test_bad_core_setting_of_the_gateway_stops_the_start(tmp_path) -> None:
-    from gateway.config import load_settings
+    from cachegw.gateway.config import load_settings
 
     config = tmp_path / "c.toml"
     config.write_text('[engine]\ncpus = "one"\n')

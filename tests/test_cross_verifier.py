@@ -15,12 +15,12 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from embeddings.cross_encoder import ARTIFACT_PATH, CrossEncoder  # noqa: E402
-from embeddings.cross_onnx import PROBE_TOLERANCE, CrossScorer  # noqa: E402
-from embeddings.onnx_encoder import OnnxEncoder  # noqa: E402
-from gateway.cache.verifier_loader import load_verifier  # noqa: E402
-from gateway.offline.train_verifier import main_train  # noqa: E402
-from policies.verifier import DEFAULT_RULE, Verifier  # noqa: E402
+from cachegw.embeddings.cross_encoder import ARTIFACT_PATH, CrossEncoder  # noqa: E402
+from cachegw.embeddings.cross_onnx import PROBE_TOLERANCE, CrossScorer  # noqa: E402
+from cachegw.embeddings.onnx_encoder import OnnxEncoder  # noqa: E402
+from cachegw.gateway.cache.verifier_loader import load_verifier  # noqa: E402
+from cachegw.gateway.offline.train_verifier import main_train  # noqa: E402
+from cachegw.policies.verifier import DEFAULT_RULE, Verifier  # noqa: E402
 
 SAME = ("How do I invest my money wisely?", "How can I invest my money wisely?")
 DIFFERENT = ("How do I learn Java?", "How do I learn Python?")
@@ -137,7 +137,7 @@ def test_the_verdict_does_not_depend_on_which_query_came_first(
 
 
 def test_load_verifier_follows_the_config(cache_dir: Path, tmp_path: Path) -> None:
-    from gateway.config import load_settings
+    from cachegw.gateway.config import load_settings
 
     cache = load_settings(None).cache
     assert cache.verifier.cross_verifier and cache.verifier.cross_verifier_path == ""

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from backend.config import load_engine_config
-from backend.core.detokenizer import IncrementalDetokenizer
-from backend.executor.model_loader import resolve_model_dir
+from cachegw.backend.config import load_engine_config
+from cachegw.backend.core.detokenizer import IncrementalDetokenizer
+from cachegw.backend.executor.model_loader import resolve_model_dir
 
 TEXTS = ["Hello world, how are you?", "naïve café — 東京 🙂 done", "  leading spaces\nand lines"]
 

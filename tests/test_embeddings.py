@@ -160,7 +160,7 @@ def test_embeddings_between_steps_leave_running_generations_unchanged(backend: s
 
 def test_the_vector_is_the_mean_of_hugging_faces_last_hidden_state(llm: Any, hf_model: Any) -> None:
     """The pooling docs/engine.md states: hidden states after the final norm, averaged, unit length."""
-    from backend.executor.embedding_forward import MeanPooledEmbedder
+    from cachegw.backend.executor.embedding_forward import MeanPooledEmbedder
 
     inputs = [[1, 2, 3, 4, 5, 6, 7], [42], list(range(100, 140))]
     ours = MeanPooledEmbedder(llm.engine.runner).embed(inputs)

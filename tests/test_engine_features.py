@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend import LLM, InvalidParameter, SamplingParams
-from backend.core.block_manager import BlockManager
-from backend.core.engine import ContextLengthExceeded
-from backend.core.scheduler import ScheduledBatch
-from backend.core.sequence import Sequence
-from backend.executor.layers.kv_quant import KVCacheFormat
+from cachegw.backend import LLM, InvalidParameter, SamplingParams
+from cachegw.backend.core.block_manager import BlockManager
+from cachegw.backend.core.engine import ContextLengthExceeded
+from cachegw.backend.core.scheduler import ScheduledBatch
+from cachegw.backend.core.sequence import Sequence
+from cachegw.backend.executor.layers.kv_quant import KVCacheFormat
 
 BS = 16
 

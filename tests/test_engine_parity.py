@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend import LLM, SamplingParams
+from cachegw.backend import LLM, SamplingParams
 
 NEW_TOKENS = 24
 SYSTEM = "You are a concise assistant. Answer in one or two sentences and do not use lists."
@@ -93,8 +93,8 @@ def test_echo_prompt_logprobs_match_an_hf_forward_pass(llm, hf_model) -> None:
     runs int4)."""
     import openai
 
-    from backend.core.async_engine import AsyncEngine
-    from backend.entrypoints.server import build_app
+    from cachegw.backend.core.async_engine import AsyncEngine
+    from cachegw.backend.entrypoints.server import build_app
     from testkit.servers import serve_in_thread
 
     ids = prompts_for(llm)[5]  # the long document: several blocks, every position scored

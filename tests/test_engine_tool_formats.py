@@ -21,7 +21,7 @@ from tests.tool_templates import LLAMA3_STYLE, MISTRAL_STYLE
 
 
 def serve_with_template(engine: Any, template: str) -> Iterator[openai.OpenAI]:
-    from backend.entrypoints.server import build_app
+    from cachegw.backend.entrypoints.server import build_app
 
     app = build_app(engine, MODEL, 1 << 20)
     app.state.server.tokenizer.chat_template = template  # the server's own copy: the engine's is untouched

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from gateway.storage.entry_ids import EntryIds
+from cachegw.gateway.storage.entry_ids import EntryIds
 from tests.test_admin import admin_settings, api
 from tests.test_gateway import ask, backend_url, chat, gateway  # noqa: F401
 

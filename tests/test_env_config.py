@@ -9,10 +9,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from backend.config import load_backend_server_config, load_engine_config
-from configtools.env import apply_env, is_override, parse_value
-from configtools.loader import SOURCE_CONFIG_PATH, defaults_text, load_toml
-from gateway.config import load_settings
+from cachegw.backend.config import load_backend_server_config, load_engine_config
+from cachegw.configtools.env import apply_env, is_override, parse_value
+from cachegw.configtools.loader import SOURCE_CONFIG_PATH, defaults_text, load_toml
+from cachegw.gateway.config import load_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -129,7 +129,7 @@ def test_serve_listens_on_the_port_the_environment_names(shared_backend_url: str
     port = free_port()
     env = serve_env(tmp_path, port, shared_backend_url)
     # run from the checkout, so `gateway` is this tree's (as every test's own process)
-    proc = start([sys.executable, "-m", "gateway.cli", "serve"], env, ROOT, tmp_path / "serve.log")
+    proc = start([sys.executable, "-m", "cachegw.gateway.cli", "serve"], env, ROOT, tmp_path / "serve.log")
     try:
         wait_health(port, proc)
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": "Bearer k"})

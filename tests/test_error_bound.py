@@ -7,7 +7,15 @@ import random
 
 import pytest
 
-from policies.error_bound import GRID, Evidence, bucket, choose_line, interval, min_audits, upper_bound
+from cachegw.policies.error_bound import (
+    GRID,
+    Evidence,
+    bucket,
+    choose_line,
+    interval,
+    min_audits,
+    upper_bound,
+)
 
 
 def test_upper_bound_matches_the_closed_form_with_no_wrong_hit() -> None:
@@ -101,7 +109,7 @@ def test_family_wise_error_holds_on_simulated_audits() -> None:
 
 
 def test_the_audit_budget_is_a_token_bucket_that_never_waits() -> None:
-    from gateway.cache.audits import TokenBucket
+    from cachegw.gateway.cache.audits import TokenBucket
 
     now = [0.0]
     bucket = TokenBucket(2.0, clock=lambda: now[0])  # 2 a second, a burst of 2
@@ -116,11 +124,11 @@ def test_the_audit_budget_is_a_token_bucket_that_never_waits() -> None:
 def test_analyze_reads_and_prints_the_evidence(tmp_path, capsys) -> None:
     """`cachegw analyze`'s section: per scope the line, the estimate at it and its interval, from a real
     SQLite evidence table; the history the dashboard draws is cumulative over served hits only."""
-    from gateway.cache.error_control import history
-    from gateway.config import load_settings
-    from gateway.offline.false_hit_report import print_false_hits, read_false_hits
-    from gateway.storage.evidence_store import EvidenceRow, EvidenceStore
-    from gateway.storage.store import Store
+    from cachegw.gateway.cache.error_control import history
+    from cachegw.gateway.config import load_settings
+    from cachegw.gateway.offline.false_hit_report import print_false_hits, read_false_hits
+    from cachegw.gateway.storage.evidence_store import EvidenceRow, EvidenceStore
+    from cachegw.gateway.storage.store import Store
 
     url = f"sqlite:///{tmp_path / 'cachegw.db'}"
     rows = [EvidenceRow("m", "t", 0.95, i % 50 != 0, "hit", 100.0 + i, backend_tokens=10) for i in range(200)]
@@ -146,9 +154,9 @@ def test_analyze_reads_and_prints_the_evidence(tmp_path, capsys) -> None:
 def test_the_audit_re_ask_carries_a_low_priority_where_the_backend_honours_it() -> None:
     """``audit_send_priority`` "auto": only to the built-in engine (a vLLM without priority scheduling
     refuses a non-zero priority); "always" and "never" say it for every backend."""
-    from gateway.cache.audits import AuditJob, Auditor
-    from gateway.config import load_settings
-    from gateway.storage.tables import CacheEntry
+    from cachegw.gateway.cache.audits import AuditJob, Auditor
+    from cachegw.gateway.config import load_settings
+    from cachegw.gateway.storage.tables import CacheEntry
 
     base = load_settings(None).cache
     job = AuditJob("hit", "m", "t", 0.9, CacheEntry(), "r1", "chat", {"messages": [], "stream": True})

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.config import Settings
+from cachegw.gateway.config import Settings
 from testkit.servers import Upstream, recording_upstream, serve_in_thread
 from tests.test_gateway import MODEL, MovableClock, ask, chat, gateway, settings_for
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from gateway.cache.error_control import ThresholdProvider, evidence_of
-from gateway.config import CacheConfig, load_settings
-from gateway.storage.evidence_store import EvidenceRow, EvidenceStore
-from gateway.storage.store import Store
-from policies.error_bound import min_audits
-from policies.evidence_window import Ageing
+from cachegw.gateway.cache.error_control import ThresholdProvider, evidence_of
+from cachegw.gateway.config import CacheConfig, load_settings
+from cachegw.gateway.storage.evidence_store import EvidenceRow, EvidenceStore
+from cachegw.gateway.storage.store import Store
+from cachegw.policies.error_bound import min_audits
+from cachegw.policies.evidence_window import Ageing
 
 TARGET = 0.05  # 59 clean audits are the least that pass at 95%
 
@@ -49,8 +49,8 @@ def test_an_entry_with_enough_evidence_of_its_own_gets_its_own_line(tmp_path) ->
 
 def test_a_bad_hit_report_counts_against_the_entry_too(tmp_path) -> None:
     """Reports find the hit's entry through the auditor's memory of recent hits."""
-    from gateway.cache.audits import AuditJob, Auditor
-    from gateway.storage.tables import CacheEntry
+    from cachegw.gateway.cache.audits import AuditJob, Auditor
+    from cachegw.gateway.storage.tables import CacheEntry
 
     lines = provider(tmp_path, [0.0])
     c = config().updated({"audit_fraction": 0.0})
@@ -91,7 +91,7 @@ def test_evidence_older_than_max_age_expires_on_the_clock(tmp_path) -> None:
 
 
 def test_rows_from_another_replica_arriving_late_keep_the_time_order() -> None:
-    from policies.evidence_window import WindowedEvidence
+    from cachegw.policies.evidence_window import WindowedEvidence
 
     w = WindowedEvidence(Ageing(max_age_s=10.0))
     w.add(5.0, 0.9, True)

@@ -19,9 +19,9 @@ import httpx  # noqa: E402
 import openai  # noqa: E402
 import pytest  # noqa: E402
 
-from gateway.api.app import build_app  # noqa: E402
-from gateway.compose import started_gateway  # noqa: E402
-from gateway.config import Settings, load_settings  # noqa: E402
+from cachegw.gateway.api.app import build_app  # noqa: E402
+from cachegw.gateway.compose import started_gateway  # noqa: E402
+from cachegw.gateway.config import Settings, load_settings  # noqa: E402
 from testkit.servers import serve_in_thread  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -283,7 +283,7 @@ def test_hnsw_scope_is_read_back_from_its_snapshot_after_a_restart(backend_url, 
         answers = [chat(url, ask(q))[0] for q in questions]
     snaps = list((tmp_path / "index").glob("*.hnsw"))
     assert len(snaps) == 1  # one scope (same model, system prompt and tenant), saved on shutdown
-    with caplog.at_level(logging.INFO, logger="embeddings.index"), gateway(s) as url:
+    with caplog.at_level(logging.INFO, logger="cachegw.embeddings.index"), gateway(s) as url:
         text, h, _ = chat(url, ask("who wrote hamlet"))
         assert h["x-cache"] == "semantic-hit" and text == answers[3]
     assert "read from its snapshot: 4 entries, 0 added, 0 tombstoned" in caplog.text

@@ -18,13 +18,13 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request
 
-from embeddings.index import ScopedIndex
-from gateway.cache.response_cache import ResponseCache
-from gateway.config import load_settings
-from gateway.storage.store import Store, sql_stores
-from gateway.storage.tables import CacheEntry
-from gateway.upstream.streams import SseRecorder
-from policies.cache_keys import request_keys
+from cachegw.embeddings.index import ScopedIndex
+from cachegw.gateway.cache.response_cache import ResponseCache
+from cachegw.gateway.config import load_settings
+from cachegw.gateway.storage.store import Store, sql_stores
+from cachegw.gateway.storage.tables import CacheEntry
+from cachegw.gateway.upstream.streams import SseRecorder
+from cachegw.policies.cache_keys import request_keys
 from testkit.servers import serve_in_thread
 from tests.test_gateway import (  # noqa: F401
     MODEL,

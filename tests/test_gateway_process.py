@@ -23,7 +23,7 @@ def start_serve(config: Path, data_dir: Path, port: int, log: Path | None = None
     cmd = [
         sys.executable,
         "-m",
-        "gateway.cli",
+        "cachegw.gateway.cli",
         "serve",
         "--config",
         str(config),
@@ -152,7 +152,7 @@ def test_supervised_builtin_backend_is_restarted(tmp_path):
     try:
         wait_health(port, proc)
         assert post(port, ask("Name a color.")).status_code == 200
-        pattern = f"gateway.cli backend .*--port {backend_port}"
+        pattern = f"cachegw.gateway.cli backend .*--port {backend_port}"
         pid = int(subprocess.check_output(["pgrep", "-f", pattern]).split()[0])
         cores = os.sched_getaffinity(0)
         if len(cores) >= 2:  # [engine] cpus = "auto": the first core for the gateway

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 from fastapi import FastAPI
 
-from backend.entrypoints.health_routes import add_health_routes
+from cachegw.backend.entrypoints.health_routes import add_health_routes
 from testkit.servers import serve_in_thread
 from tests.test_gateway import gateway, settings_for
 from tests.test_health import ask, tiny_backend

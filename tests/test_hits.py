@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from gateway.request.hits import WORDS_PER_CHUNK, hit_response, hit_stream
+from cachegw.gateway.request.hits import WORDS_PER_CHUNK, hit_response, hit_stream
 
 TEXT = "The quick brown fox jumps over the lazy dog, twice.\n  Then it rests."
 USAGE = {"prompt_tokens": 9, "completion_tokens": 14, "total_tokens": 23}
@@ -133,7 +133,7 @@ def test_a_tool_call_streams_in_openais_chunk_shapes(include_usage: bool) -> Non
 
 
 def test_the_stream_recorder_reassembles_tool_call_deltas() -> None:
-    from gateway.upstream.streams import SseRecorder
+    from cachegw.gateway.upstream.streams import SseRecorder
 
     recorder = SseRecorder("chat")
     for chunk in events(hit_stream(TOOL_ANSWER, "r7", "chat", True)):
@@ -154,7 +154,7 @@ def test_the_stream_recorder_reassembles_tool_call_deltas() -> None:
 def test_the_stream_recorder_puts_interleaved_parallel_calls_back_by_index() -> None:
     """Two calls whose pieces alternate, one chunk carrying pieces of both, ids only in the first
     delta of each (as vLLM streams parallel calls)."""
-    from gateway.upstream.streams import SseRecorder
+    from cachegw.gateway.upstream.streams import SseRecorder
 
     def delta(*calls: dict) -> bytes:
         chunk = {"id": "c", "choices": [{"index": 0, "delta": {"tool_calls": list(calls)}}]}

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+NAMESPACE = "cachegw."  # every package is imported as cachegw.<package> (cachegw/ links to the folders)
 PACKAGES = ("gateway", "policies", "embeddings", "backend", "protocol", "configtools")
 # What each package may import of ours. The gateway reads the engine's config sections (their models;
 # loading config.toml is configtools.loader's) to validate config.toml and start its child; `cachegw
@@ -42,7 +43,7 @@ def imported(path: Path) -> list[str]:
             names += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.append(node.module)
-    return names
+    return [n.removeprefix(NAMESPACE) for n in names]
 
 
 def imports() -> list[tuple[str, str, str]]:
@@ -88,10 +89,10 @@ def imported_files(path: Path) -> set[tuple[str, str]]:
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
+            names = [a.name.removeprefix(NAMESPACE) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             parts = package[: len(package) - node.level + 1] if node.level else []
-            base = ".".join([*parts, *([node.module] if node.module else [])])
+            base = ".".join([*parts, *([node.module.removeprefix(NAMESPACE)] if node.module else [])])
             names = [f"{base}.{a.name}" if module_file(f"{base}.{a.name}") else base for a in node.names]
         else:
             continue
@@ -188,11 +189,11 @@ def test_shipped_packages_import_no_test_or_bench_code() -> None:
 
 NO_ENGINE = """
 import sys
-import gateway.api.app, gateway.serve, gateway.cli, gateway.api.admin_api
-import gateway.upstream.supervisor, gateway.upstream.proxy
+import cachegw.gateway.api.app, cachegw.gateway.serve, cachegw.gateway.cli, cachegw.gateway.api.admin_api
+import cachegw.gateway.upstream.supervisor, cachegw.gateway.upstream.proxy
 heavy = ("torch", "transformers", "sentence_transformers")
-loaded = sorted(m for m in sys.modules
-                if m.split(".")[0] in heavy or (m.startswith("backend.") and m != "backend.config"))
+engine = [m for m in sys.modules if m.startswith("cachegw.backend.") and m != "cachegw.backend.config"]
+loaded = sorted([m for m in sys.modules if m.split(".")[0] in heavy] + engine)
 print(",".join(loaded) or "none")
 """
 

@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from embeddings.index import ScopedIndex
+from cachegw.embeddings.index import ScopedIndex
 
 DIM = 32
 

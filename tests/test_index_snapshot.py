@@ -14,8 +14,8 @@ import faiss
 import numpy as np
 import pytest
 
-from embeddings import snapshot
-from embeddings.index import ScopedIndex
+from cachegw.embeddings import snapshot
+from cachegw.embeddings.index import ScopedIndex
 from tests.test_index import DIM, brute, unit
 
 THRESHOLD = 100  # scopes this large are HNSW
@@ -68,7 +68,7 @@ def test_stale_snapshot_is_reconciled_with_the_database(tmp_path: Path, caplog) 
     new_ids, new_vecs = np.arange(1000, 1030, dtype=np.int64), unit(rng, 30)
     live_ids = np.concatenate([keep, new_ids])
     live_vecs = np.concatenate([vecs[keep], new_vecs])
-    with caplog.at_level(logging.INFO, logger="embeddings.index"):
+    with caplog.at_level(logging.INFO, logger="cachegw.embeddings.index"):
         idx = started(tmp_path, live_ids, live_vecs)
     assert "30 added, 40 tombstoned" in caplog.text
     assert len(idx) == 390 and idx.stats()["tombstones"] == 40
@@ -158,8 +158,8 @@ def test_without_a_directory_nothing_is_written(tmp_path: Path, monkeypatch) -> 
 def test_config_defaults_are_the_index_defaults_and_bad_values_stop_the_start(tmp_path: Path) -> None:
     from pydantic import ValidationError
 
-    from embeddings import index as ix
-    from gateway.config import load_settings
+    from cachegw.embeddings import index as ix
+    from cachegw.gateway.config import load_settings
 
     got = load_settings(None).index
     assert (got.hnsw_threshold, got.hnsw_m, got.ef_construction, got.ef_search, got.tombstone_ratio) == (

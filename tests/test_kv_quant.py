@@ -10,16 +10,16 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from backend.config import load_engine_config
-from backend.core.block_manager import BlockManager
-from backend.core.kv_disk import BlockFormat, decode, encode
-from backend.core.sampling_params import SamplingParams
-from backend.core.scheduler import ScheduledBatch
-from backend.core.sequence import Sequence
-from backend.executor.layers import kv_quant
-from backend.executor.layers.attention import _gather_blocks, read_blocks, store_kv_torch
-from backend.executor.model_runner import ModelRunner
-from backend.executor.models.llama import ModelSpec
+from cachegw.backend.config import load_engine_config
+from cachegw.backend.core.block_manager import BlockManager
+from cachegw.backend.core.kv_disk import BlockFormat, decode, encode
+from cachegw.backend.core.sampling_params import SamplingParams
+from cachegw.backend.core.scheduler import ScheduledBatch
+from cachegw.backend.core.sequence import Sequence
+from cachegw.backend.executor.layers import kv_quant
+from cachegw.backend.executor.layers.attention import _gather_blocks, read_blocks, store_kv_torch
+from cachegw.backend.executor.model_runner import ModelRunner
+from cachegw.backend.executor.models.llama import ModelSpec
 
 BS = 4
 

@@ -9,11 +9,11 @@ import os
 import pytest
 import torch
 
-from backend.core.block_manager import BlockManager
-from backend.core.kv_disk import BlockFormat, DiskTier, decode, encode
-from backend.core.kv_tier import KVOffload
-from backend.core.sampling_params import SamplingParams
-from backend.core.sequence import Sequence
+from cachegw.backend.core.block_manager import BlockManager
+from cachegw.backend.core.kv_disk import BlockFormat, DiskTier, decode, encode
+from cachegw.backend.core.kv_tier import KVOffload
+from cachegw.backend.core.sampling_params import SamplingParams
+from cachegw.backend.core.sequence import Sequence
 
 BS = 4
 SHAPE = (2, 2, BS, 1, 3)  # layers, K/V, block_size, kv_heads, head_dim

@@ -9,9 +9,9 @@ import gc
 import pytest
 import torch
 
-from backend import LLM, SamplingParams
-from backend.core.sequence import Sequence
-from backend.entrypoints.metrics import ServerMetrics
+from cachegw.backend import LLM, SamplingParams
+from cachegw.backend.core.sequence import Sequence
+from cachegw.backend.entrypoints.metrics import ServerMetrics
 
 BS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -100,7 +100,7 @@ def test_an_engine_in_another_process_shares_the_disk_tier(model_dir, reference,
     tier = dict(kv_offload_bytes=0, kv_offload_dir=str(tmp_path))
     mine = engine(model_dir, **tier)
     code = textwrap.dedent(f"""
-        from backend import LLM, SamplingParams
+        from cachegw.backend import LLM, SamplingParams
         llm = LLM(model={model_dir!r}, dtype="float32", device="cpu", block_size={BS}, kv_cache_tokens=64,
                   kv_offload_bytes=0, kv_offload_dir={str(tmp_path)!r})
         llm.generate({PROMPT!r}, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
@@ -157,10 +157,10 @@ def test_usage_cached_tokens_count_the_disk_tier_through_the_server(model_dir, t
     to disk, and after a restart usage.prompt_tokens_details.cached_tokens counts the disk tier's tokens."""
     import openai
 
-    from backend.config import load_engine_config
-    from backend.core.async_engine import AsyncEngine
-    from backend.core.engine import LLMEngine
-    from backend.entrypoints.server import build_app
+    from cachegw.backend.config import load_engine_config
+    from cachegw.backend.core.async_engine import AsyncEngine
+    from cachegw.backend.core.engine import LLMEngine
+    from cachegw.backend.entrypoints.server import build_app
     from testkit.servers import serve_in_thread
 
     cfg = load_engine_config(

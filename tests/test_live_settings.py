@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import load_settings
-from gateway.live_settings import LiveSettings, view
-from gateway.storage.admin_store import AdminStore
-from gateway.storage.store import Store
-from protocol.errors import ApiError
+from cachegw.gateway.config import load_settings
+from cachegw.gateway.live_settings import LiveSettings, view
+from cachegw.gateway.storage.admin_store import AdminStore
+from cachegw.gateway.storage.store import Store
+from cachegw.protocol.errors import ApiError
 
 
 @pytest.fixture

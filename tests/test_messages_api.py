@@ -23,8 +23,8 @@ import httpx  # noqa: E402
 import openai  # noqa: E402
 import pytest  # noqa: E402
 
-from gateway.api.messages_api import MessagesStream  # noqa: E402
-from protocol import anthropic_answers as aa
+from cachegw.gateway.api.messages_api import MessagesStream  # noqa: E402
+from cachegw.protocol import anthropic_answers as aa
 from testkit.servers import Upstream, recording_upstream, serve_in_thread  # noqa: E402
 from tests.test_gateway import MODEL, backend_url, gateway, settings_for  # noqa: E402, F401
 

@@ -16,9 +16,9 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Engine, MetaData, create_engine, insert, select, text
 
-from gateway.storage import migrate
-from gateway.storage.store import Store, sql_stores
-from gateway.storage.tables import Base, BigId, CacheEntry, EntryDeletion
+from cachegw.gateway.storage import migrate
+from cachegw.gateway.storage.store import Store, sql_stores
+from cachegw.gateway.storage.tables import Base, BigId, CacheEntry, EntryDeletion
 from tests.historic_schemas import SHAPES, shape
 from tests.test_shared_store import fresh_database
 

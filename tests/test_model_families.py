@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from backend import LLM, SamplingParams
+from cachegw.backend import LLM, SamplingParams
 
 COMMON = dict(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -10,8 +10,8 @@ import asyncio
 
 import pytest
 
-from gateway.upstream.proxy import RELIST_AFTER_S, Backends
-from protocol.errors import ApiError
+from cachegw.gateway.upstream.proxy import RELIST_AFTER_S, Backends
+from cachegw.protocol.errors import ApiError
 from testkit.servers import Upstream, recording_upstream, serve_in_thread
 
 

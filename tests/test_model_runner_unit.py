@@ -7,12 +7,12 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from backend.config import load_engine_config
-from backend.core.block_manager import BlockManager
-from backend.core.sampling_params import SamplingParams
-from backend.core.scheduler import ScheduledBatch
-from backend.core.sequence import Sequence
-from backend.executor.model_runner import ModelRunner
+from cachegw.backend.config import load_engine_config
+from cachegw.backend.core.block_manager import BlockManager
+from cachegw.backend.core.sampling_params import SamplingParams
+from cachegw.backend.core.scheduler import ScheduledBatch
+from cachegw.backend.core.sequence import Sequence
+from cachegw.backend.executor.model_runner import ModelRunner
 
 BS = 4
 TOL = dict(rtol=1e-4, atol=1e-5)

@@ -19,8 +19,8 @@ import openai
 import pytest
 from sqlalchemy import func, select
 
-from gateway.storage.store import Store, sql_stores
-from gateway.storage.tables import LIVE_KEY_INDEX, CacheEntry, EntryDeletion, RequestRow
+from cachegw.gateway.storage.store import Store, sql_stores
+from cachegw.gateway.storage.tables import LIVE_KEY_INDEX, CacheEntry, EntryDeletion, RequestRow
 from testkit.servers import serve_in_thread
 from tests.test_admin import flagged_by_tenant
 from tests.test_gateway import gateway, settings_for
@@ -269,7 +269,7 @@ def test_a_replica_stops_serving_an_answer_another_replaced(backend, tmp_path, s
 async def test_inserts_of_one_key_take_turns_and_their_locks_are_dropped() -> None:
     import asyncio
 
-    from gateway.cache.locks import KeyedLocks
+    from cachegw.gateway.cache.locks import KeyedLocks
 
     locks, order = KeyedLocks(), []
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from embeddings.encoder import Encoder, make_encoder
-from embeddings.onnx_encoder import OnnxEncoder, _plan_batches
+from cachegw.embeddings.encoder import Encoder, make_encoder
+from cachegw.embeddings.onnx_encoder import OnnxEncoder, _plan_batches
 
 MIN_COSINE = 0.9999
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -43,7 +44,8 @@ class Block(importlib.abc.MetaPathFinder):
         if name.split(".")[0] in BLOCKED:
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 sys.meta_path.insert(0, Block())
-import gateway.api.app, gateway.serve, gateway.cli, gateway.api.admin_api, gateway.upstream.supervisor
+import cachegw.gateway.api.app, cachegw.gateway.serve, cachegw.gateway.cli
+import cachegw.gateway.api.admin_api, cachegw.gateway.upstream.supervisor
 print("ok")
 """
 
@@ -86,9 +88,10 @@ def test_the_wheel_ships_no_test_or_bench_code() -> None:
 
 
 MIGRATE_FROM_WHEEL = """
-import sys, gateway
-from gateway.storage.migrate import head
-from gateway.storage.store import Store
+import sys
+import cachegw.gateway as gateway
+from cachegw.gateway.storage.migrate import head
+from cachegw.gateway.storage.store import Store
 assert gateway.__file__.startswith(sys.argv[1]), gateway.__file__
 Store(f"sqlite:///{sys.argv[2]}").close()
 print(head())
@@ -103,10 +106,15 @@ def build_wheel(tmp_path: Path) -> Path:
     listed = ["git", "ls-files", "--cached", "--others", "--exclude-standard"]
     tracked = subprocess.run(listed, cwd=ROOT, capture_output=True, text=True, check=True)
     packages = {p.rstrip("*") for p in PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]}
+    # the namespace's links (cachegw/gateway -> ../gateway) and the folders they point to
+    linked = {p.name for name in packages if (ROOT / name).is_dir() for p in (ROOT / name).iterdir()}
     root_files = ("pyproject.toml", "setup.py", "MANIFEST.in", "config.toml", "README.md", "LICENSE")
     for name in tracked.stdout.splitlines():
-        wanted = name.split("/")[0] in packages or name in root_files
-        if wanted and (ROOT / name).is_file():
+        wanted = name.split("/")[0] in packages | linked or name in root_files
+        if wanted and (ROOT / name).is_symlink():
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            (src / name).symlink_to(os.readlink(ROOT / name))
+        elif wanted and (ROOT / name).is_file():
             (src / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, src / name)
     build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]

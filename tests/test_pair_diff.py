@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from policies.message_parts import split_message
-from policies.opposites import opposite
-from policies.pair_diff import align
-from policies.pair_guards import guard_reason
+from cachegw.policies.message_parts import split_message
+from cachegw.policies.opposites import opposite
+from cachegw.policies.pair_diff import align
+from cachegw.policies.pair_guards import guard_reason
 
 REPORT = (
     "Quarterly sales in the northern region were flat compared with last year, while the southern region "

@@ -17,13 +17,13 @@ import pytest
 from sqlalchemy import create_engine, insert, text
 from sqlalchemy.engine import make_url
 
-from embeddings.index import ScopedIndex
-from gateway.config import Settings, load_settings
-from gateway.storage.migrate import upgrade
-from gateway.storage.pgvector_index import PgVectorError, PgVectorIndex
-from gateway.storage.pgvector_schema import installed
-from gateway.storage.store import SqlEntries, Store, sql_stores
-from gateway.storage.tables import CacheEntry
+from cachegw.embeddings.index import ScopedIndex
+from cachegw.gateway.config import Settings, load_settings
+from cachegw.gateway.storage.migrate import upgrade
+from cachegw.gateway.storage.pgvector_index import PgVectorError, PgVectorIndex
+from cachegw.gateway.storage.pgvector_schema import installed
+from cachegw.gateway.storage.store import SqlEntries, Store, sql_stores
+from cachegw.gateway.storage.tables import CacheEntry
 from tests.test_admin import api
 from tests.test_gateway import ask, backend_url, chat, gateway  # noqa: F401
 from tests.test_shared_store import health, on_database

@@ -13,12 +13,12 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 from transformers import LlamaConfig
 
-from backend.config import load_engine_config
-from backend.executor.gguf_weights import decode_blocks
-from backend.executor.layers import cpu_kernels
-from backend.executor.layers.quantized_linear import BlockLinear, Int4Linear, Int8Linear
-from backend.executor.model_loader import embedded_gguf_path
-from backend.executor.model_runner import ModelRunner
+from cachegw.backend.config import load_engine_config
+from cachegw.backend.executor.gguf_weights import decode_blocks
+from cachegw.backend.executor.layers import cpu_kernels
+from cachegw.backend.executor.layers.quantized_linear import BlockLinear, Int4Linear, Int8Linear
+from cachegw.backend.executor.model_loader import embedded_gguf_path
+from cachegw.backend.executor.model_runner import ModelRunner
 
 
 def _weights(rows: int = 48, cols: int = 96, seed: int = 0) -> np.ndarray:
@@ -125,7 +125,7 @@ def test_startup_log_names_the_weight_mode_chosen(caplog: pytest.LogCaptureFixtu
 
 def test_engine_int4_from_the_gguf_answers_like_float32() -> None:
     """The embedded Q4_1 GGUF loaded as int4 (the file's own blocks) gives float32's greedy answer."""
-    from backend import LLM, SamplingParams
+    from cachegw.backend import LLM, SamplingParams
 
     llm = LLM(quantization="int4", dtype="float32", kv_cache_tokens=256, max_num_seqs=2)
     assert llm.engine.runner.quantization == "int4"
@@ -141,7 +141,7 @@ def test_engine_int4_from_the_gguf_answers_like_float32() -> None:
 
 
 def test_cachegw_backend_takes_the_weight_mode() -> None:
-    from gateway.cli import build_parser
+    from cachegw.gateway.cli import build_parser
 
     parser = build_parser()
     assert parser.parse_args(["backend", "--quantization", "none"]).quantization == "none"

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select
 
-from gateway.storage.recorder import Recorder, SqlRequestLog
-from gateway.storage.request_record import RequestRecord
-from gateway.storage.store import Store
-from gateway.storage.tables import RequestRow
+from cachegw.gateway.storage.recorder import Recorder, SqlRequestLog
+from cachegw.gateway.storage.request_record import RequestRecord
+from cachegw.gateway.storage.store import Store
+from cachegw.gateway.storage.tables import RequestRow
 
 
 def row(i: int) -> dict:

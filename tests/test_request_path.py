@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
-from gateway.api.app import build_app
-from gateway.compose import started_gateway
+from cachegw.gateway.api.app import build_app
+from cachegw.gateway.compose import started_gateway
 from testkit.servers import serve_in_thread
 from tests.test_gateway import ask, chat, settings_for
 

@@ -5,16 +5,16 @@ from __future__ import annotations
 import asyncio
 import time
 
-from gateway.cache.lookup import Lookup
-from gateway.request.flow import Flow
-from gateway.request.tenants import Tenant
-from gateway.storage.admin_store import AdminStore
-from gateway.storage.entry_ids import EntryIds
-from gateway.storage.recorder import Recorder, SqlRequestLog
-from gateway.storage.request_record import CacheResult
-from gateway.storage.store import Store
-from policies.cache_keys import request_keys
-from policies.cacheability import OK
+from cachegw.gateway.cache.lookup import Lookup
+from cachegw.gateway.request.flow import Flow
+from cachegw.gateway.request.tenants import Tenant
+from cachegw.gateway.storage.admin_store import AdminStore
+from cachegw.gateway.storage.entry_ids import EntryIds
+from cachegw.gateway.storage.recorder import Recorder, SqlRequestLog
+from cachegw.gateway.storage.request_record import CacheResult
+from cachegw.gateway.storage.store import Store
+from cachegw.policies.cache_keys import request_keys
+from cachegw.policies.cacheability import OK
 
 
 def test_cache_results_keep_their_wire_values():

@@ -9,16 +9,16 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from gateway.cache.error_control import ThresholdProvider
-from gateway.cache.retention import DAY_S, Pruned, Retention, evidence_cutoff
-from gateway.config import Settings, load_settings
-from gateway.storage import prune as prune_module
-from gateway.storage.admin_store import AdminStore
-from gateway.storage.evidence_store import EvidenceRow, EvidenceStore
-from gateway.storage.recorder import SqlRequestLog
-from gateway.storage.store import Store
-from gateway.storage.tables import AuditEvent, Feedback, HitAudit, RequestRow
-from policies.evidence_window import Ageing
+from cachegw.gateway.cache.error_control import ThresholdProvider
+from cachegw.gateway.cache.retention import DAY_S, Pruned, Retention, evidence_cutoff
+from cachegw.gateway.config import Settings, load_settings
+from cachegw.gateway.storage import prune as prune_module
+from cachegw.gateway.storage.admin_store import AdminStore
+from cachegw.gateway.storage.evidence_store import EvidenceRow, EvidenceStore
+from cachegw.gateway.storage.recorder import SqlRequestLog
+from cachegw.gateway.storage.store import Store
+from cachegw.gateway.storage.tables import AuditEvent, Feedback, HitAudit, RequestRow
+from cachegw.policies.evidence_window import Ageing
 from tests.test_shared_store import fresh_database
 
 NOW = 1_800_000_000.0

@@ -21,12 +21,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import httpx  # noqa: E402
 import pytest  # noqa: E402
 
-from backend.config import load_engine_config  # noqa: E402
-from backend.core.async_engine import AsyncEngine  # noqa: E402
-from backend.core.engine import LLMEngine  # noqa: E402
-from backend.entrypoints.server import build_app as build_backend_app  # noqa: E402
-from gateway.upstream.proxy import Backends  # noqa: E402
-from policies.routing import PROMPT_PREFIX_CHARS, Router, rendezvous, routing_key  # noqa: E402
+from cachegw.backend.config import load_engine_config  # noqa: E402
+from cachegw.backend.core.async_engine import AsyncEngine  # noqa: E402
+from cachegw.backend.core.engine import LLMEngine  # noqa: E402
+from cachegw.backend.entrypoints.server import build_app as build_backend_app  # noqa: E402
+from cachegw.gateway.upstream.proxy import Backends  # noqa: E402
+from cachegw.policies.routing import PROMPT_PREFIX_CHARS, Router, rendezvous, routing_key  # noqa: E402
 from testkit.servers import free_port, serve_in_thread  # noqa: E402
 from tests.test_gateway import MODEL, SYSTEM, backend_url, gateway, settings_for  # noqa: E402,F401
 
@@ -76,8 +76,8 @@ def test_turns_of_one_conversation_share_a_key_and_other_conversations_do_not() 
 def test_the_volatile_note_of_the_first_turn_does_not_change_the_key() -> None:
     """Canonicalization appends a system prompt's timestamp to the LAST user message: on turn 1 that is
     the first user message, which later turns send without it. The key must not see the difference."""
-    from policies.canonicalize import canonicalize
-    from policies.canonicalize_config import CanonicalizeConfig
+    from cachegw.policies.canonicalize import canonicalize
+    from cachegw.policies.canonicalize_config import CanonicalizeConfig
 
     system = {"role": "system", "content": "Now: 2026-11-22T10:03:17Z. You are a travel agent."}
     keys = []
@@ -90,7 +90,7 @@ def test_the_volatile_note_of_the_first_turn_does_not_change_the_key() -> None:
 
 
 def test_volatile_note_removal_on_each_content_shape() -> None:
-    from policies.canonicalize import without_volatile_note as strip
+    from cachegw.policies.canonicalize import without_volatile_note as strip
 
     note = "Context values: [volatile:1] = 2026-11-22"
     assert strip(f"Q?\n\n{note}") == "Q?"
@@ -136,7 +136,7 @@ def test_round_robin_and_first_modes() -> None:
 def test_unknown_routing_mode_stops_the_start(tmp_path: Path) -> None:
     from pydantic import ValidationError
 
-    from gateway.config import load_settings
+    from cachegw.gateway.config import load_settings
 
     cfg = tmp_path / "c.toml"
     cfg.write_text('[gateway]\nrouting = "random"\n')
@@ -229,8 +229,8 @@ def test_prefix_routing_keeps_conversations_on_the_backend_that_cached_them(
         assert blocks >= 4 and second[3] >= 16 * blocks, (first, second)
     seen = {r[0] for r in rows}
     # the report's per-backend table counts the same requests (`cachegw analyze`, admin stats)
-    from gateway.offline.analyze_summary import build_summary
-    from gateway.storage.request_log import read_database
+    from cachegw.gateway.offline.analyze_summary import build_summary
+    from cachegw.gateway.storage.request_log import read_database
 
     summary = build_summary(read_database(f"sqlite:///{tmp_path / 'cachegw.db'}", None, None), s)
     per = summary["by_backend"]
@@ -316,7 +316,7 @@ def test_a_backend_down_at_start_gets_traffic_once_it_is_up(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import gateway.compose as serve_module
+    import cachegw.gateway.compose as serve_module
 
     monkeypatch.setattr(serve_module, "DISCOVER_EVERY_S", 0.3)
     engine = _engine()

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.core.sampling_params import InvalidParameter, SamplingParams
-from backend.core.sequence import Sequence
-from backend.executor.sampler import _filter_top_k_top_p, apply_penalties, sample
+from cachegw.backend.core.sampling_params import InvalidParameter, SamplingParams
+from cachegw.backend.core.sequence import Sequence
+from cachegw.backend.executor.sampler import _filter_top_k_top_p, apply_penalties, sample
 
 VOCAB = 8
 

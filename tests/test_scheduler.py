@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from backend.core.block_manager import BlockManager
-from backend.core.sampling_params import SamplingParams
-from backend.core.scheduler import Scheduler
-from backend.core.sequence import Sequence, SequenceStatus
+from cachegw.backend.core.block_manager import BlockManager
+from cachegw.backend.core.sampling_params import SamplingParams
+from cachegw.backend.core.scheduler import Scheduler
+from cachegw.backend.core.sequence import Sequence, SequenceStatus
 
 BS = 4
 

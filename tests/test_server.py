@@ -20,11 +20,11 @@ import httpx  # noqa: E402
 import openai  # noqa: E402
 import pytest  # noqa: E402
 
-from backend.config import load_engine_config  # noqa: E402
-from backend.core.async_engine import AsyncEngine  # noqa: E402
-from backend.core.engine import LLMEngine  # noqa: E402
-from backend.core.sampling_params import InvalidParameter, SamplingParams  # noqa: E402
-from backend.entrypoints.server import build_app  # noqa: E402
+from cachegw.backend.config import load_engine_config  # noqa: E402
+from cachegw.backend.core.async_engine import AsyncEngine  # noqa: E402
+from cachegw.backend.core.engine import LLMEngine  # noqa: E402
+from cachegw.backend.core.sampling_params import InvalidParameter, SamplingParams  # noqa: E402
+from cachegw.backend.entrypoints.server import build_app  # noqa: E402
 from testkit.servers import serve_in_thread  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -15,10 +15,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.config import Settings
-from gateway.offline.analyze_summary import build_summary
-from gateway.storage.request_log import read_database
-from gateway.storage.store import Store, sql_stores
+from cachegw.gateway.config import Settings
+from cachegw.gateway.offline.analyze_summary import build_summary
+from cachegw.gateway.storage.request_log import read_database
+from cachegw.gateway.storage.store import Store, sql_stores
 from tests.test_admin import TOKEN, admin_settings, api
 from tests.test_gateway import ask, backend_url, chat, gateway  # noqa: F401
 
@@ -141,10 +141,10 @@ async def test_sync_moves_the_counts_and_the_index_with_other_replicas(tmp_path)
     inserts, flags and deletions, and a replica's own changes are not counted twice."""
     import numpy as np
 
-    from embeddings.index import ScopedIndex
-    from gateway.cache.response_cache import ResponseCache
-    from gateway.config import load_settings
-    from gateway.storage.tables import CacheEntry
+    from cachegw.embeddings.index import ScopedIndex
+    from cachegw.gateway.cache.response_cache import ResponseCache
+    from cachegw.gateway.config import load_settings
+    from cachegw.gateway.storage.tables import CacheEntry
 
     url = f"sqlite:///{tmp_path / 'shared.db'}"
     config = load_settings(None).cache
@@ -190,7 +190,7 @@ async def test_sync_moves_the_counts_and_the_index_with_other_replicas(tmp_path)
 def test_a_database_that_cannot_be_opened_stops_the_start_with_one_line(
     tmp_path, capsys, database_url, message
 ):
-    from gateway.cli import main
+    from cachegw.gateway.cli import main
 
     config = tmp_path / "c.toml"
     config.write_text(f'[gateway]\ndatabase_url = "{database_url}"\nbackends = ["http://127.0.0.1:9/v1"]\n')

@@ -14,10 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend import LLM, SamplingParams
-from backend.core.block_manager import FREED, BlockManager
-from backend.core.sequence import Sequence
-from backend.executor.models.llama import layer_windows
+from cachegw.backend import LLM, SamplingParams
+from cachegw.backend.core.block_manager import FREED, BlockManager
+from cachegw.backend.core.sequence import Sequence
+from cachegw.backend.executor.models.llama import layer_windows
 from tests.test_model_families import COMMON
 
 WINDOW = 16

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from backend import LLM, SamplingParams
-from backend.core.sampling_params import StructuredOutput
-from backend.core.sequence import Sequence
-from backend.core.speculative import Speculator
+from cachegw.backend import LLM, SamplingParams
+from cachegw.backend.core.sampling_params import StructuredOutput
+from cachegw.backend.core.sequence import Sequence
+from cachegw.backend.core.speculative import Speculator
 
 SPEC = Speculator(num_tokens=4, ngram_min=2, ngram_max=4)
 TEXT = (

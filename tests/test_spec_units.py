@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.core.block_manager import BlockManager
-from backend.core.sampling_params import SamplingParams
-from backend.core.scheduler import Scheduler
-from backend.core.sequence import Sequence, SequenceStatus
-from backend.core.spec_verify import _rejection_sample, verify
-from backend.core.speculative import DraftSource
-from backend.executor.sampler import sample
+from cachegw.backend.core.block_manager import BlockManager
+from cachegw.backend.core.sampling_params import SamplingParams
+from cachegw.backend.core.scheduler import Scheduler
+from cachegw.backend.core.sequence import Sequence, SequenceStatus
+from cachegw.backend.core.spec_verify import _rejection_sample, verify
+from cachegw.backend.core.speculative import DraftSource
+from cachegw.backend.executor.sampler import sample
 
 
 def source(draft: list[int] | None = None, k: int = 3) -> DraftSource:
@@ -150,8 +150,8 @@ def test_trim_gives_back_the_blocks_only_rejected_drafts_used() -> None:
 
 
 def test_the_engine_metrics_expose_draft_and_accepted_tokens() -> None:
-    from backend.core.engine import EngineStats
-    from backend.entrypoints.metrics import ServerMetrics
+    from cachegw.backend.core.engine import EngineStats
+    from cachegw.backend.entrypoints.metrics import ServerMetrics
 
     stats = EngineStats(
         0, 0, 0.0, 8, 0, 0, 0, 0, 12, spec_decode_draft_tokens=20, spec_decode_accepted_tokens=9

@@ -29,7 +29,7 @@ def serve(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
         "-X",
         "importtime",
         "-m",
-        "gateway.cli",
+        "cachegw.gateway.cli",
         "serve",
         "--data-dir",
         str(tmp_path),

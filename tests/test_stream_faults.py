@@ -153,7 +153,7 @@ def test_a_crlf_framed_stream_is_relayed_event_by_event_and_stored(
 
 @pytest.mark.parametrize("framing", [b"\n", b"\r\n", b"\r"])
 def test_the_event_splitter_reads_every_line_ending_across_any_chunking(framing: bytes) -> None:
-    from protocol.sse import EventSplitter, data_of
+    from cachegw.protocol.sse import EventSplitter, data_of
 
     stream_bytes = b"".join(b"data: " + w + framing + framing for w in (b"one", b"two", b"[DONE]"))
     for size in (1, 2, 3, 7, len(stream_bytes)):

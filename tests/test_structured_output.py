@@ -17,7 +17,7 @@ import jsonschema
 import openai
 import pytest
 
-from backend.core.sampling_params import SamplingParams, StructuredOutput
+from cachegw.backend.core.sampling_params import SamplingParams, StructuredOutput
 from testkit.schemas import SCHEMAS, obj
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -214,7 +214,7 @@ def test_preempted_sequences_keep_a_valid_grammar() -> None:
     """Room for two prompts' blocks (45 tokens, 3 blocks each) and no prefix cache: the first decode
     that needs a fourth block preempts the newest sequence mid-answer. It is recomputed from its
     output tokens, which its matcher has already consumed, and answers exactly as it does alone."""
-    from backend import LLM
+    from cachegw.backend import LLM
 
     small = LLM(
         dtype="float32", quantization="none", kv_cache_tokens=96, max_num_seqs=4, enable_prefix_caching=False

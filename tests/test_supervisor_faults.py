@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.upstream.supervisor import BuiltinBackend, port_is_free, restart_delay
+from cachegw.gateway.upstream.supervisor import BuiltinBackend, port_is_free, restart_delay
 from testkit.servers import free_port
 from tests.test_supervisor_unit import StandInBackend, root  # noqa: F401
 

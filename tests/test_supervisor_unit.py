@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.upstream.supervisor import BuiltinBackend
+from cachegw.gateway.upstream.supervisor import BuiltinBackend
 from testkit.servers import free_port
 
 

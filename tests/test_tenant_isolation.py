@@ -134,7 +134,7 @@ def test_tenants_in_one_prefix_group_share_the_prefix_cache_and_no_one_else(
 ) -> None:
     """[tenants] prefix_groups: the operator lets A and B share a system prompt's prefix; C stays apart,
     and the group shares no cached answers."""
-    from gateway.request.tenants import key_hash
+    from cachegw.gateway.request.tenants import key_hash
 
     s = isolated(tmp_path, backend_url, True)
     groups = {"team": [key_hash("tenant-a"), key_hash("tenant-b")]}
@@ -152,7 +152,7 @@ def test_tenants_in_one_prefix_group_share_the_prefix_cache_and_no_one_else(
 def test_a_tenant_in_two_prefix_groups_is_refused_at_start() -> None:
     from pydantic import ValidationError
 
-    from gateway.config import TenantsConfig
+    from cachegw.gateway.config import TenantsConfig
 
     with pytest.raises(ValidationError, match="two prefix groups"):
         TenantsConfig(mode="open", shared_cache=False, keys={}, prefix_groups={"x": ["a"], "y": ["a", "b"]})

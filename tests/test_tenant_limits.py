@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.api.app import build_app
-from gateway.compose import started_gateway
-from gateway.config import Settings, load_settings
+from cachegw.gateway.api.app import build_app
+from cachegw.gateway.compose import started_gateway
+from cachegw.gateway.config import Settings, load_settings
 from testkit.servers import Upstream, recording_upstream, serve_in_thread
 from tests.test_gateway import MovableClock
 from tests.test_shared_store import shared_url  # noqa: F401  (SQLite and PostgreSQL)
@@ -54,7 +54,7 @@ def ask(url: str, key: str, text: str, **extra) -> httpx.Response:
 
 
 def test_priority_reaches_the_backend_within_the_granted_range(upstream, tmp_path) -> None:
-    from gateway.request.tenants import key_hash
+    from cachegw.gateway.request.tenants import key_hash
 
     up, url = upstream
     s = settings(tmp_path, url, priority_ranges={key_hash("batch"): (1, 1000), key_hash("vip"): (-50, 0)})

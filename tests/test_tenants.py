@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.config import TenantsConfig
-from gateway.request.tenants import ANONYMOUS, Tenants, key_hash
-from protocol.errors import ApiError
+from cachegw.gateway.config import TenantsConfig
+from cachegw.gateway.request.tenants import ANONYMOUS, Tenants, key_hash
+from cachegw.protocol.errors import ApiError
 
 KEYS = {"alice": "sk-alice-1", "bob": "sk-bob-2"}
 

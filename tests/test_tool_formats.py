@@ -14,21 +14,21 @@ from typing import Any
 
 import pytest
 
-from backend.core.detokenizer import IncrementalDetokenizer
-from backend.core.sampling_params import StructuredOutput
-from backend.core.structured import GrammarCompiler
-from backend.entrypoints.request_fields import EngineChatRequest
-from backend.entrypoints.tool_parser import HERMES, LLAMA3, MISTRAL, ToolFormat, scan, whole_calls
-from backend.entrypoints.tool_prompt import (
+from cachegw.backend.core.detokenizer import IncrementalDetokenizer
+from cachegw.backend.core.sampling_params import StructuredOutput
+from cachegw.backend.core.structured import GrammarCompiler
+from cachegw.backend.entrypoints.request_fields import EngineChatRequest
+from cachegw.backend.entrypoints.tool_parser import HERMES, LLAMA3, MISTRAL, ToolFormat, scan, whole_calls
+from cachegw.backend.entrypoints.tool_prompt import (
     chat_prompt_ids,
     generic_tool_section,
     request_tools,
     template_call_id,
     template_format,
 )
-from backend.entrypoints.tool_responses import ToolDeltas, tool_message
-from backend.entrypoints.tools import ToolRequest, tool_request
-from protocol.requests import ChatMessage
+from cachegw.backend.entrypoints.tool_responses import ToolDeltas, tool_message
+from cachegw.backend.entrypoints.tools import ToolRequest, tool_request
+from cachegw.protocol.requests import ChatMessage
 from tests.tool_server import weather_tool
 from tests.tool_templates import LLAMA3_STYLE, MISTRAL_STYLE, accepts, with_template
 

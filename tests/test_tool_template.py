@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 
-from backend.core.structured import GrammarCompiler
-from backend.entrypoints.tool_parser import HERMES, scan
-from backend.entrypoints.tool_prompt import chat_prompt_ids, template_format
-from backend.entrypoints.tool_responses import ToolDeltas, tool_message
-from backend.entrypoints.tools import ToolRequest, tool_request
-from protocol.requests import ChatMessage
+from cachegw.backend.core.structured import GrammarCompiler
+from cachegw.backend.entrypoints.tool_parser import HERMES, scan
+from cachegw.backend.entrypoints.tool_prompt import chat_prompt_ids, template_format
+from cachegw.backend.entrypoints.tool_responses import ToolDeltas, tool_message
+from cachegw.backend.entrypoints.tools import ToolRequest, tool_request
+from cachegw.protocol.requests import ChatMessage
 from tests.tool_server import weather_tool
 from tests.tool_templates import HERMES_STYLE, with_template
 from tests.tool_templates import accepts as accepts_ids

@@ -23,11 +23,11 @@ from opentelemetry.sdk.trace import TracerProvider as SdkProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from gateway.api.app import build_app
-from gateway.compose import started_gateway
-from gateway.config import Settings, load_settings
-from gateway.request.flow import RequestTrace
-from gateway.request.tracing import Tracing, traces_url
+from cachegw.gateway.api.app import build_app
+from cachegw.gateway.compose import started_gateway
+from cachegw.gateway.config import Settings, load_settings
+from cachegw.gateway.request.flow import RequestTrace
+from cachegw.gateway.request.tracing import Tracing, traces_url
 from testkit.servers import Upstream, recording_upstream, serve_in_thread
 from tests.test_gateway import MODEL, ask, settings_for
 

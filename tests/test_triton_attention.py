@@ -21,9 +21,9 @@ ON_CUDA = torch.cuda.is_available()
 if not ON_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 
-from backend.executor.layers import kv_quant  # noqa: E402
-from backend.executor.layers import triton_attention as ta  # noqa: E402
-from backend.executor.layers.attention import AttentionMetadata, paged_attention_torch, store_kv_torch  # noqa: E402
+from cachegw.backend.executor.layers import kv_quant  # noqa: E402
+from cachegw.backend.executor.layers import triton_attention as ta  # noqa: E402
+from cachegw.backend.executor.layers.attention import AttentionMetadata, paged_attention_torch, store_kv_torch  # noqa: E402
 
 DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
 BLOCK_SIZE = 16

@@ -21,12 +21,12 @@ SCRIPT = textwrap.dedent(
     """
     import json, torch
     torch.set_num_threads(2)
-    from backend import LLM, SamplingParams
+    from cachegw.backend import LLM, SamplingParams
     llm = LLM(dtype="float32", quantization="none", kv_cache_tokens=1024, max_num_seqs=4)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     prompts = [list(range(100, 140)), list(range(100, 120)) + list(range(300, 310))]
     torch_out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, cache_salt="torch")]
-    from backend.executor.layers.kernel_check import self_check
+    from cachegw.backend.executor.layers.kernel_check import self_check
     checked = self_check(torch.device("cpu"), torch.float32, llm.engine.runner.spec, 16)
     for layer in llm.engine.runner.model.layers:
         layer.self_attn.attn.use_triton = True

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.request.tenants import key_hash
+from cachegw.gateway.request.tenants import key_hash
 from tests.test_cache_reasons import logged_reason
 from tests.test_gateway import MODEL, ask, backend_url, client, gateway, settings_for  # noqa: F401
 
@@ -81,7 +81,7 @@ def test_switched_on_at_run_time_through_the_admin_api(backend_url: str, tmp_pat
 
 @pytest.mark.parametrize("tenant_value", [True, False])
 def test_tenant_setting_wins_over_the_model_setting(tenant_value: bool) -> None:
-    from gateway.config import load_settings
+    from cachegw.gateway.config import load_settings
 
     c = load_settings(None).cache.model_copy(
         update={

@@ -18,11 +18,11 @@ from hypothesis import strategies as st
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from embeddings.encoder import Encoder  # noqa: E402
-from gateway.offline.train_verifier import main_train  # noqa: E402
-from policies.pair_guards import guard_reason  # noqa: E402
-from policies.verifier import ARTIFACT_PATH, DEFAULT_RULE, Verifier  # noqa: E402
-from policies.verifier_training import train_verifier  # noqa: E402
+from cachegw.embeddings.encoder import Encoder  # noqa: E402
+from cachegw.gateway.offline.train_verifier import main_train  # noqa: E402
+from cachegw.policies.pair_guards import guard_reason  # noqa: E402
+from cachegw.policies.verifier import ARTIFACT_PATH, DEFAULT_RULE, Verifier  # noqa: E402
+from cachegw.policies.verifier_training import train_verifier  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

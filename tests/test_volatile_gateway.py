@@ -128,9 +128,9 @@ def test_no_store_requests_teach_nothing(gw: tuple[str, str]) -> None:
 
 
 def test_a_request_log_from_before_the_volatile_column_gets_it(tmp_path) -> None:
-    from gateway.storage.recorder import SqlRequestLog
-    from gateway.storage.request_record import RequestRecord
-    from gateway.storage.store import Store
+    from cachegw.gateway.storage.recorder import SqlRequestLog
+    from cachegw.gateway.storage.request_record import RequestRecord
+    from cachegw.gateway.storage.store import Store
     from tests.test_recorder import row as log_row
 
     url = f"sqlite:///{tmp_path / 'old.db'}"

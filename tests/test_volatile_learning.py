@@ -8,11 +8,11 @@ from typing import TypeVar
 
 import pytest
 
-from gateway.request.volatile_learner import VolatileLearner
-from policies.cache_keys import request_keys
-from policies.canonicalize import canonicalize, canonicalize_detail
-from policies.canonicalize_config import CanonicalizeConfig
-from policies.volatile import LearnConfig, differences, learn
+from cachegw.gateway.request.volatile_learner import VolatileLearner
+from cachegw.policies.cache_keys import request_keys
+from cachegw.policies.canonicalize import canonicalize, canonicalize_detail
+from cachegw.policies.canonicalize_config import CanonicalizeConfig
+from cachegw.policies.volatile import LearnConfig, differences, learn
 
 M = TypeVar("M", LearnConfig, CanonicalizeConfig)
 

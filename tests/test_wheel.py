@@ -65,16 +65,18 @@ def make_venv(tmp_path: Path, wheel: Path) -> Path:
 
 
 WHERE = """
-import configtools.loader as loader, gateway
+import cachegw.configtools.loader as loader, cachegw.gateway as gateway
 print(gateway.__file__)
-print(loader.defaults_text() == (loader.resources.files("configtools") / "defaults.toml").read_text())
+print(loader.defaults_text() == (loader.resources.files("cachegw.configtools") / "defaults.toml").read_text())
 """
 
 
 def test_the_installed_wheel_serves(shared_backend_url: str, tmp_path: Path) -> None:
     wheel = build_wheel(tmp_path)
     with zipfile.ZipFile(wheel) as z:  # one source of the defaults: the wheel's copy is config.toml
-        assert z.read("configtools/defaults.toml") == (ROOT / "config.toml").read_bytes()
+        assert z.read("cachegw/configtools/defaults.toml") == (ROOT / "config.toml").read_bytes()
+        # one namespace in site-packages: no generic top-level names such as gateway or backend
+        assert {name.split("/")[0] for name in z.namelist()} == {"cachegw", "cachegw-0.1.0.dist-info"}
     venv = make_venv(tmp_path, wheel)
     empty = tmp_path / "run"
     empty.mkdir()

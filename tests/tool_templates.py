@@ -14,9 +14,9 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from backend.core.sampling_params import StructuredOutput
-from backend.core.structured import GrammarCompiler
-from backend.entrypoints.tools import ToolRequest
+from cachegw.backend.core.sampling_params import StructuredOutput
+from cachegw.backend.core.structured import GrammarCompiler
+from cachegw.backend.entrypoints.tools import ToolRequest
 
 HERMES_STYLE = """
 {%- if tools -%}

@@ -17,9 +17,9 @@ from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import TypeVar
 
-from backend.core.engine import EngineStats, LLMEngine
-from backend.core.outputs import RequestOutput
-from backend.core.sampling_params import SamplingParams
+from cachegw.backend.core.engine import EngineStats, LLMEngine
+from cachegw.backend.core.outputs import RequestOutput
+from cachegw.backend.core.sampling_params import SamplingParams
 
 log = logging.getLogger("cachegw.backend")
 

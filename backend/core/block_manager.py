@@ -31,8 +31,8 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
-from backend.core.kv_tier import TIERS, KVOffload
-from backend.core.sequence import Sequence
+from cachegw.backend.core.kv_tier import TIERS, KVOffload
+from cachegw.backend.core.sequence import Sequence
 
 FREED = -1  # a block-table entry whose block was given back (before the window)
 

@@ -13,23 +13,23 @@ from dataclasses import replace
 
 import torch
 
-from backend.config import EngineConfig
-from backend.core.block_manager import BlockManager
-from backend.core.detokenizer import IncrementalDetokenizer
-from backend.core.kv_tier import TierStats, offload_for
-from backend.core.outputs import EngineStats, RequestOutput, request_output
-from backend.core.pins import PinTable
-from backend.core.prompt_logprobs import record as record_prompt_logprobs
-from backend.core.sampling_params import InvalidParameter, SamplingParams
-from backend.core.scheduler import Scheduler
-from backend.core.sequence import Sequence, SequenceGroup
-from backend.core.spec_verify import verify
-from backend.core.speculative import DraftSource, Speculator
-from backend.core.structured import GrammarCompiler
-from backend.executor.model_loader import gguf_source, resolve_model_dir
-from backend.executor.model_runner import ModelRunner
-from backend.executor.platform import resolve_device, resolve_dtype
-from backend.executor.sampler import sample
+from cachegw.backend.config import EngineConfig
+from cachegw.backend.core.block_manager import BlockManager
+from cachegw.backend.core.detokenizer import IncrementalDetokenizer
+from cachegw.backend.core.kv_tier import TierStats, offload_for
+from cachegw.backend.core.outputs import EngineStats, RequestOutput, request_output
+from cachegw.backend.core.pins import PinTable
+from cachegw.backend.core.prompt_logprobs import record as record_prompt_logprobs
+from cachegw.backend.core.sampling_params import InvalidParameter, SamplingParams
+from cachegw.backend.core.scheduler import Scheduler
+from cachegw.backend.core.sequence import Sequence, SequenceGroup
+from cachegw.backend.core.spec_verify import verify
+from cachegw.backend.core.speculative import DraftSource, Speculator
+from cachegw.backend.core.structured import GrammarCompiler
+from cachegw.backend.executor.model_loader import gguf_source, resolve_model_dir
+from cachegw.backend.executor.model_runner import ModelRunner
+from cachegw.backend.executor.platform import resolve_device, resolve_dtype
+from cachegw.backend.executor.sampler import sample
 
 log = logging.getLogger("cachegw.backend")
 

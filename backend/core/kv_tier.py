@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from backend.config import EngineConfig
-from backend.core.kv_disk import BlockFormat, DiskTier
+from cachegw.backend.config import EngineConfig
+from cachegw.backend.core.kv_disk import BlockFormat, DiskTier
 
 if TYPE_CHECKING:
-    from backend.executor.model_runner import ModelRunner
+    from cachegw.backend.executor.model_runner import ModelRunner
 
 TIERS = ("pool", "ram", "disk")
 LOAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)

@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from backend.core.kv_tier import TierStats
+from cachegw.backend.core.kv_tier import TierStats
 
 if TYPE_CHECKING:
-    from backend.core.sequence import SequenceGroup
+    from cachegw.backend.core.sequence import SequenceGroup
 
 
 @dataclass

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from backend.core.block_manager import BlockManager
-    from backend.core.sequence import Sequence
+    from cachegw.backend.core.block_manager import BlockManager
+    from cachegw.backend.core.sequence import Sequence
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from backend.core.sequence import Sequence
+from cachegw.backend.core.sequence import Sequence
 
 LM_HEAD_ROWS = 256  # prompt positions per LM-head slice: 256 x 49k vocab x 4 bytes = 50 MB
 

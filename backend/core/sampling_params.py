@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from backend.core.pins import PinRequest
+from cachegw.backend.core.pins import PinRequest
 
 
 class InvalidParameter(ValueError):

@@ -30,9 +30,9 @@ from bisect import insort_left, insort_right
 from collections import deque
 from dataclasses import dataclass, field
 
-from backend.core.block_manager import BlockManager
-from backend.core.pins import PinTable
-from backend.core.sequence import Sequence, SequenceStatus
+from cachegw.backend.core.block_manager import BlockManager
+from cachegw.backend.core.pins import PinTable
+from cachegw.backend.core.sequence import Sequence, SequenceStatus
 
 PRIORITY_AGING_S = 1.0  # seconds of waiting worth one priority level
 

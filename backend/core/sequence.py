@@ -7,10 +7,10 @@ from enum import Enum, auto
 
 import torch
 
-from backend.core.detokenizer import IncrementalDetokenizer
-from backend.core.sampling_params import SamplingParams
-from backend.core.speculative import DraftSource
-from backend.core.structured import Grammar
+from cachegw.backend.core.detokenizer import IncrementalDetokenizer
+from cachegw.backend.core.sampling_params import SamplingParams
+from cachegw.backend.core.speculative import DraftSource
+from cachegw.backend.core.structured import Grammar
 
 
 class SequenceStatus(Enum):

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.core.sampling_params import SamplingParams
-from backend.core.sequence import Sequence
-from backend.executor.sampler import apply_penalties, logprob_entry, probabilities
+from cachegw.backend.core.sampling_params import SamplingParams
+from cachegw.backend.core.sequence import Sequence
+from cachegw.backend.executor.sampler import apply_penalties, logprob_entry, probabilities
 
 
 @dataclass

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from backend.config import EngineConfig
+from cachegw.backend.config import EngineConfig
 
 
 class NgramIndex:

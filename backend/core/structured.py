@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from backend.core.sampling_params import ANY_OBJECT, InvalidParameter, StructuredOutput
+from cachegw.backend.core.sampling_params import ANY_OBJECT, InvalidParameter, StructuredOutput
 
 log = logging.getLogger("cachegw.backend")
 

@@ -1,6 +1,6 @@
 """Responses with several choices (n > 1, best_of) and echo: what each choice of a stream has sent
 so far, the echoed prompt of a completion, and the shapers that turn engine outputs into OpenAI
-responses and chunks (the chat shaper, with its tool calls, lives in ``backend/entrypoints/server.py``)."""
+responses and chunks (the chat shaper, with its tool calls, is ``chat_shaper.py``)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from backend.core.outputs import CompletionOutput, RequestOutput
-from backend.entrypoints.openai_mapping import (
+from cachegw.backend.core.outputs import CompletionOutput, RequestOutput
+from cachegw.backend.entrypoints.openai_mapping import (
     TokenTexts,
     completion_logprobs,
     echo_logprobs,
@@ -19,7 +19,7 @@ from backend.entrypoints.openai_mapping import (
 )
 
 if TYPE_CHECKING:
-    from backend.core.async_engine import RequestStream
+    from cachegw.backend.core.async_engine import RequestStream
 
 
 @dataclass

@@ -8,8 +8,8 @@ from __future__ import annotations
 import logging
 import os
 
-from backend.config import load_engine_config
-from backend.executor import cpu_threads
+from cachegw.backend.config import load_engine_config
+from cachegw.backend.executor import cpu_threads
 
 
 def main(
@@ -25,6 +25,6 @@ def main(
     threads = cpu_threads.plan(cfg, frozenset(os.sched_getaffinity(0)))
     cpu_threads.apply(threads)
 
-    from backend.entrypoints.server import run_backend
+    from cachegw.backend.entrypoints.server import run_backend
 
     run_backend(cfg, config_path, host, port, threads)

@@ -18,12 +18,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from prometheus_client import Counter
 
-from backend.core.async_engine import AsyncEngine, EngineDeadError
-from backend.core.engine import LLMEngine
-from backend.entrypoints.metrics import ServerMetrics
-from backend.executor.embedding_forward import MeanPooledEmbedder, batches
-from protocol.embedding_request import EmbeddingInput, parse_embedding_request
-from protocol.errors import ApiError
+from cachegw.backend.core.async_engine import AsyncEngine, EngineDeadError
+from cachegw.backend.core.engine import LLMEngine
+from cachegw.backend.entrypoints.metrics import ServerMetrics
+from cachegw.backend.executor.embedding_forward import MeanPooledEmbedder, batches
+from cachegw.protocol.embedding_request import EmbeddingInput, parse_embedding_request
+from cachegw.protocol.errors import ApiError
 
 T = TypeVar("T")
 

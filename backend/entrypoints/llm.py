@@ -7,10 +7,10 @@ import sys
 from collections.abc import Sequence as Seq
 from typing import Any
 
-from backend.config import load_engine_config
-from backend.core.engine import LLMEngine
-from backend.core.outputs import RequestOutput
-from backend.core.sampling_params import SamplingParams
+from cachegw.backend.config import load_engine_config
+from cachegw.backend.core.engine import LLMEngine
+from cachegw.backend.core.outputs import RequestOutput
+from cachegw.backend.core.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 

@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from backend.core.outputs import EngineStats, RequestOutput
+from cachegw.backend.core.outputs import EngineStats, RequestOutput
 
 PREFIX = "cachegw:"
 

@@ -7,10 +7,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from backend.core.outputs import RequestOutput
-from backend.core.sampling_params import InvalidParameter, SamplingParams, StructuredOutput, parse_logit_bias
-from protocol.errors import ApiError
-from protocol.requests import GenerationRequest, ResponseFormat
+from cachegw.backend.core.outputs import RequestOutput
+from cachegw.backend.core.sampling_params import (
+    InvalidParameter,
+    SamplingParams,
+    StructuredOutput,
+    parse_logit_bias,
+)
+from cachegw.protocol.errors import ApiError
+from cachegw.protocol.requests import GenerationRequest, ResponseFormat
 
 
 def invalid_parameter(exc: InvalidParameter) -> ApiError:

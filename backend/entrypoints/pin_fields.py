@@ -16,12 +16,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from backend.config import EngineConfig
-from backend.core.pins import PinRequest
-from backend.entrypoints.tool_prompt import chat_prompt_ids
-from backend.entrypoints.tools import ToolRequest
-from protocol.errors import ApiError
-from protocol.requests import ChatCompletionRequest
+from cachegw.backend.config import EngineConfig
+from cachegw.backend.core.pins import PinRequest
+from cachegw.backend.entrypoints.tool_prompt import chat_prompt_ids
+from cachegw.backend.entrypoints.tools import ToolRequest
+from cachegw.protocol.errors import ApiError
+from cachegw.protocol.requests import ChatCompletionRequest
 
 MAX_PINS = 4  # Anthropic's limit on cache_control breakpoints
 RETENTION_24H_S = 86400.0

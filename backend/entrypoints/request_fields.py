@@ -14,8 +14,8 @@ from typing import Any
 
 from pydantic import ConfigDict
 
-from protocol.errors import ApiError
-from protocol.requests import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from cachegw.protocol.errors import ApiError
+from cachegw.protocol.requests import ChatCompletionRequest, CompletionRequest, GenerationRequest
 
 # Accepted with any value: they label, store or bill the request on OpenAI's side, never change it.
 NO_OP = frozenset(

@@ -24,32 +24,34 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from backend.config import EngineConfig, load_backend_server_config
-from backend.core.async_engine import AsyncEngine, EngineDeadError, EngineError, RequestStream
-from backend.core.outputs import CompletionOutput, RequestOutput
-from backend.core.sampling_params import InvalidParameter, SamplingParams
-from backend.entrypoints.choices import CompletionShaper, Cursors, Echo, Shaper
-from backend.entrypoints.embeddings import EmbeddingsEndpoint
-from backend.entrypoints.health_routes import add_health_routes
-from backend.entrypoints.metrics import ServerMetrics
-from backend.entrypoints.openai_mapping import (
+from cachegw.backend.config import EngineConfig, load_backend_server_config
+from cachegw.backend.core.async_engine import AsyncEngine, EngineDeadError, EngineError, RequestStream
+from cachegw.backend.core.outputs import RequestOutput
+from cachegw.backend.core.sampling_params import InvalidParameter, SamplingParams
+from cachegw.backend.entrypoints.chat_shaper import ChatShaper
+from cachegw.backend.entrypoints.choices import CompletionShaper, Echo
+from cachegw.backend.entrypoints.embeddings import EmbeddingsEndpoint
+from cachegw.backend.entrypoints.health_routes import add_health_routes
+from cachegw.backend.entrypoints.metrics import ServerMetrics
+from cachegw.backend.entrypoints.openai_mapping import (
     TokenTexts,
-    chat_logprobs,
     invalid_parameter,
     sampling_params,
-    usage,
 )
-from backend.entrypoints.pin_fields import pin_requests, requested_pins
-from backend.entrypoints.request_fields import EngineChatRequest, EngineCompletionRequest, check_fields
-from backend.entrypoints.tool_prompt import answer_constraint, chat_prompt_ids, request_tools
-from backend.entrypoints.tool_responses import tool_chunks, tool_message
-from backend.entrypoints.tools import ToolRequest
-from backend.executor.cpu_threads import ThreadPlan
-from backend.executor.model_loader import EMBEDDED_GGUF
-from protocol import sse
-from protocol.errors import ApiError, error_body
-from protocol.http import ClientGone, install_error_handlers, read_limited_body
-from protocol.requests import ChatCompletionRequest, CompletionRequest, parse_request
+from cachegw.backend.entrypoints.pin_fields import pin_requests, requested_pins
+from cachegw.backend.entrypoints.request_fields import (
+    EngineChatRequest,
+    EngineCompletionRequest,
+    check_fields,
+)
+from cachegw.backend.entrypoints.tool_prompt import answer_constraint, chat_prompt_ids, request_tools
+from cachegw.backend.entrypoints.tools import ToolRequest
+from cachegw.backend.executor.cpu_threads import ThreadPlan
+from cachegw.backend.executor.model_loader import EMBEDDED_GGUF
+from cachegw.protocol import sse
+from cachegw.protocol.errors import ApiError, error_body
+from cachegw.protocol.http import ClientGone, install_error_handlers, read_limited_body
+from cachegw.protocol.requests import ChatCompletionRequest, CompletionRequest, parse_request
 
 log = logging.getLogger("cachegw.backend")
 
@@ -238,7 +240,7 @@ class _Server:
         params.skip_special_tokens = not (tools and tools.calls_possible and tools.special)
         if asks:
             params.pins = await self.in_tokenizer_thread(pin_requests, self.tokenizer, req, tools, ids, asks)
-        shaper = _ChatShaper(
+        shaper = ChatShaper(
             completion_id("chatcmpl", request),
             self.model_name,
             self.texts,
@@ -272,73 +274,6 @@ class _Server:
     async def metrics_text(self) -> Response:
         content, content_type = self.metrics.render()
         return Response(content, media_type=content_type)
-
-
-class _ChatShaper(Shaper):
-    object_name = "chat.completion.chunk"
-
-    def __init__(
-        self, request_id: str, model: str, texts: TokenTexts, include_usage: bool, top: int | None,
-        tools: ToolRequest | None = None,
-    ) -> None:  # fmt: skip
-        super().__init__(request_id, model, texts, include_usage)
-        self.top = top  # None: no logprobs
-        self.tools = tools  # the answer may be tool calls (backend/entrypoints/tool_responses.py)
-
-    def logprobs(self, entries: list[dict] | None) -> dict[str, Any] | None:
-        return None if self.top is None or entries is None else chat_logprobs(entries, self.texts, self.top)
-
-    def message_choice(self, c: CompletionOutput) -> dict[str, Any]:
-        message, finish = {"role": "assistant", "content": c.text, "refusal": None}, c.finish_reason
-        if self.tools is not None:
-            message, finish = tool_message(c.text, c.finish_reason, self.tools.format)
-        return {
-            "index": c.index,
-            "message": message,
-            "logprobs": self.logprobs(c.logprobs),
-            "finish_reason": finish,
-            "stop_reason": matched_stop(c, finish),
-        }
-
-    def response(self, out: RequestOutput) -> dict[str, Any]:
-        choices = [self.message_choice(c) for c in out.outputs]
-        return {**self.envelope("chat.completion", choices), "usage": usage(out)}
-
-    def choice(
-        self, delta: dict[str, Any], logprobs: dict | None = None, finish: str | None = None, index: int = 0
-    ) -> dict:
-        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-
-    async def chunks(self, stream: RequestStream) -> AsyncIterator[dict[str, Any]]:
-        if self.tools is not None:
-            async for chunk in tool_chunks(self, stream, self.tools.format):
-                yield chunk
-            return
-        cursors = Cursors()  # one per choice (n > 1): each starts with its role, ends with its reason
-        cursors[0].started = True  # the first choice's role goes out at once, before any token
-        yield self.chunk(self.choice({"role": "assistant", "content": ""}))
-        async for out in stream:
-            for c in out.outputs:
-                cursor = cursors[c.index]
-                if not cursor.started:
-                    cursor.started = True
-                    yield self.chunk(self.choice({"role": "assistant", "content": ""}, index=c.index))
-                if cursor.done:
-                    continue
-                delta, entries = cursor.advance(c)
-                if delta or entries:
-                    yield self.chunk(self.choice({"content": delta}, self.logprobs(entries), index=c.index))
-                if c.finish_reason is not None:
-                    cursor.done = True
-                    last = self.choice({}, finish=c.finish_reason, index=c.index)
-                    yield self.chunk({**last, "stop_reason": matched_stop(c, c.finish_reason)})
-            if out.finished and self.include_usage:
-                yield self.usage_chunk(out)
-
-
-def matched_stop(c: CompletionOutput, finish: str | None) -> str | None:
-    """The stop string that ended the answer (vLLM's ``stop_reason``; a stop token id is not named)."""
-    return c.stop_reason if finish == "stop" and isinstance(c.stop_reason, str) else None
 
 
 # --- app -------------------------------------------------------------------------------------
@@ -380,8 +315,8 @@ def run_backend(
 ) -> None:
     """Load the engine, then serve until interrupted (the `cachegw backend` command, which has read
     the config and settled the threads already)."""
-    from backend.core.engine import LLMEngine
-    from backend.executor.cpu_threads import set_threads
+    from cachegw.backend.core.engine import LLMEngine
+    from cachegw.backend.executor.cpu_threads import set_threads
 
     server_cfg = load_backend_server_config(config_path)
     if threads is not None:

@@ -22,7 +22,7 @@ import string
 from dataclasses import dataclass
 from typing import Literal
 
-from protocol.tool_calls import new_call_id
+from cachegw.protocol.tool_calls import new_call_id
 
 ID_ALPHABET = string.ascii_letters + string.digits  # of fixed-length call ids (Mistral's)
 

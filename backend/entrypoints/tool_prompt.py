@@ -20,11 +20,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
-from backend.core.sampling_params import StructuredOutput
-from backend.entrypoints.tool_parser import HERMES, ID_ALPHABET, LLAMA3, MISTRAL, ToolFormat
-from backend.entrypoints.tools import ToolRequest, tool_request
-from protocol.errors import ApiError
-from protocol.requests import ChatCompletionRequest, ChatMessage
+from cachegw.backend.core.sampling_params import StructuredOutput
+from cachegw.backend.entrypoints.tool_parser import HERMES, ID_ALPHABET, LLAMA3, MISTRAL, ToolFormat
+from cachegw.backend.entrypoints.tools import ToolRequest, tool_request
+from cachegw.protocol.errors import ApiError
+from cachegw.protocol.requests import ChatCompletionRequest, ChatMessage
 
 
 class _Function(BaseModel):

@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from backend.core.async_engine import RequestStream
-from backend.core.outputs import RequestOutput
-from backend.entrypoints.choices import Cursors
-from backend.entrypoints.tool_parser import ToolFormat, scan, whole_calls
+from cachegw.backend.core.async_engine import RequestStream
+from cachegw.backend.core.outputs import RequestOutput
+from cachegw.backend.entrypoints.choices import Cursors
+from cachegw.backend.entrypoints.tool_parser import ToolFormat, scan, whole_calls
 
 
 def _finish(text: str, finish_reason: str | None, fmt: ToolFormat) -> str | None:

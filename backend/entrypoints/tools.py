@@ -28,10 +28,10 @@ from typing import Any, Literal
 import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from backend.core.sampling_params import StructuredOutput
-from backend.core.structured import JSON_OPTIONS
-from backend.entrypoints.tool_parser import HERMES, ToolFormat
-from protocol.errors import ApiError
+from cachegw.backend.core.sampling_params import StructuredOutput
+from cachegw.backend.core.structured import JSON_OPTIONS
+from cachegw.backend.entrypoints.tool_parser import HERMES, ToolFormat
+from cachegw.protocol.errors import ApiError
 
 Mode = Literal["none", "auto", "required", "named"]
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names

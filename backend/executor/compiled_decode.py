@@ -30,8 +30,8 @@ import torch
 import torch._inductor.config as inductor_config
 import torch.fx.experimental._config as fx_config
 
-from backend.executor.layers.attention import AttentionMetadata, DecodeMetadata
-from backend.executor.models.llama import LlamaForCausalLM
+from cachegw.backend.executor.layers.attention import AttentionMetadata, DecodeMetadata
+from cachegw.backend.executor.models.llama import LlamaForCausalLM
 
 log = logging.getLogger("cachegw.backend")
 

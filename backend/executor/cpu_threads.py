@@ -18,8 +18,8 @@ import logging
 import os
 from dataclasses import dataclass
 
-from backend.config import EngineConfig
-from configtools.cpus import format_cpus, parse_cpus
+from cachegw.backend.config import EngineConfig
+from cachegw.configtools.cpus import format_cpus, parse_cpus
 
 log = logging.getLogger("cachegw.backend")
 

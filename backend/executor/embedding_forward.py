@@ -18,10 +18,10 @@ import copy
 import torch
 from torch import nn
 
-from backend.core.block_manager import cdiv
-from backend.executor.layers.attention import AttentionMetadata, PagedAttention
-from backend.executor.model_runner import ModelRunner
-from backend.executor.models.llama import LlamaForCausalLM
+from cachegw.backend.core.block_manager import cdiv
+from cachegw.backend.executor.layers.attention import AttentionMetadata, PagedAttention
+from cachegw.backend.executor.model_runner import ModelRunner
+from cachegw.backend.executor.models.llama import LlamaForCausalLM
 
 
 def _own_attention(module: nn.Module) -> nn.Module:

@@ -12,16 +12,16 @@ from pathlib import Path
 
 import torch
 
-from backend.config import EngineConfig
-from backend.core.block_manager import FREED, cdiv
-from backend.core.scheduler import ScheduledBatch
-from backend.executor.compiled_decode import CompiledDecode, start_compiling, will_compile
-from backend.executor.layers import kv_quant
-from backend.executor.layers.attention import AttentionMetadata, PagedAttention
-from backend.executor.layers.rotary import RotaryEmbedding
-from backend.executor.model_loader import iter_safetensors
-from backend.executor.models.llama import LlamaForCausalLM, ModelSpec
-from backend.executor.quantization import apply_quantization, use_native_kernels
+from cachegw.backend.config import EngineConfig
+from cachegw.backend.core.block_manager import FREED, cdiv
+from cachegw.backend.core.scheduler import ScheduledBatch
+from cachegw.backend.executor.compiled_decode import CompiledDecode, start_compiling, will_compile
+from cachegw.backend.executor.layers import kv_quant
+from cachegw.backend.executor.layers.attention import AttentionMetadata, PagedAttention
+from cachegw.backend.executor.layers.rotary import RotaryEmbedding
+from cachegw.backend.executor.model_loader import iter_safetensors
+from cachegw.backend.executor.models.llama import LlamaForCausalLM, ModelSpec
+from cachegw.backend.executor.quantization import apply_quantization, use_native_kernels
 
 log = logging.getLogger("cachegw.backend")
 
@@ -139,8 +139,8 @@ class ModelRunner:
         use = False
         # Attention sinks and an int8 KV cache: torch path only.
         if self.device.type == "cuda" and not self.sinks and self.kv_format.kind != "int8":
-            from backend.executor.layers.kernel_check import self_check
-            from backend.executor.layers.triton_attention import triton_available
+            from cachegw.backend.executor.layers.kernel_check import self_check
+            from cachegw.backend.executor.layers.triton_attention import triton_available
 
             try:
                 use = triton_available() and self_check(

@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from backend.executor.gguf_weights import BlockWeights, GgufLinear, read_linears
-from backend.executor.layers import cpu_kernels
-from backend.executor.layers.quantized_linear import BlockLinear, Int4Linear, Int8Linear
-from backend.executor.models.llama import LlamaForCausalLM
+from cachegw.backend.executor.gguf_weights import BlockWeights, GgufLinear, read_linears
+from cachegw.backend.executor.layers import cpu_kernels
+from cachegw.backend.executor.layers.quantized_linear import BlockLinear, Int4Linear, Int8Linear
+from cachegw.backend.executor.models.llama import LlamaForCausalLM
 
 log = logging.getLogger("cachegw.backend")
 

@@ -17,9 +17,9 @@ from typing import Protocol
 
 import torch
 
-from backend.core.sampling_params import SamplingParams
-from backend.core.sequence import Sequence
-from backend.core.structured import apply_grammar_masks
+from cachegw.backend.core.sampling_params import SamplingParams
+from cachegw.backend.core.sequence import Sequence
+from cachegw.backend.core.structured import apply_grammar_masks
 
 
 @dataclass

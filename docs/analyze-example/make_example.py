@@ -20,10 +20,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent))
 
-from gateway.offline.analyze import main_analyze  # noqa: E402
-from gateway.request.tenants import key_hash  # noqa: E402
-from gateway.storage.store import Store  # noqa: E402
-from gateway.storage.tables import Feedback  # noqa: E402
+from cachegw.gateway.offline.analyze import main_analyze  # noqa: E402
+from cachegw.gateway.request.tenants import key_hash  # noqa: E402
+from cachegw.gateway.storage.store import Store  # noqa: E402
+from cachegw.gateway.storage.tables import Feedback  # noqa: E402
 
 START = datetime(2025, 3, 3, tzinfo=UTC).timestamp()
 MODELS = {"gpt-4o-mini": 0.5, "llama-3.1-8b": 0.35, "qwen2.5-32b": 0.15}

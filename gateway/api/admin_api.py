@@ -18,9 +18,9 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi import Path as PathParam
 from fastapi.responses import HTMLResponse
 
-from gateway import live_settings
-from gateway.api import deps
-from gateway.api.deps import (
+from cachegw.gateway import live_settings
+from cachegw.gateway.api import deps
+from cachegw.gateway.api.deps import (
     AdminStoreDep,
     AuditorDep,
     CacheDep,
@@ -32,20 +32,20 @@ from gateway.api.deps import (
     TenantsDep,
     VolatileDep,
 )
-from gateway.cache.audits import Auditor
-from gateway.cache.error_control import history
-from gateway.cache.feedback import parse_feedback, resolve_entry
-from gateway.cache.response_cache import ResponseCache
-from gateway.config import CacheConfig, PricingConfig
-from gateway.request.tenants import Tenants
-from gateway.storage import stats
-from gateway.storage.admin_store import AdminStore, entry_view
-from gateway.storage.entry_ids import EntryIds
-from gateway.storage.request_record import RequestRecord
-from gateway.storage.tables import MAX_ID
-from protocol.errors import ApiError
-from protocol.http import read_limited_body
-from protocol.requests import load_json
+from cachegw.gateway.cache.audits import Auditor
+from cachegw.gateway.cache.error_control import history
+from cachegw.gateway.cache.feedback import parse_feedback, resolve_entry
+from cachegw.gateway.cache.response_cache import ResponseCache
+from cachegw.gateway.config import CacheConfig, PricingConfig
+from cachegw.gateway.request.tenants import Tenants
+from cachegw.gateway.storage import stats
+from cachegw.gateway.storage.admin_store import AdminStore, entry_view
+from cachegw.gateway.storage.entry_ids import EntryIds
+from cachegw.gateway.storage.request_record import RequestRecord
+from cachegw.gateway.storage.tables import MAX_ID
+from cachegw.protocol.errors import ApiError
+from cachegw.protocol.http import read_limited_body
+from cachegw.protocol.requests import load_json
 
 DASHBOARD = Path(__file__).resolve().parent / "static" / "admin.html"
 ADMIN_BODY_BYTES = 1 << 20

@@ -12,8 +12,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from gateway.api.admin_api import admin_router, dashboard_page, json_body
-from gateway.api.deps import (
+from cachegw.gateway.api.admin_api import admin_router, dashboard_page, json_body
+from cachegw.gateway.api.deps import (
     AuthDep,
     BackendsDep,
     CacheDep,
@@ -23,15 +23,15 @@ from gateway.api.deps import (
     SettingsDep,
     TenantsDep,
 )
-from gateway.api.embeddings_api import embeddings_router
-from gateway.api.health_api import health_router
-from gateway.api.messages_api import messages_router
-from gateway.api.metrics_http import metrics_response
-from gateway.api.responses_api import responses_router
-from gateway.cache.feedback import parse_feedback
-from gateway.parts import Parts
-from protocol.errors import ApiError
-from protocol.http import install_error_handlers
+from cachegw.gateway.api.embeddings_api import embeddings_router
+from cachegw.gateway.api.health_api import health_router
+from cachegw.gateway.api.messages_api import messages_router
+from cachegw.gateway.api.metrics_http import metrics_response
+from cachegw.gateway.api.responses_api import responses_router
+from cachegw.gateway.cache.feedback import parse_feedback
+from cachegw.gateway.parts import Parts
+from cachegw.protocol.errors import ApiError
+from cachegw.protocol.http import install_error_handlers
 
 
 def build_app(parts_factory) -> FastAPI:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from gateway.api.deps import EmbeddingsDep
+from cachegw.gateway.api.deps import EmbeddingsDep
 
 
 def embeddings_router() -> APIRouter:

@@ -15,8 +15,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from gateway.parts import Parts
-from protocol.errors import ApiError
+from cachegw.gateway.parts import Parts
+from cachegw.protocol.errors import ApiError
 
 log = logging.getLogger("cachegw.gateway")
 DATABASE_TIMEOUT_S = 2.0  # a database slower than this to answer SELECT 1 counts as not ready

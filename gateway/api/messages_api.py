@@ -15,13 +15,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from gateway.api.deps import started
-from gateway.api.translate import chat_answer, translated
-from gateway.metrics import GatewayMetrics
-from protocol import anthropic_answers as aa
-from protocol import anthropic_messages as am
-from protocol.errors import ApiError
-from protocol.http import read_limited_body
+from cachegw.gateway.api.deps import started
+from cachegw.gateway.api.translate import chat_answer, translated
+from cachegw.gateway.metrics import GatewayMetrics
+from cachegw.protocol import anthropic_answers as aa
+from cachegw.protocol import anthropic_messages as am
+from cachegw.protocol.errors import ApiError
+from cachegw.protocol.http import read_limited_body
 
 
 def sse(kind: str, data: dict[str, Any]) -> bytes:

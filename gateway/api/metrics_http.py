@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from gateway.request.admin_auth import AdminAuth
-from protocol.errors import ApiError
-from protocol.http import install_error_handlers
+from cachegw.gateway.request.admin_auth import AdminAuth
+from cachegw.protocol.errors import ApiError
+from cachegw.protocol.http import install_error_handlers
 
 if TYPE_CHECKING:
-    from gateway.config import GatewayConfig
-    from gateway.metrics import GatewayMetrics
-    from gateway.parts import Parts
+    from cachegw.gateway.config import GatewayConfig
+    from cachegw.gateway.metrics import GatewayMetrics
+    from cachegw.gateway.parts import Parts
 
 CONTENT_TYPE = "text/plain; version=0.0.4"
 

@@ -19,14 +19,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import TypeAdapter
 
-from gateway.api.deps import PipelineDep, ResponsesDep, SettingsDep, TenantsDep
-from gateway.api.translate import translated
-from gateway.storage.responses_store import ResponsesStore
-from protocol.errors import ApiError
-from protocol.http import read_limited_body
-from protocol.requests import parse_request
-from protocol.responses_output import ResponseBuilder, ResponseStream
-from protocol.responses_request import (
+from cachegw.gateway.api.deps import PipelineDep, ResponsesDep, SettingsDep, TenantsDep
+from cachegw.gateway.api.translate import translated
+from cachegw.gateway.storage.responses_store import ResponsesStore
+from cachegw.protocol.errors import ApiError
+from cachegw.protocol.http import read_limited_body
+from cachegw.protocol.requests import parse_request
+from cachegw.protocol.responses_output import ResponseBuilder, ResponseStream
+from cachegw.protocol.responses_request import (
     FIELDS,
     InputItem,
     ResponsesRequest,

@@ -15,8 +15,8 @@ from typing import Any, Protocol
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from gateway.upstream.streams import SseRecorder
-from protocol import sse
+from cachegw.gateway.upstream.streams import SseRecorder
+from cachegw.protocol import sse
 
 Convert = Callable[[dict[str, Any], int], tuple[dict[str, Any], int]]
 

@@ -26,12 +26,12 @@ from typing import Any, Literal
 
 import numpy as np
 
-from embeddings.batcher import EmbeddingBatcher
-from gateway.cache.error_control import ThresholdProvider
-from gateway.config import CacheConfig
-from gateway.storage.evidence_store import EvidenceRow
-from gateway.storage.tables import CacheEntry
-from gateway.upstream.proxy import Backends
+from cachegw.embeddings.batcher import EmbeddingBatcher
+from cachegw.gateway.cache.error_control import ThresholdProvider
+from cachegw.gateway.config import CacheConfig
+from cachegw.gateway.storage.evidence_store import EvidenceRow
+from cachegw.gateway.storage.tables import CacheEntry
+from cachegw.gateway.upstream.proxy import Backends
 
 log = logging.getLogger("cachegw.gateway")
 QUEUE = 256  # audits waiting for the worker; more are dropped

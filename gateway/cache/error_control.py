@@ -26,10 +26,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from gateway.config import CacheConfig
-from gateway.storage.evidence_store import EvidenceRow, EvidenceStore
-from policies.error_bound import Choice, Evidence, choose_line, interval, min_audits
-from policies.evidence_window import Ageing, WindowedEvidence
+from cachegw.gateway.config import CacheConfig
+from cachegw.gateway.storage.evidence_store import EvidenceRow, EvidenceStore
+from cachegw.policies.error_bound import Choice, Evidence, choose_line, interval, min_audits
+from cachegw.policies.evidence_window import Ageing, WindowedEvidence
 
 SYNC_OVERLAP_S = 60.0  # each sync re-reads this far back: late commits, replica clocks that differ
 ENTRIES = 20_000  # entries whose own evidence is kept (least recently audited dropped: the scope decides)

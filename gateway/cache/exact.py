@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import asyncio
 
-from gateway.cache.memo import EntryMemo
-from gateway.storage.interfaces import EntryStore
-from gateway.storage.tables import CacheEntry
-from policies.cache_keys import RequestKeys
-from policies.cacheability import Freshness, unservable
+from cachegw.gateway.cache.memo import EntryMemo
+from cachegw.gateway.storage.interfaces import EntryStore
+from cachegw.gateway.storage.tables import CacheEntry
+from cachegw.policies.cache_keys import RequestKeys
+from cachegw.policies.cacheability import Freshness, unservable
 
 
 class ExactTier:

@@ -12,16 +12,16 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
-from gateway.bodies import StrictBody, parse_body
-from gateway.cache.audits import Auditor
-from gateway.cache.response_cache import ResponseCache
-from gateway.metrics import GatewayMetrics
-from gateway.storage.admin_store import AdminStore
-from gateway.storage.entry_ids import EntryIds
-from gateway.storage.recorder import Recorder
-from gateway.storage.request_record import CacheResult, RequestRecord
-from gateway.storage.tables import MAX_ID
-from protocol.errors import ApiError
+from cachegw.gateway.bodies import StrictBody, parse_body
+from cachegw.gateway.cache.audits import Auditor
+from cachegw.gateway.cache.response_cache import ResponseCache
+from cachegw.gateway.metrics import GatewayMetrics
+from cachegw.gateway.storage.admin_store import AdminStore
+from cachegw.gateway.storage.entry_ids import EntryIds
+from cachegw.gateway.storage.recorder import Recorder
+from cachegw.gateway.storage.request_record import CacheResult, RequestRecord
+from cachegw.gateway.storage.tables import MAX_ID
+from cachegw.protocol.errors import ApiError
 
 RequestId = Annotated[str, Field(min_length=1, max_length=256)]
 

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gateway.cache.error_control import ScopeLine
-from gateway.storage.request_record import CacheResult
-from gateway.storage.tables import CacheEntry
+from cachegw.gateway.cache.error_control import ScopeLine
+from cachegw.gateway.storage.request_record import CacheResult
+from cachegw.gateway.storage.tables import CacheEntry
 
 
 @dataclass

@@ -12,8 +12,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gateway.config import CacheConfig
-from gateway.storage.interfaces import CacheStores
+from cachegw.gateway.config import CacheConfig
+from cachegw.gateway.storage.interfaces import CacheStores
 
 log = logging.getLogger("cachegw.gateway")
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 
-from gateway.storage.interfaces import EntryStore
-from gateway.storage.tables import CacheEntry
+from cachegw.gateway.storage.interfaces import EntryStore
+from cachegw.gateway.storage.tables import CacheEntry
 
 MEMO_ENTRIES = 10_000  # entries kept in memory
 

@@ -23,23 +23,23 @@ from typing import Any
 
 import numpy as np
 
-from embeddings.batcher import EmbeddingBatcher
-from gateway.cache.error_control import ThresholdProvider
-from gateway.cache.exact import ExactTier
-from gateway.cache.locks import KeyedLocks
-from gateway.cache.lookup import Lookup
-from gateway.cache.maintenance import Maintenance
-from gateway.cache.memo import EntryMemo
-from gateway.cache.semantic import SemanticTier
-from gateway.cache.sync import ReplicaSync
-from gateway.config import CacheConfig
-from gateway.storage.interfaces import CacheStores, VectorIndex
-from gateway.storage.request_record import CacheResult
-from gateway.storage.tables import CacheEntry
-from policies.cache_keys import RequestKeys
-from policies.cacheability import ANY_AGE, Freshness, answer_length, judge_answer
-from policies.pair_diff import warm as warm_alignment
-from policies.verifier import Verifier
+from cachegw.embeddings.batcher import EmbeddingBatcher
+from cachegw.gateway.cache.error_control import ThresholdProvider
+from cachegw.gateway.cache.exact import ExactTier
+from cachegw.gateway.cache.locks import KeyedLocks
+from cachegw.gateway.cache.lookup import Lookup
+from cachegw.gateway.cache.maintenance import Maintenance
+from cachegw.gateway.cache.memo import EntryMemo
+from cachegw.gateway.cache.semantic import SemanticTier
+from cachegw.gateway.cache.sync import ReplicaSync
+from cachegw.gateway.config import CacheConfig
+from cachegw.gateway.storage.interfaces import CacheStores, VectorIndex
+from cachegw.gateway.storage.request_record import CacheResult
+from cachegw.gateway.storage.tables import CacheEntry
+from cachegw.policies.cache_keys import RequestKeys
+from cachegw.policies.cacheability import ANY_AGE, Freshness, answer_length, judge_answer
+from cachegw.policies.pair_diff import warm as warm_alignment
+from cachegw.policies.verifier import Verifier
 
 
 class ResponseCache:

@@ -14,11 +14,11 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gateway.config import Settings
-from gateway.storage.admin_store import AdminStore
-from gateway.storage.evidence_store import EvidenceStore
-from gateway.storage.recorder import SqlRequestLog
-from policies.evidence_window import Ageing
+from cachegw.gateway.config import Settings
+from cachegw.gateway.storage.admin_store import AdminStore
+from cachegw.gateway.storage.evidence_store import EvidenceStore
+from cachegw.gateway.storage.recorder import SqlRequestLog
+from cachegw.policies.evidence_window import Ageing
 
 log = logging.getLogger("cachegw.gateway")
 DAY_S = 86400.0

@@ -15,19 +15,19 @@ from collections.abc import Callable
 
 import numpy as np
 
-from embeddings.batcher import EmbeddingBatcher
-from gateway.cache.error_control import ScopeLine, ThresholdProvider
-from gateway.cache.lookup import Lookup
-from gateway.cache.memo import EntryMemo
-from gateway.config import CacheConfig
-from gateway.storage.interfaces import VectorIndex
-from gateway.storage.request_record import CacheResult
-from gateway.storage.tables import CacheEntry
-from policies.cache_keys import RequestKeys
-from policies.cacheability import Freshness, unservable
-from policies.error_bound import GRID
-from policies.pair_diff import align
-from policies.verifier import DecisionRule, Verifier
+from cachegw.embeddings.batcher import EmbeddingBatcher
+from cachegw.gateway.cache.error_control import ScopeLine, ThresholdProvider
+from cachegw.gateway.cache.lookup import Lookup
+from cachegw.gateway.cache.memo import EntryMemo
+from cachegw.gateway.config import CacheConfig
+from cachegw.gateway.storage.interfaces import VectorIndex
+from cachegw.gateway.storage.request_record import CacheResult
+from cachegw.gateway.storage.tables import CacheEntry
+from cachegw.policies.cache_keys import RequestKeys
+from cachegw.policies.cacheability import Freshness, unservable
+from cachegw.policies.error_bound import GRID
+from cachegw.policies.pair_diff import align
+from cachegw.policies.verifier import DecisionRule, Verifier
 
 CANDIDATES = 4  # nearest neighbours checked per semantic lookup
 

@@ -11,10 +11,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from gateway.cache.exact import ExactTier
-from gateway.cache.maintenance import Maintenance
-from gateway.cache.memo import EntryMemo
-from gateway.storage.interfaces import ChangeFeed, EntryStore, VectorIndex
+from cachegw.gateway.cache.exact import ExactTier
+from cachegw.gateway.cache.maintenance import Maintenance
+from cachegw.gateway.cache.memo import EntryMemo
+from cachegw.gateway.storage.interfaces import ChangeFeed, EntryStore, VectorIndex
 
 SYNC_OVERLAP_S = 60.0  # how far back each sync looks again: late commits, replica clocks that differ
 

@@ -9,10 +9,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from embeddings.cross_encoder import ARTIFACT_PATH as CROSS_PATH
-from embeddings.cross_encoder import CrossEncoder
-from embeddings.cross_onnx import CrossScorer
-from policies.verifier import PairScorer, Verifier
+from cachegw.embeddings.cross_encoder import ARTIFACT_PATH as CROSS_PATH
+from cachegw.embeddings.cross_encoder import CrossEncoder
+from cachegw.embeddings.cross_onnx import CrossScorer
+from cachegw.policies.verifier import PairScorer, Verifier
 
 log = logging.getLogger(__name__)
 

@@ -22,12 +22,19 @@ from typing import TYPE_CHECKING, TextIO
 
 from rich.console import Console
 
-from gateway.offline.analyze_summary import build_summary
-from gateway.storage import stats
-from gateway.storage.request_log import AnalyzeError, err, progress_bar, read_database, read_jsonl, say
+from cachegw.gateway.offline.analyze_summary import build_summary
+from cachegw.gateway.storage import stats
+from cachegw.gateway.storage.request_log import (
+    AnalyzeError,
+    err,
+    progress_bar,
+    read_database,
+    read_jsonl,
+    say,
+)
 
 if TYPE_CHECKING:
-    from gateway.config import Settings
+    from cachegw.gateway.config import Settings
 
 
 # Command lines
@@ -93,9 +100,9 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _analyze(args: argparse.Namespace) -> int:
-    from gateway.offline.report_page import write_report
-    from gateway.offline.report_plots import draw_charts
-    from gateway.offline.report_tables import print_tables, report_tables
+    from cachegw.gateway.offline.report_page import write_report
+    from cachegw.gateway.offline.report_plots import draw_charts
+    from cachegw.gateway.offline.report_tables import print_tables, report_tables
 
     settings = _settings(args.config, args.data_dir)
     if args.jsonl:
@@ -112,7 +119,7 @@ def _analyze(args: argparse.Namespace) -> int:
     with err.status(f"computing statistics over {len(log.rows):,} requests"):
         summary = build_summary(log, settings)
     if not args.jsonl:
-        from gateway.offline.false_hit_report import read_false_hits
+        from cachegw.gateway.offline.false_hit_report import read_false_hits
 
         false_hits = read_false_hits(
             args.db or settings.gateway.resolved_database_url(settings.data_dir), settings
@@ -131,7 +138,7 @@ def _analyze(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=1))
     else:
         print_tables(summary, Console(highlight=False, width=None if sys.stdout.isatty() else 160))
-        from gateway.offline.false_hit_report import print_false_hits
+        from cachegw.gateway.offline.false_hit_report import print_false_hits
 
         print_false_hits(summary.get("false_hit_rate") or {})
     say(f"wrote {page}, summary.json and {len(charts)} charts")
@@ -139,7 +146,7 @@ def _analyze(args: argparse.Namespace) -> int:
 
 
 def _settings(config: str | None, data_dir: str | None) -> Settings:
-    from gateway.config import load_settings
+    from cachegw.gateway.config import load_settings
 
     try:
         return load_settings(config, data_dir=data_dir)

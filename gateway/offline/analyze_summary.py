@@ -10,19 +10,19 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from gateway.storage import stats
-from gateway.storage.request_log import RequestLog, Row
-from gateway.storage.request_record import HITS, NOT_HITS
+from cachegw.gateway.storage import stats
+from cachegw.gateway.storage.request_log import RequestLog, Row
+from cachegw.gateway.storage.request_record import HITS, NOT_HITS
 
 if TYPE_CHECKING:
-    from gateway.config import Settings
+    from cachegw.gateway.config import Settings
 
 TOP_N = 15
 
 
 def build_summary(log: RequestLog, settings: Settings) -> dict[str, Any]:
     """Every number the report shows, computed by gateway.storage.stats where it has the function."""
-    from gateway.request.tenants import Tenants
+    from cachegw.gateway.request.tenants import Tenants
 
     rows, pricing = log.rows, settings.pricing
     flagged = sorted(log.flagged)

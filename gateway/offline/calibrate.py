@@ -22,14 +22,14 @@ from typing import Any
 
 import numpy as np
 
-from embeddings.batcher import SupportsEncode
-from embeddings.encoder import make_encoder
-from gateway.cache.verifier_loader import load_verifier
-from policies.cache_keys import request_keys
-from policies.canonicalize import canonicalize
-from policies.canonicalize_config import CanonicalizeConfig
-from policies.verifier import DecisionRule, Verifier, VerifierDataError
-from policies.verifier_training import read_pairs
+from cachegw.embeddings.batcher import SupportsEncode
+from cachegw.embeddings.encoder import make_encoder
+from cachegw.gateway.cache.verifier_loader import load_verifier
+from cachegw.policies.cache_keys import request_keys
+from cachegw.policies.canonicalize import canonicalize
+from cachegw.policies.canonicalize_config import CanonicalizeConfig
+from cachegw.policies.verifier import DecisionRule, Verifier, VerifierDataError
+from cachegw.policies.verifier_training import read_pairs
 
 log = logging.getLogger(__name__)
 
@@ -274,9 +274,9 @@ def _seed(
     settings: Any, model: str, tenant: str, q1: list[str], q2: list[str], y: np.ndarray, verifier
 ) -> int:
     """The pairs as evidence for the false-hit bound (``gateway/offline/evidence_seed.py``)."""
-    from gateway.offline.evidence_seed import seed, seed_scores
-    from gateway.storage.evidence_store import EvidenceStore
-    from gateway.storage.store import Store
+    from cachegw.gateway.offline.evidence_seed import seed, seed_scores
+    from cachegw.gateway.storage.evidence_store import EvidenceStore
+    from cachegw.gateway.storage.store import Store
 
     c = settings.cache
     scores = seed_scores(q1, q2, settings.canonicalize, verifier, c.threshold, c.encoder.backend)
@@ -289,7 +289,7 @@ def _seed(
 
 def _run(args: argparse.Namespace) -> dict[str, Any]:
     """Read, score and sweep; every expected failure becomes a CalibrateError."""
-    from gateway.config import load_settings
+    from cachegw.gateway.config import load_settings
 
     try:
         settings = load_settings(args.config)

@@ -1,4 +1,4 @@
-"""docs/config.md, generated: ``python -m gateway.offline.config_docs > docs/config.md``.
+"""docs/config.md, generated: ``python -m cachegw.gateway.offline.config_docs > docs/config.md``.
 
 Every section and key of config.toml with its type, default and meaning, from the models
 (``gateway.config.Settings`` and the sections it holds) and the file's defaults;
@@ -7,9 +7,9 @@ tests/test_config_reference.py fails when docs/config.md is not what this prints
 
 from __future__ import annotations
 
-from configtools.loader import load_defaults
-from configtools.reference import render
-from gateway.config import Settings
+from cachegw.configtools.loader import load_defaults
+from cachegw.configtools.reference import render
+from cachegw.gateway.config import Settings
 
 HEADER = """# Configuration reference
 

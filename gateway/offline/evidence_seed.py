@@ -13,10 +13,10 @@ import time
 
 import numpy as np
 
-from gateway.offline.calibrate import gateway_encoder, gateway_query
-from gateway.storage.evidence_store import EvidenceRow, EvidenceStore
-from policies.canonicalize import CanonicalizeConfig
-from policies.verifier import DecisionRule, Verifier
+from cachegw.gateway.offline.calibrate import gateway_encoder, gateway_query
+from cachegw.gateway.storage.evidence_store import EvidenceRow, EvidenceStore
+from cachegw.policies.canonicalize import CanonicalizeConfig
+from cachegw.policies.verifier import DecisionRule, Verifier
 
 
 def seed_scores(

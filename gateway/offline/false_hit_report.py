@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from gateway.config import Settings
+from cachegw.gateway.config import Settings
 
 
 def read_false_hits(url: str, settings: Settings) -> dict[str, Any]:
@@ -14,9 +14,9 @@ def read_false_hits(url: str, settings: Settings) -> dict[str, Any]:
     from sqlalchemy import inspect
     from sqlalchemy.orm import sessionmaker
 
-    from gateway.cache.error_control import evidence_of, rates
-    from gateway.storage.evidence_store import EvidenceStore
-    from gateway.storage.request_log import open_database
+    from cachegw.gateway.cache.error_control import evidence_of, rates
+    from cachegw.gateway.storage.evidence_store import EvidenceStore
+    from cachegw.gateway.storage.request_log import open_database
 
     engine, _ = open_database(url)
     try:

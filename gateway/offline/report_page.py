@@ -7,7 +7,7 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
-from gateway.offline.report_tables import Summary, TableSpec, duration, iso
+from cachegw.gateway.offline.report_tables import Summary, TableSpec, duration, iso
 
 
 def sections(s: Summary) -> list[tuple[str, str, list[str], str | None]]:

@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gateway.offline.report_tables import Summary, duration, pct, usd
+from cachegw.gateway.offline.report_tables import Summary, duration, pct, usd
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from embeddings.cross_encoder import CrossConfig, CrossEncoder, train_cross_encoder
-from embeddings.encoder import Encoder
-from policies.verifier import VerifierDataError
-from policies.verifier_training import _auc, _val_mask, read_guarded_pairs, train_verifier
+from cachegw.embeddings.cross_encoder import CrossConfig, CrossEncoder, train_cross_encoder
+from cachegw.embeddings.encoder import Encoder
+from cachegw.policies.verifier import VerifierDataError
+from cachegw.policies.verifier_training import _auc, _val_mask, read_guarded_pairs, train_verifier
 
 log = logging.getLogger(__name__)
 

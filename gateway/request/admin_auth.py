@@ -11,7 +11,7 @@ import os
 import secrets
 from pathlib import Path
 
-from protocol.errors import ApiError
+from cachegw.protocol.errors import ApiError
 
 log = logging.getLogger("cachegw.gateway")
 TOKEN_FILE = "admin_token"

@@ -24,22 +24,22 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from gateway.cache.response_cache import ResponseCache
-from gateway.live_settings import LiveSettings
-from gateway.metrics import GatewayMetrics
-from gateway.request.flow import Flow
-from gateway.request.pipeline import request_ttl
-from gateway.request.tenants import Tenants
-from gateway.storage.entry_ids import EntryIds
-from gateway.storage.recorder import Recorder
-from gateway.storage.request_record import CacheResult
-from gateway.upstream.proxy import Backends
-from policies.cache_keys import RequestKeys, request_keys
-from policies.cacheability import CachePolicy, decide
-from protocol.embedding_request import EmbeddingInput, parse_embedding_request
-from protocol.errors import ApiError, error_code
-from protocol.http import read_limited_body
-from protocol.requests import load_json
+from cachegw.gateway.cache.response_cache import ResponseCache
+from cachegw.gateway.live_settings import LiveSettings
+from cachegw.gateway.metrics import GatewayMetrics
+from cachegw.gateway.request.flow import Flow
+from cachegw.gateway.request.pipeline import request_ttl
+from cachegw.gateway.request.tenants import Tenants
+from cachegw.gateway.storage.entry_ids import EntryIds
+from cachegw.gateway.storage.recorder import Recorder
+from cachegw.gateway.storage.request_record import CacheResult
+from cachegw.gateway.upstream.proxy import Backends
+from cachegw.policies.cache_keys import RequestKeys, request_keys
+from cachegw.policies.cacheability import CachePolicy, decide
+from cachegw.protocol.embedding_request import EmbeddingInput, parse_embedding_request
+from cachegw.protocol.errors import ApiError, error_code
+from cachegw.protocol.http import read_limited_body
+from cachegw.protocol.requests import load_json
 
 log = logging.getLogger("cachegw.gateway")
 ENDPOINT = "embeddings"

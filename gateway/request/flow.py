@@ -26,15 +26,15 @@ from opentelemetry.trace import (
 )
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from configtools.logs import REQUEST_ID
-from gateway.cache.lookup import Lookup
-from gateway.request.tenants import Tenant
-from gateway.storage.entry_ids import EntryIds
-from gateway.storage.request_record import CacheResult, RequestRecord
-from policies.cache_keys import RequestKeys
-from policies.cacheability import Cacheability
-from policies.canonical_text import normalize_for_match
-from policies.canonicalize import Canonical
+from cachegw.configtools.logs import REQUEST_ID
+from cachegw.gateway.cache.lookup import Lookup
+from cachegw.gateway.request.tenants import Tenant
+from cachegw.gateway.storage.entry_ids import EntryIds
+from cachegw.gateway.storage.request_record import CacheResult, RequestRecord
+from cachegw.policies.cache_keys import RequestKeys
+from cachegw.policies.cacheability import Cacheability
+from cachegw.policies.canonical_text import normalize_for_match
+from cachegw.policies.canonicalize import Canonical
 
 QUERY_CHARS = 500  # of the last user message kept in the request log (gateway.log_query_text)
 

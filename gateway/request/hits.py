@@ -12,8 +12,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from protocol import sse
-from protocol.tool_calls import new_call_id
+from cachegw.protocol import sse
+from cachegw.protocol.tool_calls import new_call_id
 
 _PIECE = re.compile(r"\S+\s*|\s+")
 WORDS_PER_CHUNK = 4

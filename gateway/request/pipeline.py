@@ -17,31 +17,31 @@ from typing import Literal
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from gateway.cache.audits import AuditJob, Auditor
-from gateway.cache.response_cache import ResponseCache
-from gateway.config import Settings
-from gateway.live_settings import LiveSettings
-from gateway.metrics import GatewayMetrics
-from gateway.request.flow import Flow, RequestTrace
-from gateway.request.hits import hit_response, hit_stream
-from gateway.request.rate_limits import RateLimiter
-from gateway.request.tenants import PrefixSalts, Tenants
-from gateway.request.tracing import Tracing
-from gateway.request.volatile_learner import VolatileLearner
-from gateway.storage.entry_ids import EntryIds
-from gateway.storage.interfaces import ReplyStore
-from gateway.storage.recorder import Recorder
-from gateway.storage.request_record import NOT_HITS, CacheResult
-from gateway.storage.store import reply_key
-from gateway.storage.tables import CacheEntry
-from gateway.upstream.proxy import Backends
-from gateway.upstream.streams import SseRecorder, StreamRelay
-from policies.cache_keys import request_keys
-from policies.cacheability import CachePolicy, decide
-from policies.canonicalize import normalize_reply
-from protocol.errors import ApiError, error_code
-from protocol.http import read_limited_body
-from protocol.requests import ChatCompletionRequest, CompletionRequest, load_json, parse_request
+from cachegw.gateway.cache.audits import AuditJob, Auditor
+from cachegw.gateway.cache.response_cache import ResponseCache
+from cachegw.gateway.config import Settings
+from cachegw.gateway.live_settings import LiveSettings
+from cachegw.gateway.metrics import GatewayMetrics
+from cachegw.gateway.request.flow import Flow, RequestTrace
+from cachegw.gateway.request.hits import hit_response, hit_stream
+from cachegw.gateway.request.rate_limits import RateLimiter
+from cachegw.gateway.request.tenants import PrefixSalts, Tenants
+from cachegw.gateway.request.tracing import Tracing
+from cachegw.gateway.request.volatile_learner import VolatileLearner
+from cachegw.gateway.storage.entry_ids import EntryIds
+from cachegw.gateway.storage.interfaces import ReplyStore
+from cachegw.gateway.storage.recorder import Recorder
+from cachegw.gateway.storage.request_record import NOT_HITS, CacheResult
+from cachegw.gateway.storage.store import reply_key
+from cachegw.gateway.storage.tables import CacheEntry
+from cachegw.gateway.upstream.proxy import Backends
+from cachegw.gateway.upstream.streams import SseRecorder, StreamRelay
+from cachegw.policies.cache_keys import request_keys
+from cachegw.policies.cacheability import CachePolicy, decide
+from cachegw.policies.canonicalize import normalize_reply
+from cachegw.protocol.errors import ApiError, error_code
+from cachegw.protocol.http import read_limited_body
+from cachegw.protocol.requests import ChatCompletionRequest, CompletionRequest, load_json, parse_request
 
 log = logging.getLogger("cachegw.gateway")
 

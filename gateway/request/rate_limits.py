@@ -15,10 +15,10 @@ import math
 import time
 from collections.abc import Callable
 
-from gateway.config import RateLimit, TenantsConfig
-from gateway.request.tenants import Tenant
-from gateway.storage.rate_store import RateStore
-from protocol.errors import ApiError
+from cachegw.gateway.config import RateLimit, TenantsConfig
+from cachegw.gateway.request.tenants import Tenant
+from cachegw.gateway.storage.rate_store import RateStore
+from cachegw.protocol.errors import ApiError
 
 WINDOW_S = 60
 

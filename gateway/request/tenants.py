@@ -13,8 +13,8 @@ import hmac
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gateway.config import TenantsConfig
-from protocol.errors import ApiError
+from cachegw.gateway.config import TenantsConfig
+from cachegw.protocol.errors import ApiError
 
 ANONYMOUS = "anonymous"
 

@@ -18,9 +18,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from policies.canonicalize import Canonical, Restore, canonicalize_detail
-from policies.canonicalize_config import CanonicalizeConfig
-from policies.volatile import LearnConfig, Moved, Template, learn
+from cachegw.policies.canonicalize import Canonical, Restore, canonicalize_detail
+from cachegw.policies.canonicalize_config import CanonicalizeConfig
+from cachegw.policies.volatile import LearnConfig, Moved, Template, learn
 
 log = logging.getLogger("cachegw.volatile")
 

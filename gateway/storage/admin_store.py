@@ -11,9 +11,9 @@ from typing import Any
 from sqlalchemy import func, literal, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from gateway.storage.prune import delete_older
-from gateway.storage.request_record import COLUMNS, RequestRecord
-from gateway.storage.tables import AuditEvent, CacheEntry, Feedback, RequestRow, Setting
+from cachegw.gateway.storage.prune import delete_older
+from cachegw.gateway.storage.request_record import COLUMNS, RequestRecord
+from cachegw.gateway.storage.tables import AuditEvent, CacheEntry, Feedback, RequestRow, Setting
 
 ENTRY_ORDER = {
     "hits": (CacheEntry.hit_count.desc(), CacheEntry.id.desc()),

@@ -13,7 +13,7 @@ from sqlalchemy import delete, exists, select
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session, sessionmaker
 
-from gateway.storage.tables import CacheEntry, EntryDeletion
+from cachegw.gateway.storage.tables import CacheEntry, EntryDeletion
 
 
 def delete_logged(conn: Connection | Session, gone: list[tuple[int, int]]) -> None:

@@ -20,7 +20,7 @@ import struct
 
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
-from gateway.storage.tables import MAX_ID
+from cachegw.gateway.storage.tables import MAX_ID
 
 PREFIX = "ce-"
 _FORM = re.compile(r"^ce-[A-Za-z0-9_-]{22}$")  # 16 bytes in unpadded base64url

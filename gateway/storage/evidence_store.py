@@ -7,8 +7,8 @@ from dataclasses import asdict, dataclass, fields
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from gateway.storage.prune import delete_older
-from gateway.storage.tables import HitAudit
+from cachegw.gateway.storage.prune import delete_older
+from cachegw.gateway.storage.tables import HitAudit
 
 
 @dataclass(frozen=True)

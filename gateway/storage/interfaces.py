@@ -14,9 +14,9 @@ from typing import Protocol
 
 import numpy as np
 
-from gateway.storage.request_record import RequestRecord
-from gateway.storage.tables import CacheEntry
-from policies.canonicalize import Restore
+from cachegw.gateway.storage.request_record import RequestRecord
+from cachegw.gateway.storage.tables import CacheEntry
+from cachegw.policies.canonicalize import Restore
 
 
 class EntryStore(Protocol):

@@ -6,8 +6,8 @@ at the last revision whose changes it already has (each of those revisions says 
 upgraded from there. On PostgreSQL the whole check runs under an advisory lock, so replicas starting
 together upgrade once, one after the other. The scripts ship inside the package (``migrations/``).
 
-``python -m gateway.storage.migrate "what changed"`` (``make migration m="..."``) writes the next revision:
-the differences between the models and a database built by the existing revisions.
+``python -m cachegw.gateway.storage.migrate "what changed"`` (``make migration m="..."``) writes the next
+revision: the differences between the models and a database built by the existing revisions.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, create_engine, func, inspect, select
 
-from gateway.storage.tables import Base
+from cachegw.gateway.storage.tables import Base
 
-SCRIPTS = "gateway.storage:migrations"
+SCRIPTS = "cachegw.gateway.storage:migrations"
 # pg_advisory_lock key held while a replica checks and upgrades the schema (any fixed 64-bit number)
 UPGRADE_LOCK = 0x63616368_65677701
 OUR_TABLES = ("cache_entries", "requests", "replies")
@@ -127,5 +127,5 @@ def new_revision(message: str, versions: Path | None = None) -> Path:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or not sys.argv[1].strip():
-        sys.exit('usage: python -m gateway.storage.migrate "what the new revision changes"')
+        sys.exit('usage: python -m cachegw.gateway.storage.migrate "what the new revision changes"')
     print(f"wrote {new_revision(sys.argv[1])}")

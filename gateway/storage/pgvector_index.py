@@ -18,9 +18,9 @@ import numpy as np
 from sqlalchemy import Engine, bindparam, text
 from sqlalchemy.exc import IntegrityError
 
-from embeddings.index_inputs import check_ids, check_scope, check_vecs
-from gateway.storage import pgvector_schema
-from gateway.storage.pgvector_schema import DIM, TABLE
+from cachegw.embeddings.index_inputs import check_ids, check_scope, check_vecs
+from cachegw.gateway.storage import pgvector_schema
+from cachegw.gateway.storage.pgvector_schema import DIM, TABLE
 
 
 class PgVectorError(RuntimeError):

@@ -8,7 +8,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session, sessionmaker
 
-from gateway.storage.tables import RateWindow
+from cachegw.gateway.storage.tables import RateWindow
 
 
 class RateStore:

@@ -14,10 +14,10 @@ from collections import OrderedDict
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from gateway.storage.interfaces import RequestLogSink
-from gateway.storage.prune import delete_older
-from gateway.storage.request_record import RequestRecord
-from gateway.storage.tables import RequestRow
+from cachegw.gateway.storage.interfaces import RequestLogSink
+from cachegw.gateway.storage.prune import delete_older
+from cachegw.gateway.storage.request_record import RequestRecord
+from cachegw.gateway.storage.tables import RequestRow
 
 log = logging.getLogger("cachegw.gateway")
 

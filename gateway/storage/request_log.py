@@ -16,8 +16,8 @@ from urllib.parse import quote
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
-from gateway.storage.request_record import CacheResult, RequestRecord
-from gateway.storage.tables import RequestRow
+from cachegw.gateway.storage.request_record import CacheResult, RequestRecord
+from cachegw.gateway.storage.tables import RequestRow
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
@@ -89,7 +89,7 @@ def read_database(url: str, since: float | None, until: float | None) -> Request
     from sqlalchemy.exc import SQLAlchemyError
     from sqlalchemy.orm import sessionmaker
 
-    from gateway.storage.admin_store import AdminStore
+    from cachegw.gateway.storage.admin_store import AdminStore
 
     engine, shown = open_database(url)
     try:

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.storage.tables import RequestRow
+from cachegw.gateway.storage.tables import RequestRow
 
 
 # How the cache answered a request. The values are wire values: the ``x-cache`` header, the request

@@ -17,7 +17,7 @@ from typing import Any
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from gateway.storage.tables import StoredResponse
+from cachegw.gateway.storage.tables import StoredResponse
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from gateway.config import PricingConfig
-from gateway.storage.request_record import HITS, NOT_HITS, CacheResult, RequestRecord
+from cachegw.gateway.config import PricingConfig
+from cachegw.gateway.storage.request_record import HITS, NOT_HITS, CacheResult, RequestRecord
 
 _WINDOW = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}

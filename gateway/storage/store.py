@@ -38,11 +38,11 @@ from sqlalchemy.orm import (
     sessionmaker,
 )
 
-from gateway.storage.changes import SqlChanges, delete_logged, log_deletions
-from gateway.storage.interfaces import CacheStores
-from gateway.storage.migrate import upgrade
-from gateway.storage.tables import CacheEntry, Reply
-from policies.canonicalize import Restore
+from cachegw.gateway.storage.changes import SqlChanges, delete_logged, log_deletions
+from cachegw.gateway.storage.interfaces import CacheStores
+from cachegw.gateway.storage.migrate import upgrade
+from cachegw.gateway.storage.tables import CacheEntry, Reply
+from cachegw.policies.canonicalize import Restore
 
 log = logging.getLogger("cachegw.gateway")
 

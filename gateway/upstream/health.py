@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from gateway.upstream.proxy import Backends
+from cachegw.gateway.upstream.proxy import Backends
 
 log = logging.getLogger("cachegw.gateway")
 _NOT_THERE = (401, 403, 404, 405)  # no such route here, or it wants what only /v1/models is sent

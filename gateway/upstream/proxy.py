@@ -16,10 +16,10 @@ from typing import Any
 
 import httpx
 
-from gateway.config import BackendSpec
-from gateway.upstream.streams import MarkedDown, unless_gone
-from policies.routing import Router, RoutingMode
-from protocol.errors import ApiError
+from cachegw.gateway.config import BackendSpec
+from cachegw.gateway.upstream.streams import MarkedDown, unless_gone
+from cachegw.policies.routing import Router, RoutingMode
+from cachegw.protocol.errors import ApiError
 
 log = logging.getLogger("cachegw.gateway")
 

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from protocol import sse
+from cachegw.protocol import sse
 
 T = TypeVar("T")
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from configtools.cpus import format_cpus, parse_cpus
+from cachegw.configtools.cpus import format_cpus, parse_cpus
 
 log = logging.getLogger("cachegw.gateway")
 
@@ -111,7 +111,16 @@ class BuiltinBackend:
             )
 
     def _spawn(self) -> None:
-        cmd = [sys.executable, "-m", "gateway.cli", "backend", "--host", self.host, "--port", str(self.port)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "cachegw.gateway.cli",
+            "backend",
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+        ]
         if self.config_path:
             cmd += ["--config", self.config_path]
         log.info("starting the built-in backend: %s", " ".join(cmd))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from backend.executor.layers import kv_quant
+from cachegw.backend.executor.layers import kv_quant
 
 
 @dataclass
@@ -347,14 +347,14 @@ class PagedAttention(torch.nn.Module):
                 )
             return decode_attention_torch(q, self.k_cache, self.v_cache, meta, self.scale, window)
         if q_sink is not None and self.sliding_window is not None:
-            from backend.executor.layers.sinks import sink_attention
+            from cachegw.backend.executor.layers.sinks import sink_attention
 
             store_kv_torch(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
             return sink_attention(
                 q, q_sink, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window, self.sinks
             )
         if self.k_cache.is_cuda if self.use_triton is None else self.use_triton:
-            from backend.executor.layers import triton_attention
+            from cachegw.backend.executor.layers import triton_attention
 
             triton_attention.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
             return triton_attention.paged_attention_triton(

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from backend.executor.layers.attention import AttentionMetadata, paged_attention_torch, store_kv_torch
-from backend.executor.layers.triton_attention import paged_attention_triton, store_kvcache
+from cachegw.backend.executor.layers.attention import AttentionMetadata, paged_attention_torch, store_kv_torch
+from cachegw.backend.executor.layers.triton_attention import paged_attention_triton, store_kvcache
 
 
 def self_check(

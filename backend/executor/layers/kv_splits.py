@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from backend.executor.layers.attention import AttentionMetadata
+from cachegw.backend.executor.layers.attention import AttentionMetadata
 
 
 def default_splits(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from backend.executor.gguf_weights import BLOCK, BlockWeights
+from cachegw.backend.executor.gguf_weights import BLOCK, BlockWeights
 
 
 class Int8Linear(nn.Module):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from backend.executor.layers.attention import AttentionMetadata, read_blocks
+from cachegw.backend.executor.layers.attention import AttentionMetadata, read_blocks
 
 
 def sink_attention(

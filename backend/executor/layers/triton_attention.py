@@ -25,8 +25,8 @@ import os
 
 import torch
 
-from backend.executor.layers.attention import AttentionMetadata
-from backend.executor.layers.kv_splits import default_splits
+from cachegw.backend.executor.layers.attention import AttentionMetadata
+from cachegw.backend.executor.layers.kv_splits import default_splits
 
 try:
     import triton

@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backend.executor.layers.attention import PagedAttention, StepMetadata
-from backend.executor.layers.kv_quant import KVCacheFormat
-from backend.executor.layers.rotary import RotaryEmbedding
+from cachegw.backend.executor.layers.attention import PagedAttention, StepMetadata
+from cachegw.backend.executor.layers.kv_quant import KVCacheFormat
+from cachegw.backend.executor.layers.rotary import RotaryEmbedding
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 

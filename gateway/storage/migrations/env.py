@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from alembic import context
 
-from gateway.storage.tables import Base
+from cachegw.gateway.storage.tables import Base
 
 connection = context.config.attributes["connection"]
 # render_as_batch: generated migrations then alter SQLite tables by copying them, as SQLite needs

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from gateway.storage.migrations import guarded
+from cachegw.gateway.storage.migrations import guarded
 
 revision = "0004"
 down_revision = "0003"

@@ -13,7 +13,7 @@ import time
 import sqlalchemy as sa
 from alembic import op
 
-from gateway.storage.migrations import guarded
+from cachegw.gateway.storage.migrations import guarded
 
 revision = "0008"
 down_revision = "0007"

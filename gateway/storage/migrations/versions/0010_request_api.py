@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 
-from gateway.storage.migrations import guarded
+from cachegw.gateway.storage.migrations import guarded
 
 revision = "0010"
 down_revision = "0009"

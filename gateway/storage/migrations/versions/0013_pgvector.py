@@ -13,7 +13,7 @@ import logging
 from alembic import op
 from sqlalchemy.exc import DBAPIError
 
-from gateway.storage import pgvector_schema
+from cachegw.gateway.storage import pgvector_schema
 
 revision = "0013"
 down_revision = "0012"
