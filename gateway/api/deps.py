@@ -4,7 +4,7 @@ provider of the cache), and the providers read them from the ``Parts`` the compo
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Annotated, TypeVar
 
 from fastapi import Depends, Request
@@ -38,10 +38,11 @@ def started(request: Request) -> Parts:
     return parts
 
 
-def _part(get: Callable[[Parts], T]) -> Callable[[Request], T]:
-    """A provider of one part of the started gateway."""
+def _part(get: Callable[[Parts], T]) -> Callable[[Request], Awaitable[T]]:
+    """A provider of one part of the started gateway. A coroutine, so FastAPI calls it on the event
+    loop: a plain function would be sent to its thread pool, a thread hop for every request."""
 
-    def provide(request: Request) -> T:
+    async def provide(request: Request) -> T:
         return get(started(request))
 
     return provide

@@ -17,6 +17,7 @@ import hashlib
 import hmac
 import re
 import struct
+from functools import lru_cache
 
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
@@ -32,13 +33,19 @@ class EntryIds:
         root = hashlib.sha256(b"cachegw-entry-id\0" + admin_token.encode()).digest()
         self._cipher = Cipher(algorithms.AES(hmac.new(root, b"cipher", hashlib.sha256).digest()), modes.ECB())
         self._mac_key = hmac.new(root, b"tag", hashlib.sha256).digest()
+        # a hit shows its entry's id: the same few entries are shown again and again
+        self._shown = lru_cache(maxsize=16384)(self._encode)
 
     def _tag(self, tenant_id: str, entry_id: int) -> bytes:
         msg = tenant_id.encode() + b"\0" + struct.pack(">Q", entry_id)
         return hmac.new(self._mac_key, msg, hashlib.sha256).digest()[:_TAG]
 
     def encode(self, tenant_id: str, entry_id: int) -> str:
-        """The id ``tenant_id`` is shown for entry ``entry_id`` (one block: ECB is the bare cipher)."""
+        """The id ``tenant_id`` is shown for entry ``entry_id``."""
+        return self._shown(tenant_id, entry_id)
+
+    def _encode(self, tenant_id: str, entry_id: int) -> str:
+        """One AES block (ECB is the bare cipher)."""
         enc = self._cipher.encryptor()
         block = enc.update(struct.pack(">Q", entry_id) + self._tag(tenant_id, entry_id)) + enc.finalize()
         return PREFIX + base64.urlsafe_b64encode(block).rstrip(b"=").decode()
