@@ -30,7 +30,9 @@ from testkit.servers import serve_in_thread
 from tests.test_gateway import ask, chat, settings_for
 
 ROOT = Path(__file__).resolve().parents[1]
-OURS = tuple(str(ROOT / p) + "/" for p in ("gateway", "policies", "embeddings", "protocol"))
+# our modules run from cachegw/<package>/ (links to the top-level folders): named by the folder's path
+PACKAGES = ("gateway", "policies", "embeddings", "protocol")
+OURS = tuple(str(base / p) + "/" for base in (ROOT / "cachegw", ROOT) for p in PACKAGES)
 DOC = ROOT / "docs" / "architecture.md"
 pytestmark = pytest.mark.slow
 # Set for the calls a traced HTTP request makes (tasks and worker threads copy it), so the gateway's
@@ -52,7 +54,9 @@ class Marked:
 
 def _ours(frame: FrameType) -> str | None:
     name = frame.f_code.co_filename
-    return Path(name).relative_to(ROOT).as_posix() if name.startswith(OURS) else None
+    if not name.startswith(OURS):
+        return None
+    return Path(name).relative_to(ROOT).as_posix().removeprefix("cachegw/")
 
 
 class PathTrace:

@@ -7,6 +7,7 @@ Routes declare the parts they use (``gateway/api/deps.py``); the request pipelin
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -47,7 +48,8 @@ def build_app(parts_factory) -> FastAPI:
     # /openapi.json documents the API; FastAPI's /docs pages would load their scripts from a CDN.
     app = FastAPI(title="cachegw gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     # what the providers of gateway/api/deps.py read; also the separate metrics listener's way in
-    app.state.parts = lambda: state.get("parts")
+    # (a bound builtin, not a lambda: a request's path never calls back into this file)
+    app.state.parts = partial(state.get, "parts")
     install_error_handlers(
         app, lambda status, code: state["parts"].metrics.count_error(status, code) if state else None
     )
