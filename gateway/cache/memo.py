@@ -1,7 +1,8 @@
 """Recently used cache entries kept in memory, so a hit needs no database query.
 
 Entries change only through flags and learned thresholds, which update both the database and this
-copy (``ResponseCache.flag_bad``, ``ReplicaSync``, which re-reads what other replicas changed); the database stays the source of truth.
+copy (``ResponseCache.flag_bad``, and ``ReplicaSync`` for what other replicas changed); the database
+stays the source of truth.
 """
 
 from __future__ import annotations

@@ -86,9 +86,7 @@ class ReplicaSync:
 
     async def _apply(self, changes: list[Change]) -> int:
         exact, memo, totals = self.exact, self.memo, self.maintenance.totals
-        deleted = [
-            (c.entry_id, c.size_bytes) for c in changes if c.kind is ChangeKind.DELETE and c.entry_id
-        ]
+        deleted = [(c.entry_id, c.size_bytes) for c in changes if c.kind is ChangeKind.DELETE and c.entry_id]
         # counters move by what others did: their deletions of entries known here, their new entries
         gone = [i for i, _ in deleted if i in exact or i in self.index or i in memo]
         freed = {i: size for i, size in deleted if i in exact}

@@ -26,8 +26,19 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from sqlalchemy import Connection, ColumnElement, Engine, case, cast, delete, func, insert, select
-from sqlalchemy import BigInteger, Text
+from sqlalchemy import (
+    BigInteger,
+    ColumnElement,
+    Connection,
+    Engine,
+    Text,
+    case,
+    cast,
+    delete,
+    func,
+    insert,
+    select,
+)
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
@@ -84,7 +95,8 @@ def log_changes(s: Connection | Session, changes: Iterable[Change]) -> None:
     rows = [{"kind": c.kind.value, "entry_id": c.entry_id, "size_bytes": c.size_bytes} for c in changes]
     if not rows:
         return
-    postgres = s.get_bind().dialect.name == "postgresql"
+    bind = s if isinstance(s, Connection) else s.get_bind()
+    postgres = bind.dialect.name == "postgresql"
     stmt = insert(ChangeRow)
     if postgres:
         stmt = stmt.values(xact=_xact())
@@ -114,8 +126,8 @@ class SqlChanges:
         reads from here misses nothing (what it reads twice, it finds already applied)."""
         with self.engine.connect() as conn:
             if self.postgres:
-                return Cursor(int(conn.scalar(select(_snapshot_xmin()))))
-            return Cursor(int(conn.scalar(select(func.coalesce(func.max(ChangeRow.id), 0)))) + 1)
+                return Cursor(int(conn.scalar(select(_snapshot_xmin())) or 0))
+            return Cursor(int(conn.scalar(select(func.max(ChangeRow.id))) or 0) + 1)
 
     def read(self, cursor: Cursor) -> ChangeBatch:
         """The rows after ``cursor``, and where the reader stands after them."""
@@ -123,7 +135,7 @@ class SqlChanges:
         with self.engine.connect() as conn:
             if self.postgres:  # one snapshot for the horizon, the rows and the pruned mark
                 conn = conn.execution_options(isolation_level="REPEATABLE READ")
-                horizon = int(conn.scalar(select(_snapshot_xmin())))
+                horizon = int(conn.scalar(select(_snapshot_xmin())) or 0)
             q = select(*cols).where(self.position >= cursor.horizon).order_by(ChangeRow.id)
             rows = conn.execute(q).all()
             # read after the rows: a prune that removed any of them before they were read shows here
@@ -134,13 +146,13 @@ class SqlChanges:
             Change(ChangeKind(kind), entry_id, size, i) for i, kind, entry_id, size, _ in rows
             if i not in cursor.seen
         ]  # fmt: skip
-        seen = frozenset(r[0] for r in rows if r[4] >= horizon)
+        seen = frozenset(r[0] for r in rows if r[4] is not None and r[4] >= horizon)
         return ChangeBatch(new, Cursor(horizon, seen), lost=pruned > cursor.horizon)
 
     def newest(self) -> int:
         """The highest id written so far (0: none)."""
         with self.engine.connect() as conn:
-            return int(conn.scalar(select(func.coalesce(func.max(ChangeRow.id), 0))))
+            return int(conn.scalar(select(func.max(ChangeRow.id))) or 0)
 
     def prune(self, keep: int) -> int:
         """Delete all but about the newest ``keep`` rows; returns how many went. Only rows of finished
@@ -152,7 +164,7 @@ class SqlChanges:
                 return 0
             below = int(cut) + 1
             if self.postgres:
-                below = min(below, int(conn.scalar(select(_snapshot_xmin()))))
+                below = min(below, int(conn.scalar(select(_snapshot_xmin())) or 0))
             gone = conn.execute(delete(ChangeRow).where(self.position < below)).rowcount
             ins = (pg_insert if self.postgres else sqlite_insert)(ChangeLogPruned)
             table = ChangeLogPruned.__table__

@@ -244,8 +244,8 @@ class SqlEntries:
     def _update_entry(self, entry_id: int, **values: object) -> None:
         with self.session.begin() as s:
             q = update(CacheEntry).where(CacheEntry.id == entry_id)
-            if s.execute(q.values(**values, updated_at=time.time())).rowcount:
-                log_changes(s, [Change(ChangeKind.UPDATE, entry_id)])
+            s.execute(q.values(**values, updated_at=time.time()))
+            log_changes(s, [Change(ChangeKind.UPDATE, entry_id)])  # of a gone entry: read as nothing
 
     def delete_entries(self, ids: list[int]) -> int:
         """Delete entries and log their ids in the same commit (other replicas read the change log)."""
