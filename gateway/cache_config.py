@@ -161,7 +161,12 @@ class CacheConfig(Strict):
         ge=0, le=1, description="a semantic hit flagged bad raises its entry's threshold to similarity + this"
     )
     sync_interval_s: float = Field(
-        ge=0, description="replicas on one database: how soon one sees another's changes; 0 = off"
+        ge=0,
+        description="replicas on one database: the fallback poll of the change log (PostgreSQL also "
+        "notifies at once); 0 = off",
+    )
+    change_log_rows: int = Field(
+        gt=0, description="change-log rows kept; a replica further behind reloads its views"
     )
     encoder: EncoderConfig = Field(description="the query encoder")
     verifier: VerifierConfig = Field(description="the pair verifier")

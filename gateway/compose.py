@@ -17,6 +17,7 @@ from cachegw.embeddings.index import ScopedIndex
 from cachegw.gateway.cache.audits import Auditor
 from cachegw.gateway.cache.error_control import ThresholdProvider
 from cachegw.gateway.cache.feedback import BadHitReports
+from cachegw.gateway.cache.follow import Follower
 from cachegw.gateway.cache.maintenance import HIT_FLUSH_S
 from cachegw.gateway.cache.response_cache import ResponseCache
 from cachegw.gateway.cache.retention import RETENTION_EVERY_S, Retention
@@ -35,6 +36,7 @@ from cachegw.gateway.request.volatile_learner import VolatileLearner
 from cachegw.gateway.storage.admin_store import AdminStore
 from cachegw.gateway.storage.entry_ids import EntryIds
 from cachegw.gateway.storage.evidence_store import EvidenceStore
+from cachegw.gateway.storage.notify import ChangeListener, listens
 from cachegw.gateway.storage.pgvector_index import PgVectorIndex
 from cachegw.gateway.storage.rate_store import RateStore
 from cachegw.gateway.storage.recorder import Recorder, SqlRequestLog
@@ -46,7 +48,7 @@ from cachegw.gateway.upstream.supervisor import BuiltinBackend
 
 log = logging.getLogger("cachegw.gateway")
 EXPIRY_EVERY_S = 60.0
-SETTINGS_POLL_S = 5.0  # how soon a replica sees settings another one changed
+SETTINGS_POLL_S = 5.0  # settings another replica changed, without a sync (sync_interval_s = 0)
 DISCOVER_EVERY_S = 30.0  # how soon a backend that was down at start (or added a model) gets traffic
 
 
@@ -64,7 +66,8 @@ async def started_gateway(
     otlp_endpoint``'s, which is flushed at the end)."""
     data_dir = settings.data_dir
     data_dir.mkdir(parents=True, exist_ok=True)
-    store = Store(settings.gateway.resolved_database_url(data_dir), clock)
+    database_url = settings.gateway.resolved_database_url(data_dir)
+    store = Store(database_url, clock)
     stores = sql_stores(store)  # the entries, replies and change feed (gateway/storage/interfaces.py)
     live = LiveSettings(settings, AdminStore(store.session))
     settings = await asyncio.to_thread(live.load)  # run-time changes saved earlier win over the file
@@ -83,6 +86,7 @@ async def started_gateway(
     lines = ThresholdProvider(evidence, clock, c.error_bound.ageing)
     await asyncio.to_thread(lines.load)  # the false-hit evidence every replica wrote
     cache = ResponseCache(live.cache_settings, stores, index, batcher, verifier, lines)
+    cache.replicas.on_settings = live.refresh  # a settings change in the log: read them now
     n = await asyncio.to_thread(cache.rebuild_index, progress)
     log.info("cache: %d entries, %d in the vector index", cache.entries, n)
     builtin = None
@@ -171,9 +175,12 @@ async def started_gateway(
         asyncio.create_task(probes.run(), name="cachegw-backend-health"),
         asyncio.create_task(auditor.run(), name="cachegw-audits"),
     ]
-    if c.sync_interval_s > 0:  # other replicas' entries, flags, deletions and false-hit evidence
-        chores.append(asyncio.create_task(_every(c.sync_interval_s, cache.sync), name="cachegw-sync"))
-        chores.append(asyncio.create_task(_every(c.sync_interval_s, lines.sync), name="cachegw-evidence"))
+    if c.sync_interval_s > 0:  # other replicas' entries, flags, deletions, settings and evidence
+        follower = Follower(lambda: _sync_all(cache, lines), c.sync_interval_s)
+        chores.append(asyncio.create_task(follower.run(), name="cachegw-sync"))
+        if listens(database_url):  # PostgreSQL: at once on each commit, the poll as a safety net
+            listener = ChangeListener(database_url, follower.wake)
+            chores.append(asyncio.create_task(listener.run(), name="cachegw-listener"))
     try:
         yield parts
     finally:
@@ -209,6 +216,11 @@ def vector_index(settings: Settings, store: Store, dim: int) -> ScopedIndex | Pg
         tombstone_ratio=ix.tombstone_ratio,
         snapshot_dir=settings.data_dir / "index" if ix.snapshots else None,
     )
+
+
+async def _sync_all(cache: ResponseCache, lines: ThresholdProvider) -> None:
+    await cache.sync()
+    await lines.sync()
 
 
 async def _every(seconds: float, chore) -> None:

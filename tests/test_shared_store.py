@@ -163,7 +163,7 @@ async def test_sync_moves_the_counts_and_the_index_with_other_replicas(tmp_path)
     ids = [there.entries.add_entry(entry(i)) for i in range(3)]
     assert await cache.sync() == 3
     assert (cache.entries, cache.bytes, len(cache.index)) == (3, 60, 3)
-    assert await cache.sync() == 0  # the overlap window sees them again, known: nothing to do
+    assert await cache.sync() == 0  # the log has nothing new
     there.entries.mark_bad(ids[0])
     there.entries.delete_entries([ids[1]])
     assert await cache.sync() == 2

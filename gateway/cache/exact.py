@@ -28,11 +28,15 @@ class ExactTier:
         return entry_id in self._key_of
 
     def rebuild(self) -> None:
-        """Load the mirror from the database (on start)."""
-        self._ids.clear()
-        self._key_of.clear()
+        """Load the mirror from the database (on start, and on a reload while requests go on: the new
+        mirror is built aside and swapped in whole)."""
+        ids: dict[str, list[int]] = {}
+        key_of: dict[int, str] = {}
         for key, entry_id in self.entries.exact_keys():
-            self.add(key, entry_id)
+            if entry_id not in key_of:
+                ids.setdefault(key, []).append(entry_id)
+                key_of[entry_id] = key
+        self._ids, self._key_of = ids, key_of
 
     def add(self, key: str, entry_id: int) -> None:
         ids = self._ids.setdefault(key, [])

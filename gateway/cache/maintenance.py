@@ -18,7 +18,6 @@ from cachegw.gateway.storage.interfaces import CacheStores
 log = logging.getLogger("cachegw.gateway")
 
 HIT_FLUSH_S = 1.0  # how often hit counts reach the database
-DELETION_LOG_S = 3600.0  # deleted ids are kept this long for other replicas' syncs to see
 
 
 @dataclass
@@ -94,10 +93,10 @@ class Maintenance:
             return removed
 
     async def expire(self) -> int:
-        """Delete expired entries; also prunes the deletion log and old replies, and recounts the
+        """Delete expired entries; also prunes the change log and old replies, and recounts the
         totals."""
         now = self.clock()
-        await asyncio.to_thread(self.changes.prune_deletions, now - DELETION_LOG_S)
+        await asyncio.to_thread(self.changes.prune, self.settings().change_log_rows)
         # a conversation that comes back later than any entry can live loses only a prefix-cache hit
         await asyncio.to_thread(self.replies.prune_replies, now - self.settings().max_ttl_seconds)
         ids = await asyncio.to_thread(self.entries.expired_ids, now)

@@ -1,7 +1,8 @@
 """Recently used cache entries kept in memory, so a hit needs no database query.
 
 Entries change only through flags and learned thresholds, which update both the database and this
-copy (``ResponseCache.flag_bad``, ``ReplicaSync``); the database stays the source of truth.
+copy (``ResponseCache.flag_bad``, and ``ReplicaSync`` for what other replicas changed); the database
+stays the source of truth.
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ class EntryMemo:
         """Replace the copy if one is kept (a change another replica made)."""
         if entry.id in self._entries:
             self._entries[entry.id] = entry
+
+    def clear(self) -> None:
+        """Drop every copy (the views are reloaded from the database)."""
+        self._entries = OrderedDict()
 
     def forget(self, entry_id: int) -> None:
         self._entries.pop(entry_id, None)

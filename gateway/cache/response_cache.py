@@ -67,7 +67,14 @@ class ResponseCache:
         self.semantic = SemanticTier(self.settings, index, batcher, verifier, self.memo, lines)
         self.maintenance = Maintenance(self.settings, stores, self._forget)
         self.replicas = ReplicaSync(
-            self.entry_store, stores.changes, self.exact, self.memo, index, self.maintenance, self._forget
+            self.entry_store,
+            stores.changes,
+            self.exact,
+            self.memo,
+            index,
+            self.maintenance,
+            self._forget,
+            self._reload,
         )
         self._storing = KeyedLocks()  # one insert per exact key at a time: its replace is seen whole
         if self.settings().semantic:
@@ -88,18 +95,24 @@ class ResponseCache:
 
     @property
     def synced_at(self) -> float:
-        """Clock time of the last successful ``sync`` (a metric)."""
+        """Wall-clock time of the last successful ``sync`` (a metric only)."""
         return self.replicas.synced_at
 
     def threshold(self, model: str, tenant_name: str) -> float:
         return self.semantic.threshold_for(model, tenant_name)
 
     def rebuild_index(self, progress: bool = True) -> int:
-        """Load the in-memory views (exact keys, vector index) from the database."""
+        """Load the in-memory views (exact keys, vector index) from the database, and follow the
+        change log from just before (on start, and when this replica fell behind the pruned log)."""
+        self.replicas.restart()
+        self.memo.clear()
         self.exact.rebuild()
         total = self.entry_store.count_embeddings()
         self.index.rebuild(self.entry_store.iter_embeddings(), total=total, progress=progress)
         return len(self.index)
+
+    def _reload(self) -> None:
+        self.rebuild_index(progress=False)
 
     async def lookup(
         self,

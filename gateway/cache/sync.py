@@ -1,22 +1,28 @@
 """Replica sync: what other gateways on the same database changed, applied to this one's views.
 
-Entries they stored join the exact tier and the vector index, entries they flagged or re-thresholded
-are re-read, entries they deleted are dropped, and the totals move by what they did.
+It reads the change log (``gateway/storage/changes.py``) from where it stands: entries others stored
+join the exact tier and the vector index, entries they flagged or re-thresholded are re-read,
+entries they deleted are dropped, the totals move by what they did, and a change of the live
+settings is handed on. A replica that fell behind the pruned log reloads its views from the tables.
+Its own changes come back through the log too and are found already applied.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 
 from cachegw.gateway.cache.exact import ExactTier
 from cachegw.gateway.cache.maintenance import Maintenance
 from cachegw.gateway.cache.memo import EntryMemo
+from cachegw.gateway.storage.changes import Change, ChangeKind, Cursor
 from cachegw.gateway.storage.interfaces import ChangeFeed, EntryStore, VectorIndex
 
-SYNC_OVERLAP_S = 60.0  # how far back each sync looks again: late commits, replica clocks that differ
+RECENT_IDS = 10_000  # log ids remembered as read, for ``wait_read``
 
 
 class ReplicaSync:
@@ -29,31 +35,65 @@ class ReplicaSync:
         index: VectorIndex,
         maintenance: Maintenance,
         forget: Callable[[list[int]], None],
+        reload: Callable[[], object],
     ) -> None:
+        """``reload`` loads every view from the tables (it calls ``restart`` first); it runs in a
+        worker thread."""
         self.entries, self.changes = entries, changes
-        self.clock = entries.clock
         self.exact, self.memo, self.index = exact, memo, index
         self.maintenance = maintenance
-        self.forget = forget
-        self.synced_at = self.clock()  # of the last successful ``sync`` (a metric)
+        self.forget, self.reload = forget, reload
+        self.on_settings: Callable[[], Awaitable[object]] | None = None  # the live settings' refresh
+        self.cursor = Cursor()
+        self.synced_at = time.time()  # of the last successful ``sync`` (a metric)
+        self.reloads = 0
+        self._lock = asyncio.Lock()  # a notification and the fallback poll never sync at once
+        self._read: deque[int] = deque(maxlen=RECENT_IDS)
+        self._progress = asyncio.Condition()
+
+    def restart(self) -> None:
+        """Follow the log from now on (before the views are loaded from the tables)."""
+        self.cursor = self.changes.start()
 
     async def sync(self) -> int:
-        """Apply what other replicas did since the last call. Returns how many entries were added here
-        or dropped.
+        """Apply what the log holds past this replica's cursor. Returns how many entries were added
+        here or dropped (on a reload: how many entries the views now hold)."""
+        async with self._lock:
+            batch = await asyncio.to_thread(self.changes.read, self.cursor)
+            if batch.lost:
+                await asyncio.to_thread(self.reload)
+                await self.maintenance.recount()
+                self.reloads += 1
+                done = self.maintenance.totals.entries
+                settings = self.on_settings is not None
+            else:
+                done = await self._apply(batch.changes)
+                self.cursor = batch.cursor
+                settings = any(c.kind is ChangeKind.SETTINGS for c in batch.changes)
+            if settings and self.on_settings is not None:
+                await self.on_settings()
+            self.synced_at = time.time()
+            self._read.extend(c.id for c in batch.changes)
+        async with self._progress:
+            self._progress.notify_all()
+        return done
 
-        The window reaches ``SYNC_OVERLAP_S`` back, so a commit that landed late or a replica whose
-        clock is behind is still seen; what is already known is skipped.
-        """
-        now = self.clock()
-        changed, deleted = await asyncio.to_thread(
-            self.changes.changes_since, self.synced_at - SYNC_OVERLAP_S
-        )
-        self.synced_at = now
+    async def wait_read(self, log_id: int) -> None:
+        """Until this replica has read the log row ``log_id`` (or reloaded since it was written)."""
+        reloads = self.reloads
+        async with self._progress:
+            await self._progress.wait_for(lambda: log_id in self._read or self.reloads > reloads)
+
+    async def _apply(self, changes: list[Change]) -> int:
         exact, memo, totals = self.exact, self.memo, self.maintenance.totals
+        deleted = [(c.entry_id, c.size_bytes) for c in changes if c.kind is ChangeKind.DELETE and c.entry_id]
         # counters move by what others did: their deletions of entries known here, their new entries
         gone = [i for i, _ in deleted if i in exact or i in self.index or i in memo]
         freed = {i: size for i, size in deleted if i in exact}
-        wanted = [i for i, updated in changed if updated or i not in exact]
+        stored = {c.entry_id for c in changes if c.kind is ChangeKind.STORE}
+        updated = {c.entry_id for c in changes if c.kind is ChangeKind.UPDATE}
+        wanted = sorted(i for i in (stored - {i for i, _ in deleted}) | updated if i is not None)
+        wanted = [i for i in wanted if i in updated or i not in exact]
         fresh = await asyncio.to_thread(self.entries.get_entries, wanted) if wanted else {}
         added = 0
         for entry_id, entry in fresh.items():

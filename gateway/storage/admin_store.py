@@ -11,6 +11,7 @@ from typing import Any
 from sqlalchemy import func, literal, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from cachegw.gateway.storage.changes import Change, ChangeKind, log_changes
 from cachegw.gateway.storage.prune import delete_older
 from cachegw.gateway.storage.request_record import COLUMNS, RequestRecord
 from cachegw.gateway.storage.tables import AuditEvent, CacheEntry, Feedback, RequestRow, Setting
@@ -90,6 +91,7 @@ class AdminStore:
                 s.add(row)
             row.value, row.version, row.updated_at = json.dumps(value), row.version + 1, time.time()
             s.add(_audit_event(**audit))
+            log_changes(s, [Change(ChangeKind.SETTINGS)])  # other replicas refresh
             return row.version
 
     # Audit

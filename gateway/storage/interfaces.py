@@ -14,6 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
+from cachegw.gateway.storage.changes import ChangeBatch, Cursor
 from cachegw.gateway.storage.request_record import RequestRecord
 from cachegw.gateway.storage.tables import CacheEntry
 from cachegw.policies.canonicalize import Restore
@@ -52,10 +53,13 @@ class ReplyStore(Protocol):
 
 
 class ChangeFeed(Protocol):
-    """What any replica changed in the entries, for the others to apply (``gateway/cache/sync.py``)."""
+    """The change log: what any replica changed in the entries and the live settings, in the order it
+    committed, for the others to apply (``gateway/cache/sync.py``)."""
 
-    def changes_since(self, since: float) -> tuple[list[tuple[int, bool]], list[tuple[int, int]]]: ...
-    def prune_deletions(self, before: float) -> None: ...
+    def start(self) -> Cursor: ...
+    def read(self, cursor: Cursor) -> ChangeBatch: ...
+    def newest(self) -> int: ...
+    def prune(self, keep: int) -> int: ...
 
 
 class RequestLogSink(Protocol):

@@ -3,7 +3,7 @@
 ``Store`` opens the database (SQLAlchemy 2 on any URL; SQLite, the default in the data dir, runs in
 WAL mode so readers never wait for the writer and a kill -9 loses nothing that was committed); each
 table's store takes its sessions: ``SqlEntries`` and ``SqlReplies`` here (one commit holds an entry
-and its replies), the change feed (``changes.py``), the request log (``recorder.py``), the admin side
+and its replies), the change log (``changes.py``), the request log (``recorder.py``), the admin side
 (``admin_store.py``) and the false-hit evidence (``evidence_store.py``). ``sql_stores`` builds the
 cache's. Every method is synchronous and short: the app calls them from worker threads.
 
@@ -38,7 +38,7 @@ from sqlalchemy.orm import (
     sessionmaker,
 )
 
-from cachegw.gateway.storage.changes import SqlChanges, delete_logged, log_deletions
+from cachegw.gateway.storage.changes import Change, ChangeKind, SqlChanges, delete_logged, log_changes
 from cachegw.gateway.storage.interfaces import CacheStores
 from cachegw.gateway.storage.migrate import upgrade
 from cachegw.gateway.storage.tables import CacheEntry, Reply
@@ -75,7 +75,7 @@ def _retire_key(s: Session, entry: CacheEntry) -> list[tuple[int, int]]:
     if s.get_bind().dialect.delete_returning:  # SQLite >= 3.35, PostgreSQL: one statement
         rows = s.execute(delete(table).where(*live).returning(table.c.id, table.c.size_bytes)).all()
         gone = [(int(i), int(size)) for i, size in rows]
-        log_deletions(s, gone)
+        log_changes(s, [Change(ChangeKind.DELETE, i, size) for i, size in gone])
         return gone
     gone = [(int(i), int(size)) for i, size in s.execute(select(table.c.id, table.c.size_bytes).where(*live))]
     delete_logged(s, gone)
@@ -195,6 +195,7 @@ class SqlEntries:
                         self.replies.add_replies(s, replies)
                     s.add(entry)
                     s.flush()
+                    log_changes(s, [Change(ChangeKind.STORE, entry.id)])
                     return entry.id, replaced
             except IntegrityError:  # another writer committed the same key first: replace it
                 if attempt == PUT_ATTEMPTS - 1:
@@ -244,9 +245,10 @@ class SqlEntries:
         with self.session.begin() as s:
             q = update(CacheEntry).where(CacheEntry.id == entry_id)
             s.execute(q.values(**values, updated_at=time.time()))
+            log_changes(s, [Change(ChangeKind.UPDATE, entry_id)])  # of a gone entry: read as nothing
 
     def delete_entries(self, ids: list[int]) -> int:
-        """Delete entries and log their ids in the same commit (``SqlChanges`` reads the log)."""
+        """Delete entries and log their ids in the same commit (other replicas read the change log)."""
         if not ids:
             return 0
         with self.session.begin() as s:
@@ -313,4 +315,4 @@ class SqlEntries:
 def sql_stores(db: Store) -> CacheStores:
     """The cache's stores in ``db`` (what ``gateway/compose.py`` hands the response cache)."""
     replies = SqlReplies(db.session, db.clock)
-    return CacheStores(SqlEntries(db.session, db.clock, replies), replies, SqlChanges(db.session))
+    return CacheStores(SqlEntries(db.session, db.clock, replies), replies, SqlChanges(db.engine))

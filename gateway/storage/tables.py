@@ -1,4 +1,4 @@
-"""The SQL tables: cache entries, the deletions replicas read, the request log, replies, settings,
+"""The SQL tables: cache entries, the change log replicas read, the request log, replies, settings,
 the audit log, feedback and the false-hit evidence (SQLAlchemy 2 declarative models; ``store.py``
 reads and writes most of them, ``evidence_store.py`` the evidence).
 """
@@ -51,14 +51,28 @@ class CacheEntry(Base):
     threshold: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
-class EntryDeletion(Base):
-    """An entry id deleted (evicted, expired, purged), kept a while so other replicas drop it too."""
+class ChangeRow(Base):
+    """One change to the cache entries or the live settings, written in the same transaction as the
+    change, so other replicas apply it (``gateway/storage/changes.py``). Ids never repeat; on
+    PostgreSQL ``xact`` is the writing transaction's id, which tells a reader which rows may still
+    commit below the ids it has read."""
 
-    __tablename__ = "entry_deletions"
+    __tablename__ = "change_log"
+    __table_args__ = {"sqlite_autoincrement": True}
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
-    entry_id: Mapped[int] = mapped_column(BigId)
-    size_bytes: Mapped[int] = mapped_column(Integer, default=0)  # so replicas keep their byte count
-    ts: Mapped[float] = mapped_column(Float, index=True)
+    kind: Mapped[str] = mapped_column(String(16))  # a gateway.storage.changes.ChangeKind value
+    entry_id: Mapped[int | None] = mapped_column(BigId, nullable=True)
+    size_bytes: Mapped[int] = mapped_column(Integer, default=0)  # of a deleted entry: replicas' totals
+    xact: Mapped[int | None] = mapped_column(BigInteger, nullable=True, index=True)  # PostgreSQL only
+
+
+class ChangeLogPruned(Base):
+    """One row: the log position below which rows may have been pruned (a reader that has not read
+    that far reloads everything instead)."""
+
+    __tablename__ = "change_log_pruned"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    below: Mapped[int] = mapped_column(BigInteger)
 
 
 class RequestRow(Base):

@@ -37,7 +37,10 @@ def upgrade() -> None:
     bind = op.get_bind()
     if bind.dialect.name != "postgresql":
         return
+    insp = sa.inspect(bind)
     for table, column, nullable, serial in COLUMNS:
+        if not insp.has_table(table):  # entry_deletions, in a database rewound from 0015 on
+            continue
         op.alter_column(
             table, column, type_=sa.BigInteger(), existing_type=sa.Integer(), existing_nullable=nullable
         )
