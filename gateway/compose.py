@@ -40,6 +40,7 @@ from cachegw.gateway.storage.rate_store import RateStore
 from cachegw.gateway.storage.recorder import Recorder, SqlRequestLog
 from cachegw.gateway.storage.responses_store import ResponsesStore
 from cachegw.gateway.storage.store import Store, sql_stores
+from cachegw.gateway.storage.volatile_store import VolatileStore
 from cachegw.gateway.upstream.health import HealthProbes
 from cachegw.gateway.upstream.proxy import Backends
 from cachegw.gateway.upstream.supervisor import BuiltinBackend
@@ -114,7 +115,11 @@ async def started_gateway(
     retention = Retention(request_log, admin, evidence, settings, lines.ageing, clock)
     tenants = Tenants(settings.tenants)
     entry_ids = EntryIds(admin_token)
-    volatile = VolatileLearner()
+    volatile = VolatileLearner(
+        store=VolatileStore(store.session), config=lambda: live.current.canonicalize.learn
+    )
+    n = await asyncio.to_thread(volatile.load)  # the templates every replica learned: start warm
+    log.info("volatile spans: %d learned template(s) stored", n)
     responses = ResponsesStore(store.session, clock)
     retention_s = settings.gateway.responses_retention_days * 86400
     limits = RateLimiter(settings.tenants, RateStore(store.session), clock)
@@ -171,9 +176,12 @@ async def started_gateway(
         asyncio.create_task(probes.run(), name="cachegw-backend-health"),
         asyncio.create_task(auditor.run(), name="cachegw-audits"),
     ]
-    if c.sync_interval_s > 0:  # other replicas' entries, flags, deletions and false-hit evidence
+    if c.sync_interval_s > 0:  # other replicas' entries, flags, deletions, evidence, volatile templates
         chores.append(asyncio.create_task(_every(c.sync_interval_s, cache.sync), name="cachegw-sync"))
         chores.append(asyncio.create_task(_every(c.sync_interval_s, lines.sync), name="cachegw-evidence"))
+        chores.append(
+            asyncio.create_task(_every(c.sync_interval_s, volatile.refresh), name="cachegw-volatile")
+        )
     try:
         yield parts
     finally:
