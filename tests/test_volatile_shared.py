@@ -31,7 +31,7 @@ from tests.test_shared_store import eventually, on_database, shared_url  # noqa:
 from tests.test_volatile_gateway import learned_with, logged, system
 from tests.test_volatile_learning import body, varied
 
-CFG = CanonicalizeConfig()
+CFG = CanonicalizeConfig()  # type: ignore[call-arg]  # pydantic defaults
 
 
 @pytest.fixture
