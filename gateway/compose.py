@@ -42,6 +42,7 @@ from cachegw.gateway.storage.rate_store import RateStore
 from cachegw.gateway.storage.recorder import Recorder, SqlRequestLog
 from cachegw.gateway.storage.responses_store import ResponsesStore
 from cachegw.gateway.storage.store import Store, sql_stores
+from cachegw.gateway.storage.volatile_store import VolatileStore
 from cachegw.gateway.upstream.health import HealthProbes
 from cachegw.gateway.upstream.proxy import Backends
 from cachegw.gateway.upstream.supervisor import BuiltinBackend
@@ -118,7 +119,11 @@ async def started_gateway(
     retention = Retention(request_log, admin, evidence, settings, lines.ageing, clock)
     tenants = Tenants(settings.tenants)
     entry_ids = EntryIds(admin_token)
-    volatile = VolatileLearner()
+    volatile = VolatileLearner(
+        store=VolatileStore(store.session), config=lambda: live.current.canonicalize.learn
+    )
+    n = await asyncio.to_thread(volatile.load)  # the templates every replica learned: start warm
+    log.info("volatile spans: %d learned template(s) stored", n)
     responses = ResponsesStore(store.session, clock)
     retention_s = settings.gateway.responses_retention_days * 86400
     limits = RateLimiter(settings.tenants, RateStore(store.session), clock)
@@ -175,8 +180,8 @@ async def started_gateway(
         asyncio.create_task(probes.run(), name="cachegw-backend-health"),
         asyncio.create_task(auditor.run(), name="cachegw-audits"),
     ]
-    if c.sync_interval_s > 0:  # other replicas' entries, flags, deletions, settings and evidence
-        follower = Follower(lambda: _sync_all(cache, lines), c.sync_interval_s)
+    if c.sync_interval_s > 0:  # other replicas' entries, flags, deletions, settings, evidence, templates
+        follower = Follower(lambda: _sync_all(cache, lines, volatile), c.sync_interval_s)
         chores.append(asyncio.create_task(follower.run(), name="cachegw-sync"))
         if listens(database_url):  # PostgreSQL: at once on each commit, the poll as a safety net
             listener = ChangeListener(database_url, follower.wake)
@@ -218,9 +223,10 @@ def vector_index(settings: Settings, store: Store, dim: int) -> ScopedIndex | Pg
     )
 
 
-async def _sync_all(cache: ResponseCache, lines: ThresholdProvider) -> None:
+async def _sync_all(cache: ResponseCache, lines: ThresholdProvider, volatile: VolatileLearner) -> None:
     await cache.sync()
     await lines.sync()
+    await volatile.refresh()
 
 
 async def _every(seconds: float, chore) -> None:

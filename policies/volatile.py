@@ -191,6 +191,13 @@ class Template:
             pos = end + len(self.parts[i])
         return spans
 
+    @classmethod
+    def of(cls, parts: tuple[str, ...], max_value_chars: int) -> Template:
+        """The template of these constant parts; its id is their digest, so every replica that learns
+        it (or reads it back from the database) names it alike."""
+        digest = hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:10]
+        return cls(digest, parts, tuple(_label(p) for p in parts[:-1]), max_value_chars)
+
     @property
     def size(self) -> int:
         return sum(map(len, self.parts))
@@ -305,8 +312,7 @@ def _template(x: str, spans: list[tuple[int, int]], cfg: LearnConfig) -> Templat
     parts = tuple(x[cuts[i] : cuts[i + 1]] for i in range(0, len(cuts), 2))
     if any(not _WORD.search(p) for p in parts[1:-1]) or sum(map(len, parts)) < cfg.min_shared * len(x):
         return None
-    digest = hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:10]
-    return Template(digest, parts, tuple(_label(p) for p in parts[:-1]), cfg.max_value_chars)
+    return Template.of(parts, cfg.max_value_chars)
 
 
 def _label(left: str) -> str:

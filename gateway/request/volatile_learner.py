@@ -4,7 +4,13 @@ Why here: learning needs state across requests, and the policy (``policies/volat
 pure; it is given a tenant's templates and hands back the system prompts no template matched, which
 are learned from. Tenants never share state (another tenant's prompts never teach a template).
 Bounded: ``samples`` distinct prompts and ``templates`` templates per tenant, ``tenants`` tenants,
-least recently used dropped first. In memory, per replica: a restart learns again from traffic.
+least recently used dropped first.
+
+Shared through the database when given a store: every template learned is written (one row per tenant
+and template, whichever replica learns it first), a replica starts with the stored ones and ``refresh``
+adds those the others learned since. Match counts are this replica's in memory (plus what the stored
+row said when it was read) and are added to the stored row in batches, on each ``refresh``; at start
+the most recently matched templates of a tenant are the ones kept.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from cachegw.gateway.request.volatile_sharing import RowCursor, decode, encode
+from cachegw.gateway.storage.volatile_store import MatchCount, StoredTemplate, VolatileStore
 from cachegw.policies.canonicalize import Canonical, Restore, canonicalize_detail
 from cachegw.policies.canonicalize_config import CanonicalizeConfig
 from cachegw.policies.volatile import LearnConfig, Moved, Template, learn
@@ -58,10 +66,21 @@ class TemplateView:
 
 
 class VolatileLearner:
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.time,
+        store: VolatileStore | None = None,
+        config: Callable[[], LearnConfig] = LearnConfig,
+    ) -> None:
+        """``store``: share templates with the other replicas (None: this replica's memory only);
+        ``config``: the ``[canonicalize.learn]`` in force, whose bounds the stored templates obey."""
         self._clock = clock
+        self._store = store
+        self._config = config
         self._tenants: OrderedDict[str, _TenantState] = OrderedDict()
         self._lock = threading.Lock()  # observe runs in worker threads
+        self._cursor = RowCursor()
+        self._unflushed: dict[tuple[str, str], MatchCount] = {}
 
     async def canonicalize(
         self, tenant: str, body: dict[str, Any], cfg: CanonicalizeConfig, restore: Restore, learn: bool = True
@@ -102,7 +121,7 @@ class VolatileLearner:
 
     def observe(self, tenant: str, texts: Sequence[str], cfg: LearnConfig) -> bool:
         """Learn from system prompts no template matched; True if a new template was learned."""
-        new = False
+        new: list[LearnedTemplate] = []
         with self._lock:
             state = self._tenants.pop(tenant, None) or _TenantState()
             self._tenants[tenant] = state  # most recently seen last
@@ -120,14 +139,76 @@ class VolatileLearner:
                     # the prompts it was learned from stay: with a value in a span the template
                     # holds constant, the next prompt learns a wider template from them at once
                     state.templates[template.id] = LearnedTemplate(template, self._clock())
-                    new = True
+                    new.append(state.templates[template.id])
                 while len(state.samples) > cfg.samples:
                     state.samples.popitem(last=False)
                 while len(state.templates) > cfg.templates:
                     state.templates.popitem(last=False)
             if new:
                 self._snap(state)
-        return new
+        if new and self._store is not None:
+            rows = [StoredTemplate(tenant, e.template.id, encode(e.template), e.learned_at) for e in new]
+            try:
+                self._store.add(rows)
+            except Exception:  # the other replicas learn it themselves then
+                log.exception("could not store %d learned template(s) of tenant %s", len(rows), tenant)
+        return bool(new)
+
+    def load(self) -> int:
+        """The stored templates of every tenant, within ``[canonicalize.learn]``'s bounds (the most
+        recently matched kept): a new replica starts warm. Blocking; the number read."""
+        return self._read(all_rows=True)
+
+    async def refresh(self) -> None:
+        """Add the templates other replicas stored since the last look, and store this replica's match
+        counts since the last refresh (a failed write loses them: they only order templates)."""
+        if self._store is None:
+            return
+        with self._lock:
+            counts, self._unflushed = list(self._unflushed.values()), {}
+        if counts:
+            try:
+                await asyncio.to_thread(self._store.add_matches, counts)
+            except Exception:
+                log.exception("could not store the match counts of %d volatile template(s)", len(counts))
+        await asyncio.to_thread(self._read, False)
+
+    def _read(self, all_rows: bool) -> int:
+        if self._store is None:
+            return 0
+        rows = self._store.all() if all_rows else self._store.after(self._cursor.start())
+        self._adopt(rows)
+        self._cursor.advance([r.id for r in rows if r.id is not None], self._clock())
+        return len(rows)
+
+    def _adopt(self, rows: Iterable[StoredTemplate]) -> None:
+        """Add stored templates this replica does not hold; a row that is not a template is skipped."""
+        cfg = self._config()
+        with self._lock:
+            changed: dict[int, _TenantState] = {}
+            for row in rows:
+                state = self._tenants.get(row.tenant)
+                if state is not None and row.template_id in state.templates:
+                    continue
+                try:
+                    template = decode(row)
+                except ValueError as e:
+                    log.warning(
+                        "skipped stored volatile template row %s (tenant %s): %s", row.id, row.tenant, e
+                    )
+                    continue
+                state = self._tenants.pop(row.tenant, None) or _TenantState()
+                self._tenants[row.tenant] = state  # most recently seen last
+                while len(self._tenants) > cfg.tenants:
+                    self._tenants.popitem(last=False)
+                state.templates[template.id] = LearnedTemplate(
+                    template, row.learned_at, row.matches, row.last_match_at
+                )
+                while len(state.templates) > cfg.templates:
+                    state.templates.popitem(last=False)
+                changed[id(state)] = state
+            for state in changed.values():
+                self._snap(state)
 
     def matched(self, tenant: str, moved: Iterable[Moved]) -> None:
         """Count the templates a request's values were moved by (keeps them from being dropped)."""
@@ -143,6 +224,9 @@ class VolatileLearner:
                     entry.matches += 1
                     entry.last_match_at = now
                     state.templates.move_to_end(tid)
+                    if self._store is not None:
+                        n = self._unflushed.get((tenant, tid))
+                        self._unflushed[tenant, tid] = MatchCount(tenant, tid, n.matches + 1 if n else 1, now)
             if state.snapshot and state.snapshot[0].id not in ids:
                 self._snap(state)
 

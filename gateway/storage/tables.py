@@ -1,11 +1,12 @@
 """The SQL tables: cache entries, the change log replicas read, the request log, replies, settings,
-the audit log, feedback and the false-hit evidence (SQLAlchemy 2 declarative models; ``store.py``
-reads and writes most of them, ``evidence_store.py`` the evidence).
+the audit log, feedback, the false-hit evidence and the learned volatile templates (SQLAlchemy 2
+declarative models; ``store.py`` reads and writes most of them, ``evidence_store.py`` the evidence,
+``volatile_store.py`` the templates).
 """
 
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, Boolean, Float, Index, Integer, LargeBinary, String, Text
+from sqlalchemy import BigInteger, Boolean, Float, Index, Integer, LargeBinary, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 # The largest SQL integer (SQLite INTEGER, PostgreSQL BIGINT): ids and offsets above it are 400s.
@@ -221,3 +222,24 @@ class RateWindow(Base):
     window: Mapped[int] = mapped_column(Integer, primary_key=True)
     requests: Mapped[int] = mapped_column(Integer, default=0)
     tokens: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class VolatileTemplate(Base):
+    """A system-prompt template with volatile spans one replica learned from a tenant's traffic
+    (``gateway/request/volatile_learner.py``), so every replica, and one started later, applies it.
+    One row per tenant and template: its id is the digest of its constant parts."""
+
+    __tablename__ = "volatile_templates"
+    __table_args__ = (
+        UniqueConstraint("tenant", "template_id", name="ux_volatile_templates_key"),
+        {
+            "sqlite_autoincrement": True
+        },  # ids are never reused: replicas read the rows after the last they saw
+    )
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    tenant: Mapped[str] = mapped_column(String(64))  # the tenant's id, as the learner names it
+    template_id: Mapped[str] = mapped_column(String(64))
+    template: Mapped[str] = mapped_column(Text)  # JSON: its constant parts and span labels
+    learned_at: Mapped[float] = mapped_column(Float)
+    matches: Mapped[int] = mapped_column(Integer, default=0)  # over all replicas, flushed in batches
+    last_match_at: Mapped[float | None] = mapped_column(Float, nullable=True)

@@ -26,7 +26,7 @@ def has_index(insp: sa.Inspector, table: str, index: str) -> bool:
     return insp.has_table(table) and index in {i["name"] for i in insp.get_indexes(table)}
 
 
-def create_table(name: str, *columns: sa.Column, **kw: Any) -> None:
+def create_table(name: str, *columns: sa.schema.SchemaItem, **kw: Any) -> None:
     if not has_table(inspector(), name):
         op.create_table(name, *columns, **kw)
 
