@@ -21,6 +21,7 @@ from cachegw.gateway.cache.follow import Follower
 from cachegw.gateway.cache.maintenance import HIT_FLUSH_S
 from cachegw.gateway.cache.response_cache import ResponseCache
 from cachegw.gateway.cache.retention import RETENTION_EVERY_S, Retention
+from cachegw.gateway.cache.sync import OnAnyChange
 from cachegw.gateway.cache.verifier_loader import load_verifier
 from cachegw.gateway.config import BackendSpec, Settings
 from cachegw.gateway.live_settings import LiveSettings
@@ -34,6 +35,7 @@ from cachegw.gateway.request.tenants import PrefixSalts, Tenants
 from cachegw.gateway.request.tracing import Tracing
 from cachegw.gateway.request.volatile_learner import VolatileLearner
 from cachegw.gateway.storage.admin_store import AdminStore
+from cachegw.gateway.storage.changes import ChangeKind
 from cachegw.gateway.storage.entry_ids import EntryIds
 from cachegw.gateway.storage.evidence_store import EvidenceStore
 from cachegw.gateway.storage.notify import ChangeListener, listens
@@ -85,11 +87,10 @@ async def started_gateway(
     index = await asyncio.to_thread(vector_index, settings, store, encoder.dim)
     evidence = EvidenceStore(store.session)
     lines = ThresholdProvider(evidence, clock, c.error_bound.ageing)
-    await asyncio.to_thread(lines.load)  # the false-hit evidence every replica wrote
     cache = ResponseCache(live.cache_settings, stores, index, batcher, verifier, lines)
-    cache.replicas.on_settings = live.refresh  # a settings change in the log: read them now
-    n = await asyncio.to_thread(cache.rebuild_index, progress)
+    n = await asyncio.to_thread(cache.rebuild_index, progress)  # follows the change log from here on
     log.info("cache: %d entries, %d in the vector index", cache.entries, n)
+    await asyncio.to_thread(lines.load)  # the false-hit evidence every replica wrote
     builtin = None
     specs: list[BackendSpec | str] = list(settings.gateway.backends)
     if not specs:
@@ -124,6 +125,10 @@ async def started_gateway(
     )
     n = await asyncio.to_thread(volatile.load)  # the templates every replica learned: start warm
     log.info("volatile spans: %d learned template(s) stored", n)
+    # what the change log names beside the entries: each read as another replica writes it
+    cache.replicas.follow(ChangeKind.SETTINGS, OnAnyChange(live.refresh))
+    cache.replicas.follow(ChangeKind.EVIDENCE, lines)
+    cache.replicas.follow(ChangeKind.TEMPLATE, volatile)
     responses = ResponsesStore(store.session, clock)
     retention_s = settings.gateway.responses_retention_days * 86400
     limits = RateLimiter(settings.tenants, RateStore(store.session), clock)
@@ -181,7 +186,7 @@ async def started_gateway(
         asyncio.create_task(auditor.run(), name="cachegw-audits"),
     ]
     if c.sync_interval_s > 0:  # other replicas' entries, flags, deletions, settings, evidence, templates
-        follower = Follower(lambda: _sync_all(cache, lines, volatile), c.sync_interval_s)
+        follower = Follower(lambda: _sync_all(cache, volatile), c.sync_interval_s)
         chores.append(asyncio.create_task(follower.run(), name="cachegw-sync"))
         if listens(database_url):  # PostgreSQL: at once on each commit, the poll as a safety net
             listener = ChangeListener(database_url, follower.wake)
@@ -223,10 +228,9 @@ def vector_index(settings: Settings, store: Store, dim: int) -> ScopedIndex | Pg
     )
 
 
-async def _sync_all(cache: ResponseCache, lines: ThresholdProvider, volatile: VolatileLearner) -> None:
-    await cache.sync()
-    await lines.sync()
-    await volatile.refresh()
+async def _sync_all(cache: ResponseCache, volatile: VolatileLearner) -> None:
+    await cache.sync()  # and, through the log, the settings, evidence and templates
+    await volatile.flush_matches()
 
 
 async def _every(seconds: float, chore) -> None:

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -21,10 +21,12 @@ from sqlalchemy import func, select
 from cachegw.embeddings.batcher import EmbeddingBatcher
 from cachegw.embeddings.encoder import Encoder
 from cachegw.embeddings.index import ScopedIndex
+from cachegw.gateway.cache.error_control import ThresholdProvider
 from cachegw.gateway.cache.follow import Follower
 from cachegw.gateway.cache.response_cache import ResponseCache
 from cachegw.gateway.config import load_settings
 from cachegw.gateway.storage.changes import Change, ChangeKind, SqlChanges, log_changes
+from cachegw.gateway.storage.evidence_store import EvidenceRow, EvidenceStore
 from cachegw.gateway.storage.notify import ChangeListener
 from cachegw.gateway.storage.request_record import CacheResult
 from cachegw.gateway.storage.store import Store, sql_stores
@@ -65,6 +67,7 @@ class Replica:
 
     db: Store
     cache: ResponseCache
+    lines: ThresholdProvider
     follower: Follower
     listener: ChangeListener | None
     tasks: list[asyncio.Task] = field(default_factory=list)
@@ -106,12 +109,15 @@ async def replicas(url: str, n: int, encoder: Encoder, poll_s: float) -> AsyncIt
     try:
         for _ in range(n):
             db = Store(url)
+            lines = ThresholdProvider(EvidenceStore(db.session), time.time)
             cache = ResponseCache(config, sql_stores(db), ScopedIndex(encoder.dim, background=False),
-                                  batcher, None)  # fmt: skip
+                                  batcher, None, lines)  # fmt: skip
             await asyncio.to_thread(cache.rebuild_index, False)
+            await asyncio.to_thread(lines.load)
+            cache.replicas.follow(ChangeKind.EVIDENCE, lines)
             follower = Follower(cache.sync, poll_s)
             listener = ChangeListener(url, follower.wake) if url.startswith("postgresql") else None
-            made.append(Replica(db, cache, follower, listener))
+            made.append(Replica(db, cache, lines, follower, listener))
             made[-1].start()
         yield made
     finally:
@@ -160,6 +166,19 @@ async def test_a_store_and_a_flag_reach_every_replica_when_notified(pg_url, enco
             assert (await other.lookup("How do I renew my passport?"))[0] is CacheResult.MISS
             assert (await other.lookup("How can I renew my passport?"))[0] is CacheResult.MISS
             assert entry_id not in other.cache.index
+
+
+async def test_false_hit_evidence_reaches_every_replica_once(pg_url, encoder) -> None:
+    """An audit recorded on one replica is counted by the others as soon as they read its log row,
+    and once on its own replica (where it comes back through the log)."""
+    async with replicas(pg_url, 3, encoder, NEVER_S) as (a, b, c):
+        row = EvidenceRow("m", "t", 0.93, False, "hit", time.time())
+        await a.lines.record([row, replace(row, score=0.97, right=True)])
+        newest = a.newest()
+        for r in (a, b, c):
+            await r.caught_up(newest)
+            ev = r.lines.evidence[("m", "t")]
+            assert (ev.total, sum(ev.wrong)) == (2, 1)
 
 
 async def test_a_transaction_that_commits_late_is_not_lost(pg_url, encoder) -> None:

@@ -1,7 +1,7 @@
 """Learned volatile templates shared through the database, on SQLite and PostgreSQL: a template one
-replica learns is applied by another after its refresh and by one started later without any traffic
-(the same canonical body, so the same cache key); replicas learning one template at once leave one
-row; tenants never share one; a row that is not a template is skipped with a log line.
+replica learns is applied by another once the change log names it, and by one started later without
+any traffic (the same canonical body, so the same cache key); replicas learning one template at once
+leave one row; tenants never share one; a row that is not a template is skipped with a log line.
 
 The learner tests use the real learner on real stores (each replica its own ``Store``, as each gateway
 process has); the last test runs three real gateways on one database in front of the real engine."""
@@ -19,7 +19,7 @@ import pytest
 from sqlalchemy import func, select
 
 from cachegw.gateway.request.volatile_learner import VolatileLearner
-from cachegw.gateway.request.volatile_sharing import RowCursor
+from cachegw.gateway.storage.changes import ChangeKind, SqlChanges
 from cachegw.gateway.storage.store import Store
 from cachegw.gateway.storage.tables import VolatileTemplate
 from cachegw.gateway.storage.volatile_store import StoredTemplate, VolatileStore
@@ -47,6 +47,23 @@ def replica(store: Store) -> VolatileLearner:
     return VolatileLearner(store=VolatileStore(store.session))
 
 
+class Follows:
+    """What a gateway's ``ReplicaSync`` does for its learner (gateway/cache/sync.py): read the change
+    log on from where it stood when the learner loaded, and hand on the templates it names; then store
+    the learner's match counts, as the sync chore does."""
+
+    def __init__(self, store: Store, learner: VolatileLearner) -> None:
+        self.changes, self.learner = SqlChanges(store.engine), learner
+        self.cursor = self.changes.start()
+
+    def sync(self) -> None:
+        batch = self.changes.read(self.cursor)
+        self.cursor = batch.cursor
+        named = [c.entry_id for c in batch.changes if c.kind is ChangeKind.TEMPLATE and c.entry_id]
+        asyncio.run(self.learner.logged(named))
+        asyncio.run(self.learner.flush_matches())
+
+
 def canonical(learner: VolatileLearner, tenant: str, system_prompt: str, learn: bool = True) -> Canonical:
     return asyncio.run(learner.canonicalize(tenant, body(system_prompt), CFG, lambda _: None, learn))
 
@@ -66,16 +83,17 @@ def rows(store: Store) -> int:
 
 def test_a_template_one_replica_learns_applies_on_every_replica(stores: list[Store]) -> None:
     a, b = replica(stores[0]), replica(stores[1])
+    follows_b = Follows(stores[1], b)
     assert b.load() == 0
     prompts = varied(11, 4)
     tid = teach(a, "t1", prompts[:3])
     assert rows(stores[0]) == 1
     want = canonical(a, "t1", prompts[3], learn=False)
     assert [m.name for m in want.moved] and {m.name for m in want.moved} == {tid}
-    # before its refresh B keeps the values in the prompt: another body, another key (a miss)
+    # before it reads the log B keeps the values in the prompt: another body, another key (a miss)
     before = canonical(b, "t1", prompts[3], learn=False)
     assert before.body != want.body
-    asyncio.run(b.refresh())
+    follows_b.sync()
     c = replica(stores[2])
     assert c.load() == 1  # started afterwards, no traffic at all
     for other in (b, c):
@@ -83,8 +101,8 @@ def test_a_template_one_replica_learns_applies_on_every_replica(stores: list[Sto
         assert got.body == want.body
         assert request_keys("t1", "m", "chat", got.body) == request_keys("t1", "m", "chat", want.body)
         assert other.sample_count("t1") == 0  # applied, not learned again
-    # match counts reach the row on A's next refresh, and a replica started later reads them
-    asyncio.run(a.refresh())
+    # match counts reach the row on A's next sync, and a replica started later reads them
+    asyncio.run(a.flush_matches())
     d = replica(stores[2])
     d.load()
     (view,) = d.view()["t1"]  # A's: the request it was learned from (applied at once) and the next
@@ -93,6 +111,7 @@ def test_a_template_one_replica_learns_applies_on_every_replica(stores: list[Sto
 
 def test_replicas_learning_one_template_at_once_leave_one_row(stores: list[Store]) -> None:
     learners = [replica(s) for s in stores]
+    follows = [Follows(s, x) for s, x in zip(stores, learners, strict=True)]
     prompts = varied(12, 3)
     barrier = threading.Barrier(len(learners))
     errors: list[BaseException] = []
@@ -113,20 +132,21 @@ def test_replicas_learning_one_template_at_once_leave_one_row(stores: list[Store
     assert not errors, errors[0]
     assert len(set(ids)) == 1 and len(ids) == 3
     assert rows(stores[0]) == 1
-    for x in learners:  # each reads back its own and the others' row: nothing new
-        asyncio.run(x.refresh())
-        assert [t.id for t in x.templates("t1")] == ids[:1]
+    for f in follows:  # each reads back the one row: nothing new
+        f.sync()
+        assert [t.id for t in f.learner.templates("t1")] == ids[:1]
 
 
 def test_tenants_never_share_a_template(stores: list[Store]) -> None:
     a, b = replica(stores[0]), replica(stores[1])
+    follows_b = Follows(stores[1], b)
     prompts = varied(13, 4)
     tid = teach(a, "t1", prompts[:3])
     teach(a, "t2", prompts[:3])  # t2 learns the same prompts: its own row
     assert rows(stores[0]) == 2
     c = replica(stores[2])
     c.load()
-    asyncio.run(b.refresh())
+    follows_b.sync()
     for x in (b, c):
         assert [t.id for t in x.templates("t1")] == [tid] == [t.id for t in x.templates("t2")]
         assert x.templates("t3") == ()
@@ -142,6 +162,7 @@ def test_a_row_that_is_not_a_template_is_skipped_with_a_log_line(
     prompts = varied(14, 4)
     tid = teach(a, "t1", prompts[:3])
     b = replica(stores[1])
+    follows_b = Follows(stores[1], b)
     b.load()
     bad = [
         StoredTemplate("t1", "0123456789", "{not json", 1.0),
@@ -152,27 +173,14 @@ def test_a_row_that_is_not_a_template_is_skipped_with_a_log_line(
     ]
     VolatileStore(stores[0].session).add(bad)
     with caplog.at_level(logging.WARNING, logger="cachegw.volatile"):
-        asyncio.run(b.refresh())
+        follows_b.sync()
         c = replica(stores[2])
         assert c.load() == 5
     skipped = [r for r in caplog.records if "skipped stored volatile template" in r.getMessage()]
-    assert len(skipped) == 8  # each bad row once by B's refresh, once by C's load
+    assert len(skipped) == 8  # each bad row once as B reads the log, once by C's load
     for x in (b, c):
         assert [t.id for t in x.templates("t1")] == [tid] and x.templates("t2") == ()
         assert canonical(x, "t1", prompts[3], learn=False).body == canonical(a, "t1", prompts[3], False).body
-
-
-def test_a_row_committed_late_below_the_last_read_id_is_still_read() -> None:
-    """PostgreSQL commits ids out of order: an id skipped is asked for again a while."""
-    cursor = RowCursor()
-    cursor.advance([1, 2, 4], now=0.0)
-    assert cursor.start() == 2  # 3 may still come
-    cursor.advance([3, 4], now=1.0)
-    assert cursor.start() == 4 and not cursor.holes
-    cursor.advance([6], now=2.0)
-    assert cursor.start() == 4
-    cursor.advance([], now=100.0)  # given up on after HOLE_WAIT_S
-    assert cursor.start() == 6
 
 
 def test_replicas_share_learned_spans_through_the_gateway(backend_url: str, tmp_path: Path) -> None:  # noqa: F811

@@ -4,8 +4,8 @@ The semantic tier asks ``ThresholdProvider.line`` once per lookup; None means th
 target there (``max_false_hit_rate`` 0) and the static thresholds decide, as before. Otherwise the
 line comes from ``policies.error_bound.choose_line`` over the scope's evidence: audits (``gateway/
 audits.py``), bad-hit reports and seeds from ``cachegw calibrate``. The evidence lives in the
-``hit_audits`` table: it survives restarts, and replicas on one database read each other's rows on
-the sync cycle (each row is applied once, by id).
+``hit_audits`` table: it survives restarts, and replicas on one database read each other's rows as
+the change log names them (``logged``; each row is applied once, by id).
 
 Per entry: an entry with at least ``min_audits(target)`` audits and reports of its own (59 at a 5%
 target, 149 at 2%, at 95% confidence: the fewest that can pass with no wrong one) gets its own line
@@ -31,7 +31,7 @@ from cachegw.gateway.storage.evidence_store import EvidenceRow, EvidenceStore
 from cachegw.policies.error_bound import Choice, Evidence, choose_line, interval, min_audits
 from cachegw.policies.evidence_window import Ageing, WindowedEvidence
 
-SYNC_OVERLAP_S = 60.0  # each sync re-reads this far back: late commits, replica clocks that differ
+SEEN_IDS = 200_000  # evidence ids counted here, remembered so a row the log names again is not recounted
 ENTRIES = 20_000  # entries whose own evidence is kept (least recently audited dropped: the scope decides)
 Scope = tuple[str, str]  # (model, tenant name)
 
@@ -101,8 +101,8 @@ class ThresholdProvider:
         self.entries: OrderedDict[int, WindowedEvidence] = OrderedDict()
         self.entry_scope: dict[int, Scope] = {}
         self._choices: dict[tuple[Scope | int, float, float], Choice] = {}
-        self._seen: dict[int, float] = {}  # row id -> its ts, for the overlap window only
-        self.synced_at = 0.0
+        # ids counted here, oldest first: this replica's own rows come back through the change log
+        self._seen: OrderedDict[int, None] = OrderedDict()
 
     @property
     def evidence(self) -> dict[Scope, Evidence]:
@@ -151,7 +151,9 @@ class ThresholdProvider:
             if r.id is not None:
                 if r.id in self._seen:
                     continue
-                self._seen[r.id] = r.ts
+                self._seen[r.id] = None
+                if len(self._seen) > SEEN_IDS:
+                    self._seen.popitem(last=False)
             scope = (r.model, r.tenant)
             self.windows.setdefault(scope, WindowedEvidence(self.ageing)).add(r.ts, r.score, r.right)
             self._forget(scope)
@@ -170,18 +172,22 @@ class ThresholdProvider:
 
     def load(self) -> int:
         """Everything in the database still inside the ageing window (at start)."""
-        self.synced_at = self.clock()
-        start = self.synced_at - self.ageing.max_age_s if self.ageing.max_age_s > 0 else 0.0
+        now = self.clock()
+        start = now - self.ageing.max_age_s if self.ageing.max_age_s > 0 else 0.0
         return self.apply(self.store.since(start))
 
-    async def sync(self) -> int:
-        """Rows other replicas wrote since the last look."""
-        now = self.clock()
-        rows = await asyncio.to_thread(self.store.since, self.synced_at - SYNC_OVERLAP_S)
-        self.synced_at = now
-        old = now - 2 * SYNC_OVERLAP_S
-        self._seen = {i: ts for i, ts in self._seen.items() if ts >= old}
-        return self.apply(rows)
+    async def logged(self, ids: list[int]) -> int:
+        """Rows any replica wrote, named by the change log (``gateway/cache/sync.py``)."""
+        return self.apply(await asyncio.to_thread(self.store.get, ids))
+
+    async def reload(self) -> int:
+        """Count everything again from the database (the change log was pruned past this replica)."""
+        self.windows.clear()
+        self.entries.clear()
+        self.entry_scope.clear()
+        self._seen.clear()
+        self._choices.clear()
+        return await asyncio.to_thread(self.load)
 
     async def record(self, rows: list[EvidenceRow]) -> None:
         """Persist new evidence, then count it here (other replicas count it on their next sync)."""

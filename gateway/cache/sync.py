@@ -2,9 +2,10 @@
 
 It reads the change log (``gateway/storage/changes.py``) from where it stands: entries others stored
 join the exact tier and the vector index, entries they flagged or re-thresholded are re-read,
-entries they deleted are dropped, the totals move by what they did, and a change of the live
-settings is handed on. A replica that fell behind the pruned log reloads its views from the tables.
-Its own changes come back through the log too and are found already applied.
+entries they deleted are dropped, and the totals move by what they did. The log's other rows (live
+settings, false-hit evidence, learned templates) go to their ``LogFollower``. A replica that fell
+behind the pruned log reloads every view from the tables. Its own changes come back through the log
+too and are found already applied.
 """
 
 from __future__ import annotations
@@ -13,16 +14,43 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import numpy as np
 
 from cachegw.gateway.cache.exact import ExactTier
 from cachegw.gateway.cache.maintenance import Maintenance
 from cachegw.gateway.cache.memo import EntryMemo
-from cachegw.gateway.storage.changes import Change, ChangeKind, Cursor
+from cachegw.gateway.storage.changes import ENTRY_KINDS, Change, ChangeKind, Cursor
 from cachegw.gateway.storage.interfaces import ChangeFeed, EntryStore, VectorIndex
 
 RECENT_IDS = 10_000  # log ids remembered as read, for ``wait_read``
+
+
+class LogFollower(Protocol):
+    """A view of this replica's that one kind of log row changes (``ReplicaSync.follow``)."""
+
+    async def logged(self, ids: list[int]) -> object:
+        """The rows the log named (their ids in their own table) were written: read them."""
+        ...
+
+    async def reload(self) -> object:
+        """Rows may have been missed (the log was pruned past this replica): read everything again."""
+        ...
+
+
+class OnAnyChange:
+    """A follower that reads its whole view again whenever the log names one of its rows (the live
+    settings: one small table)."""
+
+    def __init__(self, read: Callable[[], Awaitable[object]]) -> None:
+        self.read = read
+
+    async def logged(self, ids: list[int]) -> object:
+        return await self.read()
+
+    async def reload(self) -> object:
+        return await self.read()
 
 
 class ReplicaSync:
@@ -43,13 +71,17 @@ class ReplicaSync:
         self.exact, self.memo, self.index = exact, memo, index
         self.maintenance = maintenance
         self.forget, self.reload = forget, reload
-        self.on_settings: Callable[[], Awaitable[object]] | None = None  # the live settings' refresh
+        self.followers: dict[ChangeKind, LogFollower] = {}
         self.cursor = Cursor()
         self.synced_at = time.time()  # of the last successful ``sync`` (a metric)
         self.reloads = 0
         self._lock = asyncio.Lock()  # a notification and the fallback poll never sync at once
         self._read: deque[int] = deque(maxlen=RECENT_IDS)
         self._progress = asyncio.Condition()
+
+    def follow(self, kind: ChangeKind, follower: LogFollower) -> None:
+        """Hand the log's rows of ``kind`` (not an entry's) to ``follower``."""
+        self.followers[kind] = follower
 
     def restart(self) -> None:
         """Follow the log from now on (before the views are loaded from the tables)."""
@@ -60,18 +92,19 @@ class ReplicaSync:
         here or dropped (on a reload: how many entries the views now hold)."""
         async with self._lock:
             batch = await asyncio.to_thread(self.changes.read, self.cursor)
-            if batch.lost:
+            if batch.lost:  # the cursor is taken first, then every view is read again
                 await asyncio.to_thread(self.reload)
                 await self.maintenance.recount()
+                for follower in self.followers.values():
+                    await follower.reload()
                 self.reloads += 1
                 done = self.maintenance.totals.entries
-                settings = self.on_settings is not None
             else:
-                done = await self._apply(batch.changes)
+                done = await self._apply([c for c in batch.changes if c.kind in ENTRY_KINDS])
                 self.cursor = batch.cursor
-                settings = any(c.kind is ChangeKind.SETTINGS for c in batch.changes)
-            if settings and self.on_settings is not None:
-                await self.on_settings()
+                for kind, follower in self.followers.items():
+                    if named := [c for c in batch.changes if c.kind is kind]:
+                        await follower.logged([c.entry_id for c in named if c.entry_id is not None])
             self.synced_at = time.time()
             self._read.extend(c.id for c in batch.changes)
         async with self._progress:

@@ -7,10 +7,10 @@ Bounded: ``samples`` distinct prompts and ``templates`` templates per tenant, ``
 least recently used dropped first.
 
 Shared through the database when given a store: every template learned is written (one row per tenant
-and template, whichever replica learns it first), a replica starts with the stored ones and ``refresh``
-adds those the others learned since. Match counts are this replica's in memory (plus what the stored
-row said when it was read) and are added to the stored row in batches, on each ``refresh``; at start
-the most recently matched templates of a tenant are the ones kept.
+and template, whichever replica learns it first, logged in the change log), a replica starts with the
+stored ones and ``logged`` adds those the others learned as the log names them. Match counts are this
+replica's in memory (plus what the stored row said when it was read) and are added to the stored row
+in batches (``flush_matches``); at start the most recently matched templates of a tenant are kept.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cachegw.gateway.request.volatile_sharing import RowCursor, decode, encode
+from cachegw.gateway.request.volatile_sharing import decode, encode
 from cachegw.gateway.storage.volatile_store import MatchCount, StoredTemplate, VolatileStore
 from cachegw.policies.canonicalize import Canonical, Restore, canonicalize_detail
 from cachegw.policies.canonicalize_config import CanonicalizeConfig
@@ -79,7 +79,6 @@ class VolatileLearner:
         self._config = config
         self._tenants: OrderedDict[str, _TenantState] = OrderedDict()
         self._lock = threading.Lock()  # observe runs in worker threads
-        self._cursor = RowCursor()
         self._unflushed: dict[tuple[str, str], MatchCount] = {}
 
     async def canonicalize(
@@ -157,11 +156,15 @@ class VolatileLearner:
     def load(self) -> int:
         """The stored templates of every tenant, within ``[canonicalize.learn]``'s bounds (the most
         recently matched kept): a new replica starts warm. Blocking; the number read."""
-        return self._read(all_rows=True)
+        if self._store is None:
+            return 0
+        rows = self._store.all()
+        self._adopt(rows)
+        return len(rows)
 
-    async def refresh(self) -> None:
-        """Add the templates other replicas stored since the last look, and store this replica's match
-        counts since the last refresh (a failed write loses them: they only order templates)."""
+    async def flush_matches(self) -> None:
+        """Store this replica's match counts since the last flush (a failed write loses them: they only
+        order templates)."""
         if self._store is None:
             return
         with self._lock:
@@ -171,15 +174,19 @@ class VolatileLearner:
                 await asyncio.to_thread(self._store.add_matches, counts)
             except Exception:
                 log.exception("could not store the match counts of %d volatile template(s)", len(counts))
-        await asyncio.to_thread(self._read, False)
 
-    def _read(self, all_rows: bool) -> int:
+    async def logged(self, ids: list[int]) -> int:
+        """Templates any replica stored, named by the change log (``gateway/cache/sync.py``)."""
         if self._store is None:
             return 0
-        rows = self._store.all() if all_rows else self._store.after(self._cursor.start())
+        rows = await asyncio.to_thread(self._store.get, ids)
         self._adopt(rows)
-        self._cursor.advance([r.id for r in rows if r.id is not None], self._clock())
         return len(rows)
+
+    async def reload(self) -> int:
+        """Read every stored template again (the change log was pruned past this replica); those held
+        already are kept as they are."""
+        return await asyncio.to_thread(self.load)
 
     def _adopt(self, rows: Iterable[StoredTemplate]) -> None:
         """Add stored templates this replica does not hold; a row that is not a template is skipped."""

@@ -1,22 +1,15 @@
 """How learned volatile templates travel through the database: their JSON, checked on the way back
-(a corrupt or unknown row is skipped, never applied), and the cursor of rows a replica has read.
-
-Why a cursor with holes: on PostgreSQL ids come from a sequence and commit out of order, so a row
-with a lower id can appear after a higher one was read; an insert that finds the template stored
-uses an id too. An id skipped below the highest read is asked for again for ``HOLE_WAIT_S``.
-"""
+(a corrupt or unknown row is skipped, never applied). Which rows a replica reads, the change log says
+(``gateway/storage/changes.py``)."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 
 from cachegw.gateway.storage.volatile_store import StoredTemplate
 from cachegw.policies.volatile import Template
 
 FORMAT = 1  # the JSON's version: a row of another is skipped
-HOLE_WAIT_S = 60.0  # how long a skipped id may still be committed
-MAX_HOLES = 1000  # ids skipped at once beyond this are not awaited
 
 
 def encode(template: Template) -> str:
@@ -50,26 +43,3 @@ def decode(row: StoredTemplate) -> Template:
     if template.id != row.template_id:
         raise ValueError(f"its parts are template {template.id}, not {row.template_id}")
     return template
-
-
-@dataclass
-class RowCursor:
-    """The highest row id read, and the lower ids not seen yet that may still be committed."""
-
-    seen: int = 0
-    holes: dict[int, float] = field(default_factory=dict)  # id: when it was first missed
-
-    def start(self) -> int:
-        """Read the rows after this id."""
-        return min(self.holes, default=self.seen + 1) - 1
-
-    def advance(self, ids: list[int], now: float) -> None:
-        for i in ids:
-            self.holes.pop(i, None)
-        top = max(ids, default=self.seen)
-        if top > self.seen:
-            if top - self.seen <= MAX_HOLES:
-                got = set(ids)
-                self.holes.update((i, now) for i in range(self.seen + 1, top) if i not in got)
-            self.seen = top
-        self.holes = {i: t for i, t in self.holes.items() if now - t < HOLE_WAIT_S}

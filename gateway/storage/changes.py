@@ -1,7 +1,8 @@
-"""The change log: what any replica changed in the entries or the live settings, read by position.
+"""The change log: what any replica changed, read by position.
 
-Every store, flag, learned threshold and delete of an entry, and every change of the live settings,
-writes a ``change_log`` row in the change's own transaction (``log_changes``), so the row exists
+Every store, flag, learned threshold and delete of an entry, every change of the live settings, every
+row of false-hit evidence and every learned volatile template writes a ``change_log`` row in the
+change's own transaction (``log_changes``), so the row exists
 exactly when the change does; on PostgreSQL the same transaction sends ``NOTIFY`` on
 ``CHANNEL`` (delivered at commit) for the replicas' listeners (``gateway/storage/notify.py``).
 
@@ -53,11 +54,17 @@ class ChangeKind(StrEnum):
     UPDATE = "update"  # an entry flagged bad or given a learned threshold: re-read it
     DELETE = "delete"  # an entry deleted (evicted, expired, replaced, purged)
     SETTINGS = "settings"  # the live settings changed
+    EVIDENCE = "evidence"  # a row of false-hit evidence (``entry_id``: its ``hit_audits`` id)
+    TEMPLATE = "template"  # a learned volatile template (``entry_id``: its ``volatile_templates`` id)
+
+
+ENTRY_KINDS = frozenset({ChangeKind.STORE, ChangeKind.UPDATE, ChangeKind.DELETE})
 
 
 @dataclass(frozen=True)
 class Change:
-    """One row of the log: what changed and, for an entry, which one (and a deleted one's size)."""
+    """One row of the log: what changed and which row (an entry, or the evidence or template row its
+    kind names; a deleted entry's size too)."""
 
     kind: ChangeKind
     entry_id: int | None = None

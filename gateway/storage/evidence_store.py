@@ -1,12 +1,14 @@
-"""SQL of the false-hit evidence (``hit_audits``): append rows, read what others appended since."""
+"""SQL of the false-hit evidence (``hit_audits``): append rows (each logged in the change log, so the
+other replicas read it: ``gateway/storage/changes.py``), read rows by id or by age."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-from sqlalchemy import func, select
+from sqlalchemy import ColumnElement, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from cachegw.gateway.storage.changes import Change, ChangeKind, log_changes
 from cachegw.gateway.storage.prune import delete_older
 from cachegw.gateway.storage.tables import HitAudit
 
@@ -37,12 +39,21 @@ class EvidenceStore:
             records = [HitAudit(**{k: v for k, v in asdict(r).items() if k != "id"}) for r in rows]
             s.add_all(records)
             s.flush()
-            return [r.id for r in records]
+            ids = [r.id for r in records]
+            log_changes(s, [Change(ChangeKind.EVIDENCE, i) for i in ids])
+            return ids
 
     def since(self, ts: float) -> list[EvidenceRow]:
         """Rows written at or after ``ts`` (all of them from 0), oldest first."""
+        return self._rows(HitAudit.ts >= ts)
+
+    def get(self, ids: list[int]) -> list[EvidenceRow]:
+        """The rows of these ids still kept, oldest first."""
+        return self._rows(HitAudit.id.in_(ids)) if ids else []
+
+    def _rows(self, where: ColumnElement[bool]) -> list[EvidenceRow]:
         with self.session() as s:
-            found = s.scalars(select(HitAudit).where(HitAudit.ts >= ts).order_by(HitAudit.id)).all()
+            found = s.scalars(select(HitAudit).where(where).order_by(HitAudit.id)).all()
             return [EvidenceRow(**{f.name: getattr(r, f.name) for f in fields(EvidenceRow)}) for r in found]
 
     def prune(self, before: float) -> int:

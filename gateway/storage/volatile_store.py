@@ -1,6 +1,7 @@
-"""SQL of the learned volatile templates (``volatile_templates``): every replica adds what it learns,
-reads them all at start and the rows the others added since on each sync; match counts are added in
-batches. The template itself is opaque JSON here: the learner encodes and checks it."""
+"""SQL of the learned volatile templates (``volatile_templates``): every replica adds what it learns
+(each new row logged in the change log, so the others read it: ``gateway/storage/changes.py``), reads
+them all at start and by id as the log names them; match counts are added in batches. The template
+itself is opaque JSON here: the learner encodes and checks it."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
+from cachegw.gateway.storage.changes import Change, ChangeKind, log_changes
 from cachegw.gateway.storage.tables import VolatileTemplate
 
 
@@ -48,7 +50,9 @@ class VolatileStore:
             values = {f.name: getattr(row, f.name) for f in fields(StoredTemplate) if f.name != "id"}
             try:
                 with self.session.begin() as s:
-                    s.execute(_insert_or_ignore(s.get_bind().dialect.name, values))
+                    added = s.execute(_insert_or_ignore(s.get_bind().dialect.name, values)).scalar()
+                    if added is not None:  # a new row, not another replica's copy
+                        log_changes(s, [Change(ChangeKind.TEMPLATE, int(added))])
             except IntegrityError:  # another database: the unique key refused the second copy
                 pass
 
@@ -58,9 +62,11 @@ class VolatileStore:
         recency = func.coalesce(VolatileTemplate.last_match_at, VolatileTemplate.learned_at)
         return self._rows(select(VolatileTemplate).order_by(recency, VolatileTemplate.id))
 
-    def after(self, row_id: int) -> list[StoredTemplate]:
-        """The rows with ids above ``row_id``, oldest first."""
-        stmt = select(VolatileTemplate).where(VolatileTemplate.id > row_id).order_by(VolatileTemplate.id)
+    def get(self, ids: list[int]) -> list[StoredTemplate]:
+        """The rows of these ids, oldest first."""
+        if not ids:
+            return []
+        stmt = select(VolatileTemplate).where(VolatileTemplate.id.in_(ids)).order_by(VolatileTemplate.id)
         return self._rows(stmt)
 
     def add_matches(self, counts: Iterable[MatchCount]) -> None:
@@ -87,8 +93,10 @@ class VolatileStore:
 
 
 def _insert_or_ignore(dialect: str, values: dict[str, object]) -> Executable:
+    """The insert, returning the new row's id (none when the row was there already)."""
+    new_id = VolatileTemplate.id
     if dialect == "sqlite":
-        return sqlite_insert(VolatileTemplate).values(**values).on_conflict_do_nothing()
+        return sqlite_insert(VolatileTemplate).values(**values).on_conflict_do_nothing().returning(new_id)
     if dialect == "postgresql":
-        return pg_insert(VolatileTemplate).values(**values).on_conflict_do_nothing()
-    return insert(VolatileTemplate).values(**values)
+        return pg_insert(VolatileTemplate).values(**values).on_conflict_do_nothing().returning(new_id)
+    return insert(VolatileTemplate).values(**values).returning(new_id)
