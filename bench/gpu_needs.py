@@ -48,12 +48,14 @@ try:
     import tempfile
     from pathlib import Path
     from bench import gpu_parity
+    from testkit.random_llama import save_random_llama
     from cachegw.backend import LLM, SamplingParams
     from cachegw.backend.executor.layers import kernel_check, triton_attention
-    assert gpu_parity.main(["--device", "cpu", "--tiny", "--out", os.path.join(tempfile.mkdtemp(), "p.json")]) == 0
+    out = os.path.join(tempfile.mkdtemp(), "parity.json")
+    assert gpu_parity.main(["--device", "cpu", "--tiny", "--out", out]) == 0
     with tempfile.TemporaryDirectory() as tmp:
-        gpu_parity.make_model(Path(tmp), gpu_parity.TINY, 0)
-        llm = LLM(model=tmp, load_format="dummy", device="cpu", compile="off", kv_cache_tokens=256, max_num_seqs=2)
+        save_random_llama(Path(tmp), gpu_parity.TINY.model)
+        llm = LLM(model=tmp, load_format="dummy", device="cpu", compile="off", kv_cache_tokens=256)
         llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
 except ModuleNotFoundError as exc:
     top = (exc.name or "").split(".")[0]
@@ -142,12 +144,12 @@ def unmet_requirements(wheels: Path) -> list[str]:
             metas[wheel.name] = zf.read(name).decode()
     present = device_distributions() | {normalized(w.split("-")[0]) for w in metas}
     unmet = []
-    for wheel, text in metas.items():
+    for wheel_name, text in metas.items():
         for line in text.splitlines():
             if line.startswith("Requires-Dist:") and "extra ==" not in line:
                 req = line.split(":", 1)[1].strip()
                 if normalized(re.split(r"[ <>=!~;(\[]", req)[0]) not in present:
-                    unmet.append(f"{wheel}: {req}")
+                    unmet.append(f"{wheel_name}: {req}")
     return unmet
 
 

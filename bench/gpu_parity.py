@@ -30,26 +30,21 @@ from pathlib import Path
 import torch
 
 from bench.common import save, say
+from testkit.random_llama import LlamaShape, save_random_llama
 
 TOP_K = 5  # logprobs the engine returns per step (its limit is 20)
 
 
 @dataclass(frozen=True)
-class Shape:
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
+class Sizes:
+    model: LlamaShape
     prompt_lens: tuple[int, ...]
     new_tokens: int
 
 
 # Prompts cross several 16-token KV blocks (and the decode kernel's KV splits) and mix short with long.
-GPU = Shape(1024, 4, 16, 4, 64, 2816, 8192, (3, 17, 40, 64, 129, 200, 257, 333), 48)
-TINY = Shape(64, 2, 4, 2, 32, 128, 512, (3, 20, 37), 8)
+GPU = Sizes(LlamaShape(1024, 4, 16, 4, 64, 2816, 8192), (3, 17, 40, 64, 129, 200, 257, 333), 48)
+TINY = Sizes(LlamaShape(64, 2, 4, 2, 32, 128, 512), (3, 20, 37), 8)
 
 
 @dataclass
@@ -62,34 +57,9 @@ class Run:
     graphs: int = 0
 
 
-def make_model(folder: Path, shape: Shape, seed: int) -> Path:
-    """A seeded random Llama in float32 safetensors (larger init than usual: decisive logits)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=shape.vocab,
-        hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        head_dim=shape.head_dim,
-        max_position_embeddings=1024,
-        initializer_range=0.05,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
-    model.save_pretrained(str(folder), safe_serialization=True)
-    return folder
-
-
-def make_prompts(shape: Shape, seed: int) -> list[list[int]]:
+def make_prompts(sizes: Sizes, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(3, shape.vocab) for _ in range(n)] for n in shape.prompt_lens]
+    return [[rng.randrange(3, sizes.model.vocab) for _ in range(n)] for n in sizes.prompt_lens]
 
 
 def ours(model_dir: Path, device: str, dtype: str, prompts: list[list[int]], new_tokens: int, **kw) -> Run:
@@ -102,10 +72,10 @@ def ours(model_dir: Path, device: str, dtype: str, prompts: list[list[int]], new
     runner = llm.engine.runner
     run = Run(
         tokens=[list(o.token_ids) for o in outs],
-        logprobs=[[{t: lp for t, lp in e["top"]} | {e["token_id"]: e["logprob"]} for e in o.logprobs or []] for o in outs],
+        logprobs=[[dict(e["top"]) | {e["token_id"]: e["logprob"]} for e in o.logprobs or []] for o in outs],
         attention=runner.attention_backend,
         graphs=len(runner.graphs),
-    )  # fmt: skip
+    )
     del llm, runner
     free_memory()
     return run
@@ -115,7 +85,8 @@ def hf(model_dir: Path, device: str, dtype: str, prompts: list[list[int]], new_t
     """Greedy decoding by full forward passes (no cache to get wrong), every logprob kept."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).to(device).eval()
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
+    model = model.to(device).eval()
     tokens, logprobs = [], []
     with torch.inference_mode():
         for prompt in prompts:
@@ -145,15 +116,17 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 def compare(a: Run, b: Run) -> dict:
     """Per prompt: equal, the first differing step, the share of equal positions; and the largest
     |logprob| difference over tokens both sides list, on steps whose inputs were still the same."""
-    per_prompt, max_diff = [], 0.0
+    per_prompt: list[dict] = []
+    shares: list[float] = []
+    max_diff = 0.0
     for ta, tb, la, lb in zip(a.tokens, b.tokens, a.logprobs, b.logprobs, strict=True):
         first = first_difference(ta, tb)
         same = sum(x == y for x, y in zip(ta, tb, strict=True))
-        per_prompt.append({"equal": first is None, "first_difference": first, "share": round(same / len(ta), 4)})
+        shares.append(round(same / len(ta), 4))
+        per_prompt.append({"equal": first is None, "first_difference": first, "share": shares[-1]})
         for step in range(len(ta) if first is None else first + 1):  # the differing step's inputs agree too
             shared = la[step].keys() & lb[step].keys()
             max_diff = max([max_diff, *(abs(la[step][t] - lb[step][t]) for t in shared)])
-    shares = [p["share"] for p in per_prompt]
     return {
         "all_equal": all(p["equal"] for p in per_prompt),
         "share": round(sum(shares) / len(shares), 4),
@@ -162,15 +135,15 @@ def compare(a: Run, b: Run) -> dict:
     }
 
 
-def check(device: str, shape: Shape, seed: int = 0) -> dict:
+def check(device: str, sizes: Sizes, seed: int = 0) -> dict:
     """Every comparison of the module docstring, as one JSON-ready payload with pass flags."""
-    prompts = make_prompts(shape, seed)
+    prompts, new_tokens = make_prompts(sizes, seed), sizes.new_tokens
     with tempfile.TemporaryDirectory(prefix="cachegw-parity-") as tmp:
-        model_dir = make_model(Path(tmp), shape, seed)
+        model_dir = save_random_llama(Path(tmp), sizes.model, seed)
 
         def engine(dtype: str, **kw) -> Run:
             say(f"engine {dtype} {kw or ''}")
-            return ours(model_dir, device, dtype, prompts, shape.new_tokens, **kw)
+            return ours(model_dir, device, dtype, prompts, new_tokens, **kw)
 
         runs = {
             "ours_float32": engine("float32"),
@@ -179,8 +152,8 @@ def check(device: str, shape: Shape, seed: int = 0) -> dict:
             "ours_bfloat16_eager": engine("bfloat16", enforce_eager=True),
         }
         say("Hugging Face float32 and bfloat16")
-        runs["hf_float32"] = hf(model_dir, device, "float32", prompts, shape.new_tokens)
-        runs["hf_bfloat16"] = hf(model_dir, device, "bfloat16", prompts, shape.new_tokens)
+        runs["hf_float32"] = hf(model_dir, device, "float32", prompts, new_tokens)
+        runs["hf_bfloat16"] = hf(model_dir, device, "bfloat16", prompts, new_tokens)
     results = {
         "float32_vs_hf": compare(runs["ours_float32"], runs["hf_float32"]),
         "bfloat16_vs_hf": compare(runs["ours_bfloat16"], runs["hf_bfloat16"]),
@@ -188,16 +161,20 @@ def check(device: str, shape: Shape, seed: int = 0) -> dict:
         "graphs_vs_eager": compare(runs["ours_bfloat16"], runs["ours_bfloat16_eager"]),
     }
     on_cuda = device.startswith("cuda")
-    engines = {name: {"attention": r.attention, "cuda_graphs": r.graphs} for name, r in runs.items() if name.startswith("ours")}
+    engines: dict[str, dict] = {
+        name: {"attention": r.attention, "cuda_graphs": r.graphs}
+        for name, r in runs.items()
+        if name.startswith("ours")
+    }
     passed = {
         "float32_equal": results["float32_vs_hf"]["all_equal"],
         "graphs_equal_eager": results["graphs_vs_eager"]["all_equal"],
         # on CUDA the kernels and graphs must really run (the engine falls back silently otherwise)
         "triton_used": not on_cuda or all(e["attention"] == "triton" for e in engines.values()),
-        "graphs_captured": not on_cuda or engines["ours_bfloat16"]["cuda_graphs"] > 0,
-    }  # fmt: skip
+        "graphs_captured": not on_cuda or runs["ours_bfloat16"].graphs > 0,
+    }
     return {
-        "shape": asdict(shape),
+        "sizes": asdict(sizes),
         "device": device,
         "seed": seed,
         "engines": engines,
@@ -212,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="the CPU test's sizes (seconds on a CPU)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=None, help="JSON file (default bench/results/gpu_parity.json)")
+    ap.add_argument("--out", type=Path, default=None, help="JSON file (default: bench/results/)")
     args = ap.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         say("no CUDA device: use --device cpu (with --tiny) off a GPU machine; nothing written")
@@ -220,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     payload = check(args.device, TINY if args.tiny else GPU, args.seed)
     for name in ("float32_vs_hf", "bfloat16_vs_hf", "fp8_kv_vs_bfloat16", "graphs_vs_eager"):
         r = payload[name]
-        say(f"{name}: all equal {r['all_equal']}, share {r['share']}, max logprob diff {r['max_logprob_difference']}")
+        diff = r["max_logprob_difference"]
+        say(f"{name}: all equal {r['all_equal']}, share {r['share']}, max logprob difference {diff}")
     say(f"passed: {payload['passed']}")
     save("gpu_parity", payload, args.out)
     return 0 if payload["ok"] else 1
