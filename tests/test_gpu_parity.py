@@ -5,6 +5,7 @@ engine's float32/bfloat16/fp8-KV/eager paths on a model made by transformers).""
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 from bench import gpu_parity
@@ -33,3 +34,11 @@ def test_compare_finds_the_first_difference() -> None:
     # steps 0-2 compared (step 2's inputs still agree), step 3 after the split is not
     assert result["max_logprob_difference"] == 0.2
     assert not result["all_equal"]
+
+
+def test_gpu_scripts_parse() -> None:
+    """The two shell scripts of the GPU check are only ever run in full on a lent machine."""
+    root = Path(__file__).resolve().parents[1]
+    for script in ("bench/gpu_prepare.sh", "bench/gpu_check.sh"):
+        res = subprocess.run(["bash", "-n", script], cwd=root, capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr
