@@ -43,11 +43,12 @@ def machine() -> dict:
     return info
 
 
-def save(name: str, payload: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+def save(name: str, payload: dict, path: Path | None = None) -> Path:
+    """bench/results/NAME.json, or ``path`` (the GPU check writes under its own folder)."""
+    path = path or RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"machine": machine(), **payload}, indent=2) + "\n")
-    say(f"wrote {path.relative_to(ROOT)}")
+    say(f"wrote {path}")
     return path
 
 

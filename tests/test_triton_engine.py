@@ -1,8 +1,10 @@
 """The whole model with the Triton attention path gives the torch path's tokens.
 
-Runs in a subprocess with TRITON_INTERPRET=1 (Triton's CPU interpreter), since that flag only
-takes effect if set before triton is first imported. On a CUDA machine the same check runs on
-the GPU. Covers plain prefill, prefill over a cached prefix, and decode, in the real engine.
+Without CUDA it runs in a subprocess with TRITON_INTERPRET=1 (Triton's CPU interpreter, a flag that
+only takes effect if set before triton is first imported) on the embedded SmolLM2. On a CUDA machine
+the kernels run natively on the GPU, on a random Llama of SmolLM2's head shape (the GGUF does not
+travel to a lent GPU machine; testkit/random_llama.py), without CUDA graphs so that both paths run
+the same eager steps. Covers plain prefill, prefill over a cached prefix, and decode, in the real engine.
 """
 
 from __future__ import annotations
@@ -12,28 +14,44 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("triton", reason="triton is not installed")
 
+ROOT = Path(__file__).resolve().parents[1]
+ON_CUDA = torch.cuda.is_available()
 SCRIPT = textwrap.dedent(
     """
-    import json, torch
+    import json, tempfile, torch
+    from pathlib import Path
     torch.set_num_threads(2)
     from cachegw.backend import LLM, SamplingParams
-    llm = LLM(dtype="float32", quantization="none", kv_cache_tokens=1024, max_num_seqs=4)
+    from cachegw.backend.executor.layers.kernel_check import self_check
+    engine = dict(dtype="float32", quantization="none", kv_cache_tokens=1024, max_num_seqs=4)
+    if torch.cuda.is_available():
+        from testkit.random_llama import LlamaShape, save_random_llama
+        model = save_random_llama(Path(tempfile.mkdtemp()), LlamaShape(576, 2, 9, 3, 64, 1536, 4096))
+        llm = LLM(str(model), device="cuda", enforce_eager=True, **engine)
+    else:
+        llm = LLM(**engine)
+    runner = llm.engine.runner
+    chosen = runner.attention_backend
+    def use_triton(on):
+        for layer in runner.model.layers:
+            layer.self_attn.attn.use_triton = on
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     prompts = [list(range(100, 140)), list(range(100, 120)) + list(range(300, 310))]
+    use_triton(False)
     torch_out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, cache_salt="torch")]
-    from cachegw.backend.executor.layers.kernel_check import self_check
-    checked = self_check(torch.device("cpu"), torch.float32, llm.engine.runner.spec, 16)
-    for layer in llm.engine.runner.model.layers:
-        layer.self_attn.attn.use_triton = True
+    checked = self_check(runner.device, torch.float32, runner.spec, 16)
+    use_triton(True)
     cold = llm.generate(prompts, params, cache_salt="triton")  # plain prefill, then decode
     warm = llm.generate(prompts, params, cache_salt="triton")  # over the cached prefix
-    print(json.dumps({"self_check": checked, "torch": torch_out,
-                      "cold": [o.outputs[0].token_ids for o in cold],
+    print(json.dumps({"device": runner.device.type, "chosen": chosen, "self_check": checked,
+                      "torch": torch_out, "cold": [o.outputs[0].token_ids for o in cold],
                       "warm": [o.outputs[0].token_ids for o in warm],
                       "warm_cached": [o.num_cached_tokens for o in warm]}))
     """
@@ -42,12 +60,15 @@ SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 def test_engine_with_triton_attention_matches_torch_path():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"} | ({} if ON_CUDA else {"TRITON_INTERPRET": "1"})
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=900
+        [sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True, env=env, timeout=900
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["device"] == ("cuda" if ON_CUDA else "cpu")
+    # on CUDA the engine itself picked the kernels (their start-up self-check passed); on CPU, the torch path
+    assert result["chosen"] == ("triton" if ON_CUDA else "torch")
     assert result["self_check"] is True  # the start-up check the engine runs on CUDA
     assert result["cold"] == result["torch"]
     assert result["warm"] == result["torch"]

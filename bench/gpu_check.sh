@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# Runs THERE: on a lent GPU machine, from the repo root, as the device tool's one command, after
+# bench/gpu_prepare.sh filled .whl/ here:   run(command="bash bench/gpu_check.sh", carry=[".whl"], timeout_s=600)
+# Installs the wheels into /tmp/site, then runs each step under its own time limit, never stopping at
+# a failure: the Triton attention tests and the engine's Triton test natively on CUDA, the parity check
+# (bench/gpu_parity.py) and the decode benchmark (bench/gpu_decode.py). Everything lands in $OUT
+# (default ./gpu-results): one log per step, parity.json, decode.json and summary.json, 8 files (what
+# the tool brings back). No step starts past the deadline: the whole run ends within 8 minutes.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=$(mkdir -p "${OUT:-./gpu-results}" && cd "${OUT:-./gpu-results}" && pwd)
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+DEADLINE=$((SECONDS + ${GPU_CHECK_SECONDS:-465}))
+STEPS=() # name|rc|seconds|log|limit|from|to: the bytes of its log that are the step's own
+
+# step NAME LIMIT_S LOG COMMAND...: the command under `timeout`, its output appended to $OUT/LOG
+step() {
+    local name=$1 limit=$2 log=$3 t0=$SECONDS rc from
+    shift 3
+    from=$(stat -c %s "$OUT/$log" 2>/dev/null || echo 0)
+    ((limit > DEADLINE - SECONDS)) && limit=$((DEADLINE - SECONDS))
+    if ((limit < 10)); then
+        echo "== $name: not started, out of time" | tee -a "$OUT/$log"
+        STEPS+=("$name|skipped|0|$log|0|$from|")
+        return
+    fi
+    echo "== $name (limit ${limit}s): $*" | tee -a "$OUT/$log"
+    timeout -k 10 "$limit" "$@" >>"$OUT/$log" 2>&1
+    rc=$?
+    STEPS+=("$name|$rc|$((SECONDS - t0))|$log|$limit|$from|$(stat -c %s "$OUT/$log")")
+    tail -n 4 "$OUT/$log"
+    echo "   -> rc=$rc in $((SECONDS - t0))s"
+}
+
+VERSIONS='
+import importlib.metadata as md, sys, torch
+print("python", sys.version.split()[0])
+for name in ("torch", "triton", "transformers", "safetensors", "numpy", "pytest", "pydantic",
+             "pydantic-core", "typing-extensions"):
+    try:
+        print(name, md.version(name))
+    except md.PackageNotFoundError:
+        print(name, "MISSING")
+print("torch cuda", torch.version.cuda, "available", torch.cuda.is_available())
+assert torch.cuda.is_available(), "no CUDA device"
+print("device", torch.cuda.get_device_name(), torch.cuda.get_device_capability())
+from cachegw.backend import LLM  # the engine, its pydantic config included
+from cachegw.backend.executor.layers.triton_attention import triton_available
+assert triton_available(), "triton does not import"
+print("engine imports ok")
+'
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+    step install 90 setup.log "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+else
+    echo "no .whl/: run bench/gpu_prepare.sh here first, then carry .whl" | tee -a "$OUT/setup.log"
+    STEPS+=("install|1|0|setup.log|0|0|")
+fi
+step nvidia-smi 20 setup.log nvidia-smi
+step versions 60 setup.log "$PY" -c "$VERSIONS"
+
+# (a) the kernels natively on CUDA: the correctness tests in 4 processes (their Triton compiles are most
+# of the time), then the timing test alone (-s: it prints Triton's and torch's decode times)
+XDIST=()
+"$PY" -c "import xdist" 2>/dev/null && XDIST=(-n 4)
+PYTEST=("$PY" -m pytest -q -rs -p no:cacheprovider)
+step triton-attention 150 pytest_attention.log "${PYTEST[@]}" "${XDIST[@]}" tests/test_triton_attention.py \
+    -k "not test_cuda_decode_speed"
+step triton-speed 60 pytest_attention.log "${PYTEST[@]}" -s tests/test_triton_attention.py -k test_cuda_decode_speed
+step triton-engine 90 pytest_engine.log "${PYTEST[@]}" tests/test_triton_engine.py
+# (b) our tokens against HF's: float32, bfloat16, fp8 KV, CUDA graphs against eager
+step parity 150 parity.log "$PY" -m bench.gpu_parity --device cuda --out "$OUT/parity.json"
+# (c) Llama-3-8B-shaped decode against the bandwidth bound and HF generate (sizes cut to fit)
+step decode 220 decode.log "$PY" -m bench.gpu_decode --concurrency 32 64 --prompt-len 256 --new-tokens 128 \
+    --batch1-tokens 128 --out "$OUT/decode.json"
+
+"$PY" - "$OUT" "$SECONDS" "${STEPS[@]}" <<'PY' || echo '{"ok": false, "error": "the summary failed"}' >"$OUT/summary.json"
+import json, sys
+from pathlib import Path
+
+out, seconds = Path(sys.argv[1]), int(sys.argv[2])
+steps = []
+for entry in sys.argv[3:]:
+    name, rc, secs, log, limit, start, end = entry.split("|")
+    status = {"0": "passed", "skipped": "skipped", "124": "timed out", "137": "timed out"}.get(rc, "failed")
+    text = (out / log).read_bytes()[int(start) : int(end) if end else None].decode(errors="replace")
+    lines = [line for line in text.splitlines() if line.strip()]
+    record = {"step": name, "status": status, "rc": rc, "seconds": int(secs), "limit_s": int(limit),
+              "log": log, "last_line": lines[-1] if lines else ""}
+    if status != "passed":
+        record["log_tail"] = "\n".join(lines[-40:])
+    steps.append(record)
+results = {}
+for name in ("parity", "decode"):
+    path = out / f"{name}.json"
+    results[name] = json.loads(path.read_text()) if path.exists() else None
+parity = results["parity"] or {}
+decode = results["decode"] or {}
+summary = {
+    "ok": all(s["status"] == "passed" for s in steps),
+    "seconds": seconds,
+    "steps": steps,
+    "parity": {k: parity.get(k) for k in ("ok", "passed", "engines")}
+    | {k: {f: parity[k][f] for f in ("all_equal", "share", "max_logprob_difference")}
+       for k in ("float32_vs_hf", "bfloat16_vs_hf", "fp8_kv_vs_bfloat16", "graphs_vs_eager") if k in parity},
+    "decode": {k: decode.get(k) for k in ("bound_tok_per_s", "batch1_decode_tok_per_s", "fraction_of_bound", "runs")},
+}
+(out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+PY
+cat "$OUT/summary.json"

@@ -1,0 +1,46 @@
+"""A small Llama with seeded random weights, saved as safetensors by transformers: a model for checks
+that must run where no model file can go (the lent GPU machine takes 64 MiB, the embedded GGUF is
+98 MB), read by our engine and by Hugging Face alike (bench/gpu_parity.py, tests/test_triton_engine.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+
+
+def save_random_llama(folder: Path, shape: LlamaShape, seed: int = 0) -> Path:
+    """float32 weights at a larger init than training uses (0.05), so greedy picks are decisive; no
+    tokenizer (prompts go in as token ids); untied embeddings, so the LM head is its own weight."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        max_position_embeddings=1024,
+        initializer_range=0.05,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)  # float32: torch's default dtype
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return folder
