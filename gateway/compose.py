@@ -18,6 +18,7 @@ from cachegw.gateway.cache.audits import Auditor
 from cachegw.gateway.cache.error_control import ThresholdProvider
 from cachegw.gateway.cache.feedback import BadHitReports
 from cachegw.gateway.cache.maintenance import HIT_FLUSH_S
+from cachegw.gateway.cache.prior_loader import load_priors
 from cachegw.gateway.cache.response_cache import ResponseCache
 from cachegw.gateway.cache.retention import RETENTION_EVERY_S, Retention
 from cachegw.gateway.cache.verifier_loader import load_verifier
@@ -80,7 +81,8 @@ async def started_gateway(
     verifier = await asyncio.to_thread(load_verifier, c, settings.engine.resolved_cache_dir)
     index = await asyncio.to_thread(vector_index, settings, store, encoder.dim)
     evidence = EvidenceStore(store.session)
-    lines = ThresholdProvider(evidence, clock, c.error_bound.ageing)
+    priors = await asyncio.to_thread(load_priors, c.error_bound.false_hit_prior)
+    lines = ThresholdProvider(evidence, clock, c.error_bound.ageing, priors)
     await asyncio.to_thread(lines.load)  # the false-hit evidence every replica wrote
     cache = ResponseCache(live.cache_settings, stores, index, batcher, verifier, lines)
     n = await asyncio.to_thread(cache.rebuild_index, progress)
