@@ -133,7 +133,7 @@ def banking_replay(data: Path, texts: int, seed: int, held_out: bool = False) ->
     """A support desk with ``INTENTS`` intents (drawn at random): ``texts`` of their queries replayed in
     random order; the rest seed the evidence as nearest-neighbour pairs (same intent = right).
     ``held_out``: only texts the shipped prior did not count (no seeds are used then)."""
-    from cachegw.gateway.offline.calibrate import _encoder
+    from cachegw.gateway.offline.calibrate import gateway_encoder
 
     with open(data / "banking77_train.csv", newline="") as f:
         read = list(csv.DictReader(f))
@@ -146,7 +146,7 @@ def banking_replay(data: Path, texts: int, seed: int, held_out: bool = False) ->
     order, rest = pool[:texts], pool[texts:]
     if held_out:
         return [[t] for t in order], {t: f"intent {rows[t]}" for t in order}, ([], [], np.array([]))
-    emb = _encoder("auto").encode(rest)
+    emb = gateway_encoder("auto").encode(rest)
     sims = emb @ emb.T
     np.fill_diagonal(sims, -1.0)
     nn = sims.argmax(axis=1)

@@ -111,11 +111,14 @@ class Choice:
     bound: float  # upper bound at the line (or at the last line tried when none qualified)
 
 
-def choose_line(ev: Evidence, target: float, confidence: float = CONFIDENCE) -> Choice:
+def choose_line(ev: Evidence, target: float, confidence: float = CONFIDENCE, start: float = 0.0) -> Choice:
     """The lowest grid line whose hits' false-hit bound is <= ``target``, by fixed-sequence testing
-    from the strictest line that holds ``min_audits`` audits, downwards, stopping at the first failure.
-    Only lines at an audited score are tested: one in an empty cell would serve scores no audit saw."""
-    need = min_audits(target, confidence)
+    from the strictest line that holds ``min_audits`` audits (or ``start``, when more), downwards,
+    stopping at the first failure. Only lines at an audited score are tested: one in an empty cell
+    would serve scores no audit saw. A later ``start`` suits large evidence (a prior's): a line tested
+    on ``min_audits`` alone passes only with no wrong one, and a single wrong hit up there would stop
+    the scan; the start still depends on counts only, so the guarantee stands."""
+    need = max(float(min_audits(target, confidence)), start)
     chosen: Choice | None = None
     last = Choice(None, 0, 0, 1.0)
     started = False

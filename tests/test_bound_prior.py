@@ -122,8 +122,9 @@ def test_a_request_may_tighten_its_target_but_never_loosen_it(tmp_path) -> None:
 
 
 def prior_file(path: Path) -> str:
-    """A prior on the cosine: 10 clean pairs at 1.0, enough for target 0.3 at confidence 0.8 (5)."""
-    one = counts({1.0: (10, 0)})
+    """A prior on the cosine: 20 clean pairs at 1.0, enough for target 0.3 at confidence 0.8 (the
+    sequence starts at 3 x 5 with a prior)."""
+    one = counts({1.0: (20, 0)})
     doc = {"grid": list(GRID), "kinds": {"cosine": {"audits": one.audits, "wrong": one.wrong}}}
     path.write_text(json.dumps(doc))
     return str(path)
@@ -132,7 +133,7 @@ def prior_file(path: Path) -> str:
 def test_the_gateway_serves_from_the_prior_and_honours_the_request_budget(upstream, tmp_path) -> None:  # noqa: F811
     _, backend = upstream
     prior = prior_file(tmp_path / "prior.json")
-    s = bound_settings(tmp_path, backend, false_hit_prior=prior, false_hit_prior_strength=10.0)
+    s = bound_settings(tmp_path, backend, false_hit_prior=prior, false_hit_prior_strength=20.0)
     with gateway(s, MovableClock()) as url:
         assert chat(url, ask(Q0), max_tokens=8)[1]["x-cache"] == "miss"  # stored
         h = chat(url, ask(Q0), max_tokens=8)[1]
@@ -140,7 +141,7 @@ def test_the_gateway_serves_from_the_prior_and_honours_the_request_budget(upstre
         h = chat(url, ask(Q0), max_tokens=8, extra_headers={"x-cache-max-false-hit-rate": "0.5"})[1]
         assert (h["x-cache"], h["x-cache-bound"]) == ("semantic-hit", "0.3")  # never loosened
         h = chat(url, ask(Q0), max_tokens=8, extra_headers={"x-cache-max-false-hit-rate": "0.01"})[1]
-        assert (h["x-cache"], h["x-cache-reason"]) == ("miss", "error-bound")  # 10 pairs vouch for 0.3
+        assert (h["x-cache"], h["x-cache-reason"]) == ("miss", "error-bound")  # 20 pairs vouch for 0.3 only
         assert "x-cache-bound" not in h
         for bad in ("abc", "0", "1", "-0.1", "nan", ""):
             r = httpx.post(
@@ -160,3 +161,13 @@ def test_without_the_prior_the_gateway_serves_nothing_from_no_evidence(upstream,
         chat(url, ask(Q0), max_tokens=8)
         h = chat(url, ask(Q0), max_tokens=8)[1]
         assert (h["x-cache"], h["x-cache-reason"]) == ("miss", "error-bound")
+
+
+def test_a_later_start_lets_large_evidence_survive_one_wrong_hit_at_the_top() -> None:
+    ev = Evidence()
+    ev.add(0.99, True, 59)
+    ev.add(0.99, False)
+    ev.add(0.95, True, 396)
+    ev.add(0.95, False, 4)
+    assert choose_line(ev, TARGET).line is None  # tested first on 60 pairs, 1 wrong: over 5%
+    assert choose_line(ev, TARGET, start=3 * 59).line == 0.95  # first tested on 460 pairs

@@ -34,7 +34,7 @@ from typing import Any
 from cachegw.gateway.cache.prior_loader import Priors
 from cachegw.gateway.config import CacheConfig
 from cachegw.gateway.storage.evidence_store import EvidenceRow, EvidenceStore
-from cachegw.policies.bound_prior import with_prior
+from cachegw.policies.bound_prior import START_FACTOR, with_prior
 from cachegw.policies.error_bound import Choice, Evidence, choose_line, interval, min_audits
 from cachegw.policies.evidence_window import Ageing, WindowedEvidence
 
@@ -154,7 +154,8 @@ class ThresholdProvider:
         if k not in self._choices:
             if len(self._choices) >= CHOICES:
                 self._choices.clear()
-            self._choices[k] = choose_line(ev, target, conf)
+            start = START_FACTOR * min_audits(target, conf) if prior > 0 else 0.0
+            self._choices[k] = choose_line(ev, target, conf, start)
         return self._choices[k]
 
     def _entry_choice(self, entry_id: int | None, target: float, conf: float) -> Choice | None:
