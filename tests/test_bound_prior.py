@@ -20,6 +20,7 @@ from cachegw.gateway.storage.store import Store
 from cachegw.policies.bound_prior import PriorCounts, PriorWeight, with_prior
 from cachegw.policies.error_bound import GRID, Evidence, choose_line, upper_bound
 from cachegw.policies.verifier import ARTIFACT_PATH
+from tests.test_calibrate import PAIRS, _run_json, pairs_csv  # noqa: F401 (a fixture)
 from tests.test_error_bound_gateway import Q0, bound_settings, upstream  # noqa: F401 (a fixture)
 from tests.test_gateway import MovableClock, ask, chat, gateway
 
@@ -171,3 +172,14 @@ def test_a_later_start_lets_large_evidence_survive_one_wrong_hit_at_the_top() ->
     ev.add(0.95, False, 4)
     assert choose_line(ev, TARGET).line is None  # tested first on 60 pairs, 1 wrong: over 5%
     assert choose_line(ev, TARGET, start=3 * 59).line == 0.95  # first tested on 460 pairs
+
+
+def test_calibrate_writes_a_prior_the_gateway_loads(capsys, pairs_csv, tmp_path) -> None:  # noqa: F811
+    out = tmp_path / "prior.json"
+    res = _run_json(capsys, ["--pairs", str(pairs_csv), "--write-prior", str(out)])
+    priors = load_priors(str(out))
+    assert set(priors) == {"verifier", "cosine"}
+    assert res["prior"] == max(p.total for p in priors.values()) > 0
+    prov = json.loads(out.read_text())["provenance"]
+    assert prov["data"][pairs_csv.name]["pairs"] == len(PAIRS) == prov["pairs"]
+    assert prov["verifier_sha256"] == sha256(ARTIFACT_PATH)
