@@ -10,6 +10,11 @@ cost as extra backend requests per 100 client requests, and realized vs target v
 replay (bench/results/error_bound.json and .png).
 
     .venv/bin/python -m bench.error_bound [--pairs 400] [--texts 800] [--data DIR]
+    .venv/bin/python -m bench.error_bound --prior [--pairs 1500] [--texts 800]
+
+``--prior``: the shipped prior (``policies/artifacts/bound_prior.json``) against none, target 5%, audits
+at 50%, no seeds; the replay draws from the held-out part only (``bench/prior_split.py``), never from
+the pairs the prior counted. Writes bench/results/error_bound_prior.json.
 
 Subsampled to stay under ~6 minutes on 2 cores: ``--pairs`` QQP test pairs (each replayed as question 1,
 then question 2) and ``--texts`` banking77 texts of ``INTENTS`` intents, drawn with a fixed seed, sent
@@ -37,6 +42,7 @@ import numpy as np
 from fastapi import FastAPI, Request
 
 from bench.common import RESULTS, SHARED_DATA, save, say
+from bench.prior_split import banking_parts, qqp_parts
 from bench.verifier_quality import split_qqp
 from testkit.servers import serve_in_thread
 
@@ -45,6 +51,7 @@ TOKEN = "bench-error-bound-admin-token"
 CLIENT_KEY = {"authorization": "Bearer bench"}
 TARGETS = (0.02, 0.05)
 AUDIT_FRACTION = 0.25  # a quarter of hits and near misses: the seeds carry the start
+PRIOR_TARGET, PRIOR_AUDITS = 0.05, 0.5  # the --prior runs
 SEED_PAIRS = 2000  # QQP test pairs that seed the evidence (`cachegw calibrate --seed-evidence`)
 INTENTS = 12  # banking77 intents of the replayed support desk
 CLIENTS = 4  # replay units (a QQP pair in order, or one banking77 text) sent by 4 clients at once
@@ -87,13 +94,15 @@ def labelled_backend(answer_of: dict[str, str]) -> FastAPI:
 Replay = tuple[list[list[str]], dict[str, str], tuple[list[str], list[str], np.ndarray]]
 
 
-def qqp_replay(data: Path, pairs: int, seed: int) -> Replay:
+def qqp_replay(data: Path, pairs: int, seed: int, held_out: bool = False) -> Replay:
     """Test-split pairs, question 1 then question 2; meanings are the classes duplicates connect.
-    Other test-split pairs (``SEED_PAIRS``, none sharing a replayed question) seed the evidence."""
+    Other test-split pairs (``SEED_PAIRS``, none sharing a replayed question) seed the evidence.
+    ``held_out``: replayed pairs only from the part the shipped prior did not count."""
     with open(data / "qqp_dev.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     _, test, _ = split_qqp(rows)
-    shuffled = random.Random(seed).sample(test, len(test))
+    pool = qqp_parts(rows)[1] if held_out else test
+    shuffled = random.Random(seed).sample(pool, len(pool))
     picked = shuffled[:pairs]
     replayed = {q for r in picked for q in (r["question1"], r["question2"])}
     seeds = [r for r in shuffled[pairs:] if r["question1"] not in replayed and r["question2"] not in replayed]
@@ -120,20 +129,24 @@ def qqp_replay(data: Path, pairs: int, seed: int) -> Replay:
     return units, {q: f"answer {find(q)[:40]!r}" for u in units for q in u}, labelled
 
 
-def banking_replay(data: Path, texts: int, seed: int) -> Replay:
+def banking_replay(data: Path, texts: int, seed: int, held_out: bool = False) -> Replay:
     """A support desk with ``INTENTS`` intents (drawn at random): ``texts`` of their queries replayed in
-    random order; the rest seed the evidence as nearest-neighbour pairs (same intent = right)."""
-    from cachegw.gateway.offline.calibrate import _encoder
+    random order; the rest seed the evidence as nearest-neighbour pairs (same intent = right).
+    ``held_out``: only texts the shipped prior did not count (no seeds are used then)."""
+    from cachegw.gateway.offline.calibrate import gateway_encoder
 
     with open(data / "banking77_train.csv", newline="") as f:
-        rows = {r["text"]: r["category"] for r in csv.DictReader(f)}
+        read = list(csv.DictReader(f))
+    rows = {r["text"]: r["category"] for r in (banking_parts(read)[1] if held_out else read)}
     rng = random.Random(seed)
     intents = set(rng.sample(sorted(set(rows.values())), INTENTS))
     pool = rng.sample(
         sorted(t for t, c in rows.items() if c in intents), len([c for c in rows.values() if c in intents])
     )
     order, rest = pool[:texts], pool[texts:]
-    emb = _encoder("auto").encode(rest)
+    if held_out:
+        return [[t] for t in order], {t: f"intent {rows[t]}" for t in order}, ([], [], np.array([]))
+    emb = gateway_encoder("auto").encode(rest)
     sims = emb @ emb.T
     np.fill_diagonal(sims, -1.0)
     nn = sims.argmax(axis=1)
@@ -166,7 +179,14 @@ def seed_rows(labelled: tuple[list[str], list[str], np.ndarray]) -> list[Any]:
 
 
 @contextlib.contextmanager
-def gateway(backend: str, work: Path, target: float, seeds: list[Any]) -> Iterator[str]:
+def gateway(
+    backend: str,
+    work: Path,
+    target: float,
+    seeds: list[Any],
+    prior: str = "none",
+    audits: float = AUDIT_FRACTION,
+) -> Iterator[str]:
     from cachegw.gateway.api.app import build_app
     from cachegw.gateway.compose import started_gateway
     from cachegw.gateway.config import load_settings
@@ -174,7 +194,8 @@ def gateway(backend: str, work: Path, target: float, seeds: list[Any]) -> Iterat
     s = load_settings(None, data_dir=str(work), backends=(backend,))
     cache = {
         "max_false_hit_rate": target,
-        "audit_fraction": AUDIT_FRACTION,
+        "audit_fraction": audits,
+        "false_hit_prior": prior,
         "audit_max_per_second": 1000.0,
         "sync_interval_s": 0.0,
     }
@@ -203,7 +224,13 @@ def false_hit_view(client: httpx.Client, url: str) -> dict[str, Any]:
 
 
 def run(
-    units: list[list[str]], answer_of: dict[str, str], target: float, backend: str, seeds: list[Any]
+    units: list[list[str]],
+    answer_of: dict[str, str],
+    target: float,
+    backend: str,
+    seeds: list[Any],
+    prior: str = "none",
+    audits: float = AUDIT_FRACTION,
 ) -> dict[str, Any]:
     """One replay on a fresh gateway: per request, whether it hit and whether the hit was right."""
     served: list[tuple[bool, bool]] = []  # (hit, right), in the order the answers came
@@ -214,7 +241,7 @@ def run(
     start = time.perf_counter()
     with (
         tempfile.TemporaryDirectory() as work,
-        gateway(backend, Path(work), target, seeds) as url,
+        gateway(backend, Path(work), target, seeds, prior, audits) as url,
         httpx.Client(timeout=120) as client,
     ):
 
@@ -264,6 +291,7 @@ def run(
         "interval": interval,
         "interval_contains_realized": (interval[0] <= realized2 <= interval[1]) if interval else None,
         "line": scope.get("line"),
+        "prior_audits_at_end": scope.get("prior_audits"),
         "evidence": scope.get("evidence"),
         "audits_by_verdict": verdicts,
         "audit_backend_tokens": view.get("audit_backend_tokens"),
@@ -303,7 +331,10 @@ def main() -> None:
     p.add_argument("--texts", type=int, default=800)
     p.add_argument("--data", type=Path, default=SHARED_DATA)
     p.add_argument("--seed", type=int, default=17)
+    p.add_argument("--prior", action="store_true", help="the shipped prior against none, held-out pairs")
     args = p.parse_args()
+    if args.prior:
+        return prior_main(args)
     sets = {
         "qqp_test": qqp_replay(args.data, args.pairs, args.seed),
         "banking77": banking_replay(args.data, args.texts, args.seed),
@@ -327,6 +358,29 @@ def main() -> None:
                 results[name].append(r)
     plot(results, RESULTS / "error_bound.png")
     save("error_bound", {"args": {k: str(v) for k, v in vars(args).items()}, "results": results})
+
+
+def prior_main(args: argparse.Namespace) -> None:
+    """One scope, target 5%, audits at 50%, no seeds: without a prior, then with the shipped one."""
+    sets = {
+        "qqp_held_out": qqp_replay(args.data, args.pairs, args.seed, held_out=True),
+        "banking77_held_out": banking_replay(args.data, args.texts, args.seed, held_out=True),
+    }
+    results: dict[str, Any] = {}
+    for name, (units, answer_of, _) in sets.items():
+        with serve_in_thread(labelled_backend(answer_of)) as b:
+            results[name] = []
+            for prior in ("none", "shipped"):
+                r = run(units, answer_of, PRIOR_TARGET, f"{b}/v1", [], prior, PRIOR_AUDITS)
+                r["prior"] = prior
+                say(
+                    f"{name} prior {prior}: hits 2nd half {r['hits_second_half']} "
+                    f"({r['hit_rate_second_half']:.3f}), wrong {r['false_hits_second_half']} "
+                    f"({r['false_hit_rate_realized_second_half']:.3f}), line {r['line']}, "
+                    f"evidence {r['evidence']}, prior audits {r['prior_audits_at_end']} ({r['seconds']} s)"
+                )
+                results[name].append(r)
+    save("error_bound_prior", {"args": {k: str(v) for k, v in vars(args).items()}, "results": results})
 
 
 if __name__ == "__main__":

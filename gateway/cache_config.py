@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from cachegw.configtools import Strict
+from cachegw.policies.bound_prior import PriorWeight
 from cachegw.policies.evidence_window import Ageing
 
 Threshold = float
@@ -35,6 +36,9 @@ FLAT: dict[str, tuple[str, str]] = {
             "false_hit_confidence",
             "evidence_max_age_s",
             "evidence_max_audits",
+            "false_hit_prior",
+            "false_hit_prior_strength",
+            "false_hit_prior_fade",
         )
     },
     **{
@@ -96,6 +100,17 @@ class ErrorBoundConfig(Strict):
     evidence_max_audits: int = Field(
         ge=0, description="the newest N of each scope (and entry) count; 0 = no limit"
     )
+    false_hit_prior: str = Field(
+        min_length=1,
+        description='"shipped" = policies/artifacts/bound_prior.json; "none" = live evidence only; or a '
+        "file from `cachegw calibrate --write-prior`",
+    )
+    false_hit_prior_strength: float = Field(
+        ge=0, description="the prior counts as this many audits at most (0 = off)"
+    )
+    false_hit_prior_fade: int = Field(
+        gt=0, description="live audits of a scope after which the prior no longer counts (falls linearly)"
+    )
 
     @field_validator("max_false_hit_rate_by_model", "max_false_hit_rate_by_tenant")
     @classmethod
@@ -105,6 +120,11 @@ class ErrorBoundConfig(Strict):
     @property
     def ageing(self) -> Ageing:
         return Ageing(self.evidence_max_age_s, self.evidence_max_audits)
+
+    @property
+    def prior_weight(self) -> PriorWeight:
+        off = self.false_hit_prior == "none"
+        return PriorWeight(0.0 if off else self.false_hit_prior_strength, self.false_hit_prior_fade)
 
     def false_hit_target(self, model: str, tenant_name: str) -> float:
         """The false-hit rate the scope must stay under (0 = static thresholds): per-tenant over

@@ -19,6 +19,7 @@ from cachegw.gateway.cache.error_control import ThresholdProvider
 from cachegw.gateway.cache.feedback import BadHitReports
 from cachegw.gateway.cache.follow import Follower
 from cachegw.gateway.cache.maintenance import HIT_FLUSH_S
+from cachegw.gateway.cache.prior_loader import load_priors
 from cachegw.gateway.cache.response_cache import ResponseCache
 from cachegw.gateway.cache.retention import RETENTION_EVERY_S, Retention
 from cachegw.gateway.cache.sync import OnAnyChange
@@ -86,7 +87,8 @@ async def started_gateway(
     verifier = await asyncio.to_thread(load_verifier, c, settings.engine.resolved_cache_dir)
     index = await asyncio.to_thread(vector_index, settings, store, encoder.dim)
     evidence = EvidenceStore(store.session)
-    lines = ThresholdProvider(evidence, clock, c.error_bound.ageing)
+    priors = await asyncio.to_thread(load_priors, c.error_bound.false_hit_prior)
+    lines = ThresholdProvider(evidence, clock, c.error_bound.ageing, priors)
     cache = ResponseCache(live.cache_settings, stores, index, batcher, verifier, lines)
     n = await asyncio.to_thread(cache.rebuild_index, progress)  # follows the change log from here on
     log.info("cache: %d entries, %d in the vector index", cache.entries, n)

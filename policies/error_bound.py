@@ -14,6 +14,10 @@ stricter one passed), where a union bound over the grid would test each at 1 - (
 need several times the audits. The sequence starts at the strictest line holding enough audits to
 pass with no wrong one at all (``min_audits``): that start depends on how many audits there are, never
 on their verdicts, so the guarantee holds given the audited scores.
+
+Counts may be fractional (a prior's pseudo-audits, ``policies/bound_prior.py``): the bound is then the
+same Beta quantile at real parameters, the continuous extension of the integer Clopper-Pearson bound,
+monotone in both counts (more wrong raises it, more audits at the same wrong share lower it).
 """
 
 from __future__ import annotations
@@ -28,20 +32,27 @@ GRID: tuple[float, ...] = tuple(round(0.5 + 0.01 * i, 2) for i in range(51))
 CONFIDENCE = 0.95
 
 
-def upper_bound(wrong: int, n: int, confidence: float = CONFIDENCE) -> float:
-    """One-sided Clopper-Pearson upper bound of a rate seen ``wrong`` times in ``n``: the rate p with
-    P(Binomial(n, p) <= wrong) = 1 - confidence (1.0 with no evidence or all wrong)."""
+def _counts(wrong: float, n: float) -> float:
+    """``wrong``, checked against ``n`` (a float sum may pass ``n`` by rounding: clipped)."""
+    if 0 <= n < wrong <= n + 1e-9 * max(1.0, n):
+        return n
     if not 0 <= wrong <= n:
         raise ValueError(f"need 0 <= wrong <= n, got wrong={wrong}, n={n}")
+    return wrong
+
+
+def upper_bound(wrong: float, n: float, confidence: float = CONFIDENCE) -> float:
+    """One-sided Clopper-Pearson upper bound of a rate seen ``wrong`` times in ``n``: the rate p with
+    P(Binomial(n, p) <= wrong) = 1 - confidence (1.0 with no evidence or all wrong)."""
+    wrong = _counts(wrong, n)
     if wrong == n:
         return 1.0
     return float(beta.ppf(confidence, wrong + 1, n - wrong))
 
 
-def interval(wrong: int, n: int, confidence: float = CONFIDENCE) -> tuple[float, float]:
+def interval(wrong: float, n: float, confidence: float = CONFIDENCE) -> tuple[float, float]:
     """Two-sided Clopper-Pearson interval at ``confidence`` (what the stats show)."""
-    if not 0 <= wrong <= n:
-        raise ValueError(f"need 0 <= wrong <= n, got wrong={wrong}, n={n}")
+    wrong = _counts(wrong, n)
     tail = (1 - confidence) / 2
     lo = 0.0 if wrong == 0 else float(beta.ppf(tail, wrong, n - wrong + 1))
     hi = 1.0 if wrong == n else float(beta.ppf(1 - tail, wrong + 1, n - wrong))
@@ -66,8 +77,8 @@ def bucket(score: float) -> int:
 class Evidence:
     """Audit counts of one scope, per grid cell: cell i holds pairs with GRID[i] <= score < GRID[i+1]."""
 
-    audits: list[int] = field(default_factory=lambda: [0] * len(GRID))
-    wrong: list[int] = field(default_factory=lambda: [0] * len(GRID))
+    audits: list[float] = field(default_factory=lambda: [0] * len(GRID))
+    wrong: list[float] = field(default_factory=lambda: [0] * len(GRID))
 
     def add(self, score: float, right: bool, count: int = 1) -> None:
         i = bucket(score)
@@ -80,13 +91,13 @@ class Evidence:
             self.audits[i] += other.audits[i]
             self.wrong[i] += other.wrong[i]
 
-    def at(self, line: float) -> tuple[int, int]:
+    def at(self, line: float) -> tuple[float, float]:
         """(wrong, audits) among pairs scoring >= ``line``."""
         i = max(0, bucket(line))
         return sum(self.wrong[i:]), sum(self.audits[i:])
 
     @property
-    def total(self) -> int:
+    def total(self) -> float:
         return sum(self.audits)
 
 
@@ -95,16 +106,19 @@ class Choice:
     """The line the bound allows (None: none qualifies, serve no semantic hit) and its evidence."""
 
     line: float | None
-    wrong: int
-    audits: int
+    wrong: float  # fractional where a prior's pseudo-audits count
+    audits: float
     bound: float  # upper bound at the line (or at the last line tried when none qualified)
 
 
-def choose_line(ev: Evidence, target: float, confidence: float = CONFIDENCE) -> Choice:
+def choose_line(ev: Evidence, target: float, confidence: float = CONFIDENCE, start: float = 0.0) -> Choice:
     """The lowest grid line whose hits' false-hit bound is <= ``target``, by fixed-sequence testing
-    from the strictest line that holds ``min_audits`` audits, downwards, stopping at the first failure.
-    Only lines at an audited score are tested: one in an empty cell would serve scores no audit saw."""
-    need = min_audits(target, confidence)
+    from the strictest line that holds ``min_audits`` audits (or ``start``, when more), downwards,
+    stopping at the first failure. Only lines at an audited score are tested: one in an empty cell
+    would serve scores no audit saw. A later ``start`` suits large evidence (a prior's): a line tested
+    on ``min_audits`` alone passes only with no wrong one, and a single wrong hit up there would stop
+    the scan; the start still depends on counts only, so the guarantee stands."""
+    need = max(float(min_audits(target, confidence)), start)
     chosen: Choice | None = None
     last = Choice(None, 0, 0, 1.0)
     started = False

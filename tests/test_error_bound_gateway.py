@@ -40,6 +40,7 @@ def bound_settings(data_dir: Path, backend: str, **over: object) -> Settings:
         "audit_fraction": 1.0,
         "audit_max_per_second": 1000.0,
         "sync_interval_s": 0.2,
+        "false_hit_prior": "none",  # from no evidence at all (tests/test_bound_prior.py: with a prior)
         **over,
     }
     s = settings_for(data_dir, [backend], **cache)

@@ -16,6 +16,11 @@ one over all entries); the scope's line keeps holding for the hits it decides.
 
 Evidence ages (``[cache] evidence_max_age_s``, ``evidence_max_audits``: ``policies/evidence_window.py``):
 the same window applies to each scope and each entry.
+
+A prior (``false_hit_prior``, ``policies/bound_prior.py``) adds pseudo-audits to each scope's evidence,
+of the score kind the scope is judged on (the verifier's probability, or the cosine with it off), with
+a weight that falls to none as the scope's live audits reach ``false_hit_prior_fade``; an entry's own
+line never counts it. A request may tighten its scope's target (``x-cache-max-false-hit-rate``).
 """
 
 from __future__ import annotations
@@ -26,12 +31,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from cachegw.gateway.cache.prior_loader import Priors
 from cachegw.gateway.config import CacheConfig
 from cachegw.gateway.storage.evidence_store import EvidenceRow, EvidenceStore
+from cachegw.policies.bound_prior import START_FACTOR, with_prior
 from cachegw.policies.error_bound import Choice, Evidence, choose_line, interval, min_audits
 from cachegw.policies.evidence_window import Ageing, WindowedEvidence
 
 SEEN_IDS = 200_000  # evidence ids counted here, remembered so a row the log names again is not recounted
+CHOICES = 4096  # cached line choices at most (requests' own targets could grow it without end)
 ENTRIES = 20_000  # entries whose own evidence is kept (least recently audited dropped: the scope decides)
 Scope = tuple[str, str]  # (model, tenant name)
 
@@ -48,6 +56,7 @@ class ScopeLine:
     choice: Choice
     # an entry's own choice when it has enough evidence of its own, else None (the scope's decides)
     own: Callable[[int | None], Choice | None] = field(default=_no_entry_line, compare=False)
+    prior: float = 0.0  # pseudo-audits of the prior in the scope's evidence (0: live evidence alone)
 
     @property
     def line(self) -> float | None:
@@ -66,9 +75,9 @@ class RateView:
     line: float | None
     estimate: float | None  # wrong / audits at the line
     interval: tuple[float, float] | None  # two-sided Clopper-Pearson at the configured confidence
-    audits: int  # audited pairs at or above the line
-    wrong: int
-    evidence: int  # every audited pair of the scope, above the line or not
+    audits: float  # audited pairs at or above the line (live ones: whole numbers)
+    wrong: float
+    evidence: float  # every audited pair of the scope, above the line or not
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -83,7 +92,7 @@ class RateView:
 
 
 def rate_view(
-    target: float, line: float | None, wrong: int, audits: int, total: int, conf: float
+    target: float, line: float | None, wrong: float, audits: float, total: float, conf: float
 ) -> RateView:
     if audits == 0:
         return RateView(target, line, None, None, 0, 0, total)
@@ -92,15 +101,21 @@ def rate_view(
 
 class ThresholdProvider:
     def __init__(
-        self, store: EvidenceStore, clock: Callable[[], float], ageing: Ageing | None = None
+        self,
+        store: EvidenceStore,
+        clock: Callable[[], float],
+        ageing: Ageing | None = None,
+        priors: Priors | None = None,
     ) -> None:
+        """``priors``: the prior's counts per score kind (``prior_loader.load_priors``; none: live only)."""
         self.store = store
+        self.priors = priors or {}
         self.clock = clock
         self.ageing = ageing or Ageing()
         self.windows: dict[Scope, WindowedEvidence] = {}
         self.entries: OrderedDict[int, WindowedEvidence] = OrderedDict()
         self.entry_scope: dict[int, Scope] = {}
-        self._choices: dict[tuple[Scope | int, float, float], Choice] = {}
+        self._choices: dict[tuple[Scope | int, float, float, float], Choice] = {}
         # ids counted here, oldest first: this replica's own rows come back through the change log
         self._seen: OrderedDict[int, None] = OrderedDict()
 
@@ -108,9 +123,14 @@ class ThresholdProvider:
     def evidence(self) -> dict[Scope, Evidence]:
         return {scope: w.evidence for scope, w in self.windows.items()}
 
-    def line(self, model: str, tenant_name: str, config: CacheConfig) -> ScopeLine | None:
-        """The semantic tier's one question: which score line holds this scope's target (None: off)."""
+    def line(
+        self, model: str, tenant_name: str, config: CacheConfig, cap: float | None = None
+    ) -> ScopeLine | None:
+        """The semantic tier's one question: which score line holds this scope's target (None: off).
+        ``cap``: the request's own target, which may only tighten the configured one (or set one)."""
         target = config.error_bound.false_hit_target(model, tenant_name)
+        if cap is not None:
+            target = cap if target <= 0 else min(target, cap)
         if target <= 0:
             return None
         conf = config.error_bound.false_hit_confidence
@@ -118,17 +138,24 @@ class ThresholdProvider:
         window = self.windows.get(scope)
         if window is not None and window.expire(self.clock()):
             self._forget(scope)
-        ev = window.evidence if window is not None else Evidence()
+        live = window.evidence if window is not None else Evidence()
+        kind = "verifier" if config.verifier.enabled else "cosine"
+        ev, prior = with_prior(live, self.priors.get(kind), config.error_bound.prior_weight)
 
         def own(entry_id: int | None) -> Choice | None:
             return self._entry_choice(entry_id, target, conf)
 
-        return ScopeLine(target, self._choice(scope, ev, target, conf), own)
+        return ScopeLine(target, self._choice(scope, ev, target, conf, prior), own, prior)
 
-    def _choice(self, key: Scope | int, ev: Evidence, target: float, conf: float) -> Choice:
-        k = (key, target, conf)
+    def _choice(
+        self, key: Scope | int, ev: Evidence, target: float, conf: float, prior: float = 0.0
+    ) -> Choice:
+        k = (key, target, conf, prior)
         if k not in self._choices:
-            self._choices[k] = choose_line(ev, target, conf)
+            if len(self._choices) >= CHOICES:
+                self._choices.clear()
+            start = START_FACTOR * min_audits(target, conf) if prior > 0 else 0.0
+            self._choices[k] = choose_line(ev, target, conf, start)
         return self._choices[k]
 
     def _entry_choice(self, entry_id: int | None, target: float, conf: float) -> Choice | None:
@@ -229,13 +256,18 @@ def rates(
 
     line_of = line_of or own_line
     scopes: dict[str, Any] = {}
-    wrong_all = audits_all = total_all = 0
+    wrong_all: float = 0
+    audits_all: float = 0
+    total_all: float = 0
     for (model, tenant), ev in sorted(evidence.items()):
         sl = line_of(model, tenant, config)
         target = sl.target if sl else 0.0
         line = sl.line if sl else None
         wrong, n = ev.at(line) if line is not None else (0, 0)
-        scopes[f"{model}|{tenant}"] = rate_view(target, line, wrong, n, ev.total, conf).as_dict()
+        scopes[f"{model}|{tenant}"] = {
+            **rate_view(target, line, wrong, n, ev.total, conf).as_dict(),
+            "prior_audits": round(sl.prior, 1) if sl else 0.0,
+        }
         wrong_all, audits_all, total_all = wrong_all + wrong, audits_all + n, total_all + ev.total
     overall = rate_view(config.error_bound.max_false_hit_rate, None, wrong_all, audits_all, total_all, conf)
     return {"overall": overall.as_dict(), "by_scope": scopes, "confidence": conf}

@@ -122,7 +122,9 @@ class ResponseCache:
         keys: RequestKeys,
         semantic: bool = True,
         fresh: Freshness = ANY_AGE,
+        max_rate: float | None = None,
     ) -> Lookup:
+        """Exact, then semantic; ``max_rate``: the request's own false-hit target (tightens only)."""
         start = time.perf_counter()
         now = self.clock()
         c = self.settings()
@@ -132,7 +134,7 @@ class ResponseCache:
                 return Lookup(CacheResult.EXACT_HIT, entry, 1.0, lookup_ms=_ms(start), reason="exact")
         if not (c.semantic and semantic and keys.scope and keys.query and self.semantic.batcher):
             return Lookup(CacheResult.MISS, lookup_ms=_ms(start), reason="exact-only")
-        result = await self.semantic.lookup(tenant_name, model, keys, now, fresh)
+        result = await self.semantic.lookup(tenant_name, model, keys, now, fresh, max_rate)
         result.lookup_ms = _ms(start)
         return result
 

@@ -59,17 +59,24 @@ class SemanticTier:
         return await self.batcher.embed(text) if self.batcher is not None else None
 
     async def lookup(
-        self, tenant_name: str, model: str, keys: RequestKeys, now: float, fresh: Freshness
+        self,
+        tenant_name: str,
+        model: str,
+        keys: RequestKeys,
+        now: float,
+        fresh: Freshness,
+        max_rate: float | None = None,
     ) -> Lookup:
         """The nearest servable paraphrase in the request's scope (``keys.scope`` and ``keys.query``
-        set, and a batcher: the caller checks), or a miss saying why the nearest was refused."""
+        set, and a batcher: the caller checks), or a miss saying why the nearest was refused.
+        ``max_rate``: the request's own false-hit target, tightening (or setting) its scope's."""
         assert self.batcher is not None and keys.scope and keys.query
         t_embed = time.perf_counter()
         vec = await self.batcher.embed(keys.query)
         embed_ms = (time.perf_counter() - t_embed) * 1e3
         threshold = self.threshold_for(model, tenant_name)
         c = self.settings()
-        line = self.lines.line(model, tenant_name, c) if self.lines else None  # None: static thresholds
+        line = self.lines.line(model, tenant_name, c, max_rate) if self.lines else None  # None: static
         # with the verifier off the bound's line is on the cosine itself: candidates from the grid's floor
         floor = threshold if line is None or c.verifier.enabled else min(threshold, GRID[0])
         hits = self.index.search(keys.scope, vec, k=CANDIDATES)

@@ -239,6 +239,11 @@ def main_calibrate(argv: list[str]) -> int:
         help="also write the pairs as false-hit evidence of this model into the gateway's database",
     )
     parser.add_argument("--tenant", default="", help="the tenant name (or key hash) of the seeded evidence")
+    parser.add_argument(
+        "--write-prior",
+        metavar="FILE.json",
+        help="also write the pairs' counts as a false-hit prior ([cache.error_bound] false_hit_prior = FILE)",
+    )
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse has printed "cachegw calibrate: error: ..." already
@@ -257,6 +262,9 @@ def main_calibrate(argv: list[str]) -> int:
             print_table(res)
         if res.get("seeded") is not None:
             note = f"seeded {res['seeded']} candidate pairs as false-hit evidence of {args.seed_evidence}"
+            print(note, file=sys.stderr if args.json else sys.stdout)
+        if res.get("prior") is not None:
+            note = f"wrote a false-hit prior of {res['prior']} candidate pairs to {args.write_prior}"
             print(note, file=sys.stderr if args.json else sys.stdout)
         if args.write_config:
             write_threshold(args.write_config, res["recommended"])
@@ -285,6 +293,18 @@ def _seed(
         return seed(EvidenceStore(store.session), model, tenant, scores, y)
     finally:
         store.close()
+
+
+def _write_prior(
+    settings: Any, path: str, pairs: str, q1: list[str], q2: list[str], y: np.ndarray, verifier
+) -> float:
+    """The pairs as a false-hit prior (``gateway/offline/bound_prior.py``); its candidates."""
+    from cachegw.gateway.offline.bound_prior import prior_counts, prior_document, sha256, write_prior
+
+    counts = prior_counts(q1, q2, y.astype(bool), settings, verifier)
+    data = {Path(pairs).name: {"sha256": sha256(pairs), "pairs": len(q1)}}
+    write_prior(path, prior_document(counts, settings, {"data": data, "pairs": len(q1)}))
+    return max(c.total for c in counts.values())
 
 
 def _run(args: argparse.Namespace) -> dict[str, Any]:
@@ -318,6 +338,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     res = sweep(cos, passes, y, args.precision)
     if args.seed_evidence:
         res["seeded"] = _seed(settings, args.seed_evidence, args.tenant, q1, q2, y, verifier)
+    if args.write_prior:
+        res["prior"] = _write_prior(settings, args.write_prior, args.pairs, q1, q2, y, verifier)
     res["verifier"] = use_verifier
     res["verifier_threshold"] = settings.cache.verifier.threshold if use_verifier else None
     res["config"] = args.config

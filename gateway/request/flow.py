@@ -228,6 +228,8 @@ class Flow:
             h["x-cache-similarity"] = f"{lk.similarity:.4f}"
         if lk is not None and lk.entry is not None:
             h["x-cache-entry"] = entry_ids.encode(self.tenant.id, lk.entry.id)  # opaque, per tenant
+        if lk is not None and lk.scope_line is not None and r.cache_result == CacheResult.SEMANTIC_HIT:
+            h["x-cache-bound"] = f"{lk.scope_line.target:g}"  # the false-hit target it was served under
         return h
 
     def close(self, status: int, usage: dict, error: str | None, log_query: bool) -> RequestRecord:

@@ -58,6 +58,25 @@ def request_ttl(request: Request, settings: Settings) -> int:
     return min(int(raw), settings.cache.max_ttl_seconds)
 
 
+def request_max_false_hit_rate(request: Request) -> float | None:
+    """The request's own false-hit target (``x-cache-max-false-hit-rate``), which can only tighten the
+    scope's configured one (None: the configured one applies)."""
+    raw = request.headers.get("x-cache-max-false-hit-rate")
+    if raw is None:
+        return None
+    try:
+        rate = float(raw.strip())
+    except ValueError:
+        rate = -1.0
+    if not 0 < rate < 1:  # NaN fails too
+        raise ApiError(
+            400,
+            "x-cache-max-false-hit-rate must be a rate between 0 and 1 (exclusive), e.g. 0.01.",
+            param="x-cache-max-false-hit-rate",
+        )
+    return rate
+
+
 class Gateway:
     """The parts a request needs, and the pipeline over them (``handle``)."""
 
@@ -124,6 +143,7 @@ class Gateway:
             await self.limits.admit(tenant)
         candidates = await self.backends.route(model or None)  # 404 for an unknown model, before any work
         ttl = request_ttl(request, settings)
+        max_rate = request_max_false_hit_rate(request)
         policy = CachePolicy(
             serve_temperature_above_zero=settings.cache.serve_temperature_above_zero,
             serve_unset_temperature=settings.cache.serves_unset_temperature(model, tenant.name),
@@ -144,7 +164,9 @@ class Gateway:
             record.reason = "disabled"
         if use_cache and cacheable.may_serve:
             flow.lookup = await trace.lookup(
-                self.cache.lookup(tenant.cache_key, tenant.name, model, flow.keys, fresh=cacheable.fresh)
+                self.cache.lookup(
+                    tenant.cache_key, tenant.name, model, flow.keys, fresh=cacheable.fresh, max_rate=max_rate
+                )
             )
             self.metrics.lookup.observe(flow.lookup.lookup_ms / 1e3)
             if flow.lookup.embed_ms is not None:
