@@ -1,18 +1,19 @@
 """The shared pgvector index against the FAISS store: lookup p50/p99 and recall@1 at --n entries in ONE scope.
 
-Both stores at the product's defaults from config.toml ([index] hnsw_m, ef_construction, ef_search;
-FAISS also hnsw_threshold), built the way the gateway builds them: pgvector through ``PgVectorIndex`` and
-the trigger that indexes each entry as it is inserted into ``cache_entries`` (batches of --batch rows,
-an HNSW index that grows with them; with --bulk-build the index is dropped while inserting and built
-once after, pgvector's bulk build, much faster past 10k entries on 2 cores), FAISS through
-``ScopedIndex.rebuild``. Lookups are timed one query per call, the two stores taking turns query by
-query (which goes first alternates), so load drift on this shared machine hits both alike. Recall@1 is against exact search (a tie counts as found).
+Both stores at the product's defaults from config.toml ([index] hnsw_m, ef_construction, ef_search; FAISS
+also hnsw_threshold), built the way the gateway builds them: pgvector through ``PgVectorIndex`` and the
+trigger that indexes each entry as it is inserted into ``cache_entries`` (batches of --batch rows, an
+HNSW index that grows with them; with --bulk-build the index is dropped while inserting and built once
+after, pgvector's bulk build, much faster past 10k entries on 2 cores), FAISS through
+``ScopedIndex.rebuild``. Lookups are timed one query per call, the two stores taking turns query by query
+(which goes first alternates), so load drift on this shared machine hits both alike. Recall@1 is against
+exact search (a tie counts as found).
 
-Corpus and queries are bench/faiss_lookup.py's (real MiniLM embeddings, cached per chunk under /tmp):
-the first --real texts are real; past them, a labelled synthetic tier (a random real vector plus
-Gaussian noise of norm ~--noise, renormalized) fills up to --n. Queries are held-out real QQP paraphrases
-and hard non-duplicates. Also measured: what the trigger costs a write (the same rows inserted into a
-database without the pgvector schema), the database's size and the FAISS index's bytes.
+Corpus and queries are bench/faiss_lookup.py's (real MiniLM embeddings, cached per chunk under /tmp): the
+first --real texts are real; past them, a labelled synthetic tier (a random real vector plus Gaussian
+noise of norm ~--noise, renormalized) fills up to --n. Queries are held-out real QQP paraphrases and hard
+non-duplicates. Also measured: what the trigger costs a write (the same rows inserted into a database
+without the pgvector schema), the database's size and the FAISS index's bytes.
 
     HF_HUB_OFFLINE=1 .venv/bin/python -m bench.shared_index --n 100000 --bulk-build
 """

@@ -100,14 +100,15 @@ def available(conn: Connection) -> bool:
 
 
 def installed(conn: Connection) -> bool:
-    """Whether this database has the table and the trigger that fills it."""
+    """Whether this database has the table, its HNSW index and the trigger that fills it (an index
+    dropped to change its m or ef_construction is built again by the next start)."""
     if conn.dialect.name != "postgresql":
         return False
     query = text(
-        "SELECT to_regclass(:t) IS NOT NULL AND EXISTS "
+        "SELECT to_regclass(:t) IS NOT NULL AND to_regclass(:ix) IS NOT NULL AND EXISTS "
         "(SELECT 1 FROM pg_trigger WHERE tgname = 'cachegw_entry_vectors')"
     )
-    return bool(conn.execute(query, {"t": TABLE}).scalar())
+    return bool(conn.execute(query, {"t": TABLE, "ix": f"ix_{TABLE}_hnsw"}).scalar())
 
 
 def install(conn: Connection, m: int = 16, ef_construction: int = 64) -> int:
