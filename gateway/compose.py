@@ -218,7 +218,7 @@ def vector_index(settings: Settings, store: Store, dim: int) -> ScopedIndex | Pg
     nothing to sync or snapshot: every replica searches the same table)."""
     ix = settings.index
     if ix.store == "pgvector":
-        return PgVectorIndex(store.engine, dim, ix.ef_search)
+        return PgVectorIndex(store.engine, dim, ix.ef_search, ix.hnsw_m, ix.ef_construction)
     return ScopedIndex(
         dim=dim,
         hnsw_threshold=ix.hnsw_threshold,

@@ -159,13 +159,36 @@ def test_recall_at_1_on_clustered_vectors_through_the_hnsw_index(db) -> None:
     assert small[0][0] == ids[2750] and {i for i, _ in small} <= set(ids[2700:2850].tolist())
 
 
-def test_the_revisions_install_it_where_pgvector_exists_and_nothing_elsewhere(pgvector_url, tmp_path) -> None:
-    """Migration 0013 builds the table and trigger on a PostgreSQL with pgvector; SQLite is untouched."""
-    engine = create_engine(fresh_database(pgvector_url))
-    upgrade(engine, create_new=False)
-    with engine.connect() as conn:
+def test_only_the_pgvector_store_installs_it_with_the_configured_graph(pgvector_url, tmp_path) -> None:
+    """The migrations leave a PostgreSQL with pgvector as the FAISS store needs it (no table, no
+    trigger to pay per write); the first PgVectorIndex installs it, back-fills what was stored, and
+    builds the HNSW index with the m and ef_construction it is given (again, once the index is dropped
+    to change them). SQLite is untouched."""
+    store = Store(fresh_database(pgvector_url))
+    entries = sql_stores(store).entries
+    assert isinstance(entries, SqlEntries)
+    vec = unit(np.random.default_rng(3).standard_normal((1, DIM)))[0]
+    before = put(entries, entry(1, "scope-a", vec))
+    with store.engine.connect() as conn:
+        assert not installed(conn)
+    index = PgVectorIndex(store.engine, DIM, ef_search=64, m=24, ef_construction=60)
+    assert [i for i, _ in index.search("scope-a", vec)] == [before]
+    after = put(entries, entry(2, "scope-a", vec))  # the trigger follows writes from now on
+    assert after in index
+    shape = text("SELECT indexdef FROM pg_indexes WHERE indexname = 'ix_entry_vectors_hnsw'")
+    with store.engine.connect() as conn:
         assert installed(conn)
-    engine.dispose()
+        d = conn.execute(shape).scalar_one()
+        assert "m='24'" in d and "ef_construction='60'" in d, d
+    with store.engine.begin() as conn:  # dropped to change its shape: the next start builds it again
+        conn.execute(text("DROP INDEX ix_entry_vectors_hnsw"))
+    PgVectorIndex(store.engine, DIM, ef_search=64, m=16, ef_construction=40)
+    with store.engine.connect() as conn:
+        assert "m='16'" in conn.execute(shape).scalar_one()
+    assert len(index) == 2
+    with pytest.raises(ValueError, match="ef_construction"):
+        PgVectorIndex(create_engine(fresh_database(pgvector_url)), DIM, m=32, ef_construction=40)
+    store.close()
     sqlite = create_engine(f"sqlite:///{tmp_path / 'x.db'}")
     upgrade(sqlite, create_new=False)
     with sqlite.connect() as conn:

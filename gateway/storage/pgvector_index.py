@@ -35,8 +35,11 @@ def _literal(vec: np.ndarray) -> str:
 class PgVectorIndex:
     """Nearest neighbours per scope in ``entry_vectors``; thread-safe (each call takes a connection)."""
 
-    def __init__(self, engine: Engine, dim: int = DIM, ef_search: int = 64) -> None:
-        """Installs the schema where it is missing (``pgvector_schema.install``)."""
+    def __init__(
+        self, engine: Engine, dim: int = DIM, ef_search: int = 64, m: int = 16, ef_construction: int = 64
+    ) -> None:
+        """Installs the schema where it is missing (``pgvector_schema.install``, with ``m`` and
+        ``ef_construction`` for a new HNSW index)."""
         if engine.dialect.name != "postgresql":
             raise PgVectorError(f'[index] store = "pgvector" needs PostgreSQL, not {engine.dialect.name}')
         if dim != DIM:
@@ -50,7 +53,7 @@ class PgVectorIndex:
                     raise PgVectorError(
                         "the PostgreSQL server has no pgvector extension (install postgresql-NN-pgvector)"
                     )
-                pgvector_schema.install(conn)
+                pgvector_schema.install(conn, m, ef_construction)
 
     def add(self, scope: str, ids: np.ndarray, vecs: np.ndarray) -> None:
         """Write vectors of existing, unflagged entries (the trigger normally has); others are skipped."""

@@ -11,9 +11,12 @@ whichever replica (or cachegw version) wrote it.
 The scope is a hash of tenant, model and context (docs/replicas.md), so the scope filter is the tenant
 filter too; with ``[tenants] shared_cache`` tenants share scopes on purpose, as in the FAISS store.
 
-Installed by migration 0013 where the ``vector`` extension is available, and by ``PgVectorIndex`` on
-start (a database created fresh from the models, never migrated, gets it then). Every statement is
-idempotent; an advisory lock makes replicas starting together install it once.
+Installed by ``PgVectorIndex`` when a replica with ``[index] store = "pgvector"`` starts, never by a
+migration: a database only the FAISS store uses has no trigger to pay on every write (about 2 ms per
+stored entry, most of it the HNSW insert: docs/benchmarks.md). Every statement is idempotent and an
+advisory lock makes replicas starting together install it once; entries stored before (by FAISS-store
+replicas, or before the switch) are back-filled then, and from then on the trigger follows every write,
+whichever store the writing replica runs.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ $fn$"""
 
 _TABLE = f"""
 CREATE TABLE IF NOT EXISTS {TABLE} (
-  entry_id integer PRIMARY KEY REFERENCES cache_entries (id) ON DELETE CASCADE,
+  entry_id bigint PRIMARY KEY REFERENCES cache_entries (id) ON DELETE CASCADE,
   scope varchar(64) NOT NULL,
   embedding vector({DIM}) NOT NULL
 )"""
@@ -72,10 +75,11 @@ _TRIGGER = """
 CREATE TRIGGER cachegw_entry_vectors AFTER INSERT OR UPDATE OF bad ON cache_entries
 FOR EACH ROW EXECUTE FUNCTION cachegw_entry_vector_follow()"""
 
-_INDEXES = (
-    f"CREATE INDEX IF NOT EXISTS ix_{TABLE}_scope ON {TABLE} (scope)",
-    # pgvector's defaults (m 16, ef_construction 64); [index] ef_search is set per search
-    f"CREATE INDEX IF NOT EXISTS ix_{TABLE}_hnsw ON {TABLE} USING hnsw (embedding vector_ip_ops)",
+_SCOPE_INDEX = f"CREATE INDEX IF NOT EXISTS ix_{TABLE}_scope ON {TABLE} (scope)"
+# [index] hnsw_m and ef_construction, as the FAISS store's graphs; ef_search is set per search
+_HNSW_INDEX = (
+    f"CREATE INDEX IF NOT EXISTS ix_{TABLE}_hnsw ON {TABLE} USING hnsw (embedding vector_ip_ops) "
+    "WITH (m = {m}, ef_construction = {ef_construction})"
 )
 
 # entries stored before the trigger existed (a database the FAISS store filled)
@@ -96,27 +100,33 @@ def available(conn: Connection) -> bool:
 
 
 def installed(conn: Connection) -> bool:
-    """Whether this database has the table and the trigger that fills it."""
+    """Whether this database has the table, its HNSW index and the trigger that fills it (an index
+    dropped to change its m or ef_construction is built again by the next start)."""
     if conn.dialect.name != "postgresql":
         return False
     query = text(
-        "SELECT to_regclass(:t) IS NOT NULL AND EXISTS "
+        "SELECT to_regclass(:t) IS NOT NULL AND to_regclass(:ix) IS NOT NULL AND EXISTS "
         "(SELECT 1 FROM pg_trigger WHERE tgname = 'cachegw_entry_vectors')"
     )
-    return bool(conn.execute(query, {"t": TABLE}).scalar())
+    return bool(conn.execute(query, {"t": TABLE, "ix": f"ix_{TABLE}_hnsw"}).scalar())
 
 
-def install(conn: Connection) -> int:
-    """Create the extension (when missing), the table, its indexes and the trigger, in the caller's
-    transaction, and give every stored entry its vector; returns how many were back-filled."""
+def install(conn: Connection, m: int = 16, ef_construction: int = 64) -> int:
+    """Create the extension (when missing), the table, its indexes (HNSW with ``m`` and
+    ``ef_construction``) and the trigger, in the caller's transaction, and give every stored entry its
+    vector; returns how many were back-filled. An index that exists keeps the shape it was built with."""
+    if not (2 <= m <= 100 and 4 <= ef_construction <= 1000 and ef_construction >= 2 * m):
+        raise ValueError(
+            f"pgvector's HNSW needs 2 <= m <= 100 and 2m <= ef_construction <= 1000: {m}, {ef_construction}"
+        )
     conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": INSTALL_LOCK})
     if installed(conn):
         return 0
     conn.execute(text("CREATE EXTENSION IF NOT EXISTS vector"))
     conn.execute(text(_DECODE))
     conn.execute(text(_TABLE))
-    for statement in _INDEXES:
-        conn.execute(text(statement))
+    conn.execute(text(_SCOPE_INDEX))
+    conn.execute(text(_HNSW_INDEX.format(m=int(m), ef_construction=int(ef_construction))))
     conn.execute(text(_FOLLOW))
     conn.execute(text("DROP TRIGGER IF EXISTS cachegw_entry_vectors ON cache_entries"))
     conn.execute(text(_TRIGGER))

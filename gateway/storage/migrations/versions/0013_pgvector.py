@@ -1,6 +1,7 @@
-"""The pgvector index's table, its HNSW index and the trigger that fills it (``[index] store =
-"pgvector"``), on PostgreSQL servers that have the ``vector`` extension; elsewhere nothing changes
-(SQLite, or PostgreSQL without pgvector: the FAISS store needs none of it).
+"""Nothing now: the pgvector table, index and trigger are installed by the first replica that starts
+with ``[index] store = "pgvector"`` (``pgvector_schema.install`` via ``PgVectorIndex``), so a database
+the FAISS store uses pays no trigger on its writes. Kept so the revision chain stays whole; a database
+that ran an earlier form of this revision keeps what it installed.
 
 Revision ID: 0013
 Revises: 0012
@@ -8,31 +9,14 @@ Revises: 0012
 
 from __future__ import annotations
 
-import logging
-
-from alembic import op
-from sqlalchemy.exc import DBAPIError
-
-from cachegw.gateway.storage import pgvector_schema
-
 revision = "0013"
 down_revision = "0012"
 branch_labels = None
 depends_on = None
 
-log = logging.getLogger("cachegw.gateway")
-
 
 def upgrade() -> None:
-    conn = op.get_bind()
-    if not pgvector_schema.available(conn):
-        return
-    try:
-        with conn.begin_nested():  # a role that may not create the extension keeps the FAISS store
-            pgvector_schema.install(conn)
-    except DBAPIError as exc:
-        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
-        log.warning("pgvector is available but its schema could not be installed: %s", reason)
+    """See the module docstring: the store installs its schema, not the migration."""
 
 
 def downgrade() -> None:
