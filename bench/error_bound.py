@@ -42,7 +42,7 @@ import numpy as np
 from fastapi import FastAPI, Request
 
 from bench.common import RESULTS, SHARED_DATA, save, say
-from bench.prior_split import banking_parts, qqp_parts
+from bench.prior_split import banking_parts, meanings, qqp_parts
 from bench.verifier_quality import split_qqp
 from testkit.servers import serve_in_thread
 
@@ -107,19 +107,7 @@ def qqp_replay(data: Path, pairs: int, seed: int, held_out: bool = False) -> Rep
     replayed = {q for r in picked for q in (r["question1"], r["question2"])}
     seeds = [r for r in shuffled[pairs:] if r["question1"] not in replayed and r["question2"] not in replayed]
     seeds = seeds[:SEED_PAIRS]
-    parent: dict[str, str] = {}
-
-    def find(x: str) -> str:
-        parent.setdefault(x, x)
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    for r in test:  # all of the test split's duplicates define meanings, not only the picked ones
-        a, b = find(r["question1"]), find(r["question2"])
-        if r["is_duplicate"] == "1":
-            parent[a] = b
+    find = meanings(test)  # all of the test split's duplicates define meanings, not only the picked ones
     units = [[r["question1"], r["question2"]] for r in picked]
     labelled = (
         [r["question1"] for r in seeds],
@@ -160,11 +148,11 @@ def banking_replay(data: Path, texts: int, seed: int, held_out: bool = False) ->
 
 def seed_rows(labelled: tuple[list[str], list[str], np.ndarray]) -> list[Any]:
     """The labelled pairs as evidence rows, scored as `cachegw calibrate --seed-evidence` scores them."""
+    from cachegw.gateway.cache.verifier_loader import load_verifier
     from cachegw.gateway.config import load_settings
     from cachegw.gateway.offline.evidence_seed import seed_scores
     from cachegw.gateway.request.tenants import key_hash
     from cachegw.gateway.storage.evidence_store import EvidenceRow
-    from cachegw.policies.verifier import load_verifier
 
     s = load_settings(None)
     verifier = load_verifier(s.cache, s.engine.resolved_cache_dir)
@@ -246,7 +234,7 @@ def run(
     ):
 
         def sample() -> None:
-            scope = next(iter(false_hit_view(client, url)["by_scope"].values()), {})
+            scope: dict[str, Any] = next(iter(false_hit_view(client, url)["by_scope"].values()), {})
             with lock:
                 hits = [right for h, right in served if h]
                 n = len(served)
@@ -273,7 +261,7 @@ def run(
     second = served[len(served) // 2 :]
     hits2 = [right for h, right in second if h]
     hits = [right for h, right in served if h]
-    scope = next(iter(view.get("by_scope", {}).values()), {}) if target else {}
+    scope: dict[str, Any] = next(iter(view.get("by_scope", {}).values()), {}) if target else {}
     verdicts = view.get("audits_by_verdict", {})
     realized2 = hits2.count(False) / len(hits2) if hits2 else 0.0
     interval = scope.get("interval")

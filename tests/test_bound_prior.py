@@ -9,12 +9,13 @@ import json
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 from cachegw.gateway.cache.error_control import ThresholdProvider
 from cachegw.gateway.cache.prior_loader import SHIPPED, load_priors
 from cachegw.gateway.config import CacheConfig, load_settings
-from cachegw.gateway.offline.bound_prior import sha256
+from cachegw.gateway.offline.bound_prior import first_candidates, sha256
 from cachegw.gateway.storage.evidence_store import EvidenceRow, EvidenceStore
 from cachegw.gateway.storage.store import Store
 from cachegw.policies.bound_prior import PriorCounts, PriorWeight, with_prior
@@ -63,6 +64,8 @@ def test_the_shipped_prior_loads_with_its_provenance() -> None:
     assert {"date", "command", "encoder", "cross_encoder_sha256", "pairs"} <= set(prov)
     assert {"qqp_dev.csv", "banking77_train.csv"} <= set(prov["data"])
     assert all("rule" in d and d["pairs"] > 0 for d in prov["data"].values())
+    # counted from the candidates a cache meets, not from curated pairs
+    assert all("nearest" in d["pairing"] for d in prov["data"].values())
     assert load_priors("none") == {}
     with pytest.raises(ValueError, match="cannot read"):
         load_priors("/nonexistent/prior.json")
@@ -120,6 +123,15 @@ def test_a_request_may_tighten_its_target_but_never_loosen_it(tmp_path) -> None:
     off = c.updated({"max_false_hit_rate": 0.0})
     assert lines.line("m", "t", off) is None  # no target configured: static thresholds...
     assert lines.line("m", "t", off, cap=0.05).line == 0.95  # ...unless the request sets one
+
+
+def test_only_each_querys_first_accepted_candidate_counts() -> None:
+    """Pairs come nearest first per query; the tier serves the first its verifier accepts."""
+    nan = float("nan")
+    scores = np.array([nan, 0.9, 0.95, 0.7, nan, nan])
+    query = np.array([0, 0, 0, 1, 2, 2])
+    out = first_candidates(scores, query)
+    assert np.isnan(out[[0, 2, 4, 5]]).all() and out[1] == 0.9 and out[3] == 0.7
 
 
 def prior_file(path: Path) -> str:

@@ -36,20 +36,41 @@ def sha256(path: Path | str) -> str:
     return h.hexdigest()
 
 
+def first_candidates(scores: np.ndarray, query: np.ndarray) -> np.ndarray:
+    """Only each query's first candidate kept (NaN elsewhere): pairs come nearest first, and the
+    semantic tier judges a query's neighbours in that order, serving the first its guards and
+    verifier accept."""
+    out = np.full(len(scores), np.nan)
+    seen: set[int] = set()
+    for i, (s, q) in enumerate(zip(scores, query, strict=True)):
+        if not np.isnan(s) and int(q) not in seen:
+            seen.add(int(q))
+            out[i] = s
+    return out
+
+
 def prior_counts(
-    q1: list[str], q2: list[str], right: np.ndarray, settings: Any, verifier: Verifier | None
+    q1: list[str],
+    q2: list[str],
+    right: np.ndarray,
+    settings: Any,
+    verifier: Verifier | None,
+    query: np.ndarray | None = None,
 ) -> dict[str, PriorCounts]:
-    """Per score kind, the pairs' counts (the "verifier" kind only with a verifier)."""
+    """Per score kind, the pairs' counts (the "verifier" kind only with a verifier). ``query``: which
+    query each pair's first question is (pairs of one query nearest first); only its first candidate
+    counts (``first_candidates``). None: every pair is a query of its own."""
     c = settings.cache
     kinds: dict[str, Verifier | None] = {"cosine": None}
     if verifier is not None:
         kinds["verifier"] = verifier
-    return {
-        kind: PriorCounts.from_scores(
-            seed_scores(q1, q2, settings.canonicalize, v, c.threshold, c.encoder.backend), right
+    out = {}
+    for kind, v in kinds.items():
+        scores = seed_scores(q1, q2, settings.canonicalize, v, c.threshold, c.encoder.backend)
+        out[kind] = PriorCounts.from_scores(
+            scores if query is None else first_candidates(scores, query), right
         )
-        for kind, v in kinds.items()
-    }
+    return out
 
 
 def prior_document(counts: dict[str, PriorCounts], settings: Any, provenance: dict[str, Any]) -> dict:
