@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from cachegw.backend.executor.gguf_table import read_table
+
 BLOCK = 32
 EXACT_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
@@ -120,12 +122,8 @@ class GgufFile:
     so a loader holds one tensor's worth of decoded data at a time; ``close`` unmaps the file."""
 
     def __init__(self, path: Path, num_heads: int, num_kv_heads: int) -> None:
-        from gguf import GGUFReader
-
-        reader = GGUFReader(str(path))  # tensors are views of one np.memmap, nothing read yet
-        arch_field = reader.fields.get("general.architecture")
-        arch = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field else ""
-        self._tensors = {n: t for t in reader.tensors if (n := hf_name(t.name)) is not None}
+        arch, tensors = read_table(path)
+        self._tensors = {n: t for t in tensors if (n := hf_name(t.name)) is not None}
         # llama.cpp's converter permuted Llama's Q/K rows; other architectures keep Hugging Face's
         self._rotary_heads = {"q_proj": num_heads, "k_proj": num_kv_heads} if arch == "llama" else {}
 

@@ -23,7 +23,7 @@ from cachegw.backend.config import EngineConfig
 from cachegw.backend.executor.gguf_weights import GgufFile
 from cachegw.backend.executor.layers.rotary import RotaryEmbedding
 from cachegw.backend.executor.model_loader import iter_safetensors
-from cachegw.backend.executor.models.llama import LlamaForCausalLM, ModelSpec
+from cachegw.backend.executor.models.llama import LlamaAttention, LlamaForCausalLM, ModelSpec
 from cachegw.backend.executor.quantization import (
     apply_quantization,
     chosen_mode,
@@ -64,8 +64,9 @@ def build_model(
         model.to_empty(device=device)
         model.tie_weights()
     rotary = RotaryEmbedding(hf_config, spec.head_dim, max(max_model_len, 1)).to(device)
-    for layer in model.layers:
-        layer.self_attn.rotary = rotary
+    for module in model.modules():
+        if isinstance(module, LlamaAttention):
+            module.rotary = rotary
     if direct:
         assert gguf is not None
         formats = load_gguf_quantized(model, gguf, config.quantization, config.cpu_kernels)
