@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import os
 
-from cachegw.backend.config import load_engine_config
+from cachegw.backend.config import EngineConfig, load_engine_config
 from cachegw.backend.executor import cpu_threads
 
 
@@ -22,9 +22,16 @@ def main(
 ) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = load_engine_config(config_path, model=model, cpus=cpus, quantization=quantization)
+    use_inductor_cache(cfg)
     threads = cpu_threads.plan(cfg, frozenset(os.sched_getaffinity(0)))
     cpu_threads.apply(threads)
 
     from cachegw.backend.entrypoints.server import run_backend
 
     run_backend(cfg, config_path, host, port, threads)
+
+
+def use_inductor_cache(cfg: EngineConfig) -> None:
+    """Inductor's compile cache under ``[engine] cache_dir`` (``inductor/``), named before torch reads
+    it (its config, once imported, has settled the folder); a TORCHINDUCTOR_CACHE_DIR the user set wins."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cfg.resolved_cache_dir / "inductor"))

@@ -9,11 +9,10 @@ dominate), traced with ``DecodeMetadata``'s tensors alone, so one graph serves e
 and context length.
 
 Compiling takes a few minutes of one core the first time on a machine (building the C++ wrapper)
-and 30-40 s at later starts (Inductor's disk cache, ``_CACHE_DIR``, spares the builds, not the
-tracing). By default it runs in a background thread while the
-engine decodes eagerly, and the engine switches when it is done; a failure (no C++ compiler, an
-unsupported op) is logged and the engine stays eager. ``TORCH_COMPILE_DISABLE=1`` (torch's own
-switch) turns it off too.
+and 30-40 s at later starts (Inductor's disk cache, ``<[engine] cache_dir>/inductor``, spares the
+builds, not the tracing). By default it runs in a background thread while the engine decodes
+eagerly, and the engine switches when it is done; a failure (no C++ compiler, an unsupported op) is
+logged and the engine stays eager. ``TORCH_COMPILE_DISABLE=1`` (torch's own switch) turns it off too.
 """
 
 from __future__ import annotations
@@ -26,12 +25,18 @@ import time
 import types
 from pathlib import Path
 
-import torch
-import torch._inductor.config as inductor_config
-import torch.fx.experimental._config as fx_config
+# Inductor settles its cache folder when its config is first imported, writing it into
+# TORCHINDUCTOR_CACHE_DIR (torch's default: under /tmp, emptied by a reboot): name ours first, unless
+# the user (or `cachegw backend`, from [engine] cache_dir) already has.
+_CACHE_DIR = Path.home() / ".cache" / "cachegw" / "inductor"
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_CACHE_DIR))
 
-from cachegw.backend.executor.layers.attention import AttentionMetadata, DecodeMetadata
-from cachegw.backend.executor.models.llama import LlamaForCausalLM
+import torch  # noqa: E402
+import torch._inductor.config as inductor_config  # noqa: E402
+import torch.fx.experimental._config as fx_config  # noqa: E402
+
+from cachegw.backend.executor.layers.attention import AttentionMetadata, DecodeMetadata  # noqa: E402
+from cachegw.backend.executor.models.llama import LlamaForCausalLM  # noqa: E402
 
 log = logging.getLogger("cachegw.backend")
 
@@ -46,8 +51,8 @@ _instances = itertools.count()
 _KERNEL_THREADS = 1
 # The graph's wrapper (the code calling each kernel) in C++ rather than Python: about 1 ms less a
 # step at batch 1 (a few hundred calls of a few microseconds each). Building it takes minutes the
-# first time; Inductor's cache keeps it, so the cache lives somewhere a reboot does not empty.
-_CACHE_DIR = Path.home() / ".cache" / "cachegw" / "inductor"
+# first time; Inductor's cache keeps it, so the cache lives somewhere a reboot does not empty
+# (_CACHE_DIR above).
 
 
 class CompiledDecode:
@@ -152,7 +157,6 @@ def will_compile(when: str) -> bool:
 def start_compiling(model: LlamaForCausalLM, block_size: int, scratch: int, when: str) -> CompiledDecode:
     """``when``: "startup" compiles before returning, "background" in a daemon thread."""
     compiled = CompiledDecode(model)
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_CACHE_DIR))
     if when == "startup":
         compiled.compile(block_size, scratch)
     else:

@@ -4,17 +4,20 @@ Q4_0, Q4_1 and Q8_0 store blocks of 32 weights along a row with their own scale 
 minimum), which is what weight-only int4/int8 kernels want: keeping the file's integers and scales
 avoids a second rounding. Other types come back dequantized (``gguf.quants.dequantize``) for the
 caller to quantize again or keep in float. Tensor names are mapped to Hugging Face's, and Llama's
-Q/K rows are put back in Hugging Face's rotary order, as transformers' GGUF reader does.
+Q/K rows are put back in Hugging Face's rotary order, as transformers' GGUF reader does. The file
+stays memory-mapped and each tensor is decoded when asked for (``GgufFile``), so a loader never
+holds more than the layer it is building beside the finished ones.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from cachegw.backend.executor.gguf_table import read_table
 
 BLOCK = 32
 EXACT_TYPES = ("Q4_0", "Q4_1", "Q8_0")
@@ -27,6 +30,13 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
 }
 
 
@@ -96,31 +106,73 @@ def _rotary_row_order(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).view(heads, half, 2).transpose(1, 2).reshape(rows)
 
 
-def read_linears(path: Path, num_heads: int, num_kv_heads: int) -> Iterator[GgufLinear]:
-    """Every per-layer projection weight of the file (biases, norms and embeddings are not here)."""
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
+def hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.
+    q_proj.weight``), or None for one the Llama family does not use."""
+    if gguf_name in _TOP_NAMES:
+        return _TOP_NAMES[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _LAYER_NAMES:
+        return None
+    return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
 
-    reader = GGUFReader(str(path))
-    arch_field = reader.fields.get("general.architecture")
-    arch = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field else ""
-    for t in reader.tensors:
-        parts = t.name.split(".")
-        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _LAYER_NAMES or parts[3] != "weight":
-            continue
-        name = f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.weight"
+
+class GgufFile:
+    """A GGUF's tensors by Hugging Face name, read from the memory-mapped file only when asked for,
+    so a loader holds one tensor's worth of decoded data at a time; ``close`` unmaps the file."""
+
+    def __init__(self, path: Path, num_heads: int, num_kv_heads: int) -> None:
+        arch, tensors = read_table(path)
+        self._tensors = {n: t for t in tensors if (n := hf_name(t.name)) is not None}
+        # llama.cpp's converter permuted Llama's Q/K rows; other architectures keep Hugging Face's
+        self._rotary_heads = {"q_proj": num_heads, "k_proj": num_kv_heads} if arch == "llama" else {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tensors
+
+    def kind(self, name: str) -> str:
+        return self._tensors[name].tensor_type.name
+
+    def _order(self, name: str, rows: int) -> torch.Tensor | None:
+        proj = name.split(".")[-2]
+        heads = self._rotary_heads.get(proj)
+        return None if heads is None else _rotary_row_order(rows, heads)
+
+    def blocks(self, name: str) -> BlockWeights:
+        """A Q4_0/Q4_1/Q8_0 tensor's integer blocks, in Hugging Face's row order."""
+        t = self._tensors[name]
+        blocks = decode_blocks(t.tensor_type.name, t.data)
+        order = self._order(name, blocks.q.shape[0])
+        return blocks if order is None else blocks.rows(order)
+
+    def dense(self, name: str, dtype: torch.dtype = torch.float32, chunk: int = 512) -> torch.Tensor:
+        """Any tensor dequantized into ``dtype``; block types ``chunk`` rows at a time, so no float32
+        copy of a whole embedding exists beside the result (and the small temporaries are reused
+        rather than left behind in the heap, as a few big ones were)."""
+        from gguf.quants import dequantize
+
+        t = self._tensors[name]
         kind = t.tensor_type.name
         if kind in EXACT_TYPES:
-            blocks: BlockWeights | None = decode_blocks(kind, t.data)
-            dense = None
+            rows = t.data.shape[0]
+            out = torch.empty(
+                rows, t.data.shape[1] // {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind] * BLOCK, dtype=dtype
+            )
+            for start in range(0, rows, chunk):
+                out[start : start + chunk] = decode_blocks(kind, t.data[start : start + chunk]).dequantize()
         else:
-            blocks = None
-            dense = torch.from_numpy(np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).copy())
-        if arch == "llama" and parts[2] in ("attn_q", "attn_k"):
-            rows = blocks.q.shape[0] if blocks is not None else dense.shape[0]  # type: ignore[union-attr]
-            order = _rotary_row_order(rows, num_heads if parts[2] == "attn_q" else num_kv_heads)
-            if blocks is not None:
-                blocks = blocks.rows(order)
-            else:
-                dense = dense[order]  # type: ignore[index]
-        yield GgufLinear(name, kind, blocks, dense)
+            out = torch.from_numpy(np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).copy())
+            out = out.to(dtype)
+        order = self._order(name, out.shape[0])
+        return out if order is None else out[order]
+
+    def linear(self, name: str) -> GgufLinear:
+        """A projection weight: its blocks where the type is one of EXACT_TYPES, else float32."""
+        kind = self.kind(name)
+        if kind in EXACT_TYPES:
+            return GgufLinear(name, kind, self.blocks(name), None)
+        return GgufLinear(name, kind, None, self.dense(name))
+
+    def close(self) -> None:
+        """Drop the tensors' views of the memory map, so the file's pages leave the process."""
+        self._tensors.clear()

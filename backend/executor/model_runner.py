@@ -16,12 +16,12 @@ from cachegw.backend.config import EngineConfig
 from cachegw.backend.core.block_manager import FREED, cdiv
 from cachegw.backend.core.scheduler import ScheduledBatch
 from cachegw.backend.executor.compiled_decode import CompiledDecode, start_compiling, will_compile
+from cachegw.backend.executor.host_memory import zeros_on_demand
 from cachegw.backend.executor.layers import kv_quant
 from cachegw.backend.executor.layers.attention import AttentionMetadata, PagedAttention
-from cachegw.backend.executor.layers.rotary import RotaryEmbedding
-from cachegw.backend.executor.model_loader import iter_safetensors
-from cachegw.backend.executor.models.llama import LlamaForCausalLM, ModelSpec
-from cachegw.backend.executor.quantization import apply_quantization, use_native_kernels
+from cachegw.backend.executor.model_weights import build_model
+from cachegw.backend.executor.models.llama import ModelSpec
+from cachegw.backend.executor.quantization import use_native_kernels
 
 log = logging.getLogger("cachegw.backend")
 
@@ -66,26 +66,10 @@ class ModelRunner:
         kv_quant.check_supported(config.kv_cache_dtype, device)
         self.kv_format = kv_quant.KVCacheFormat(config.kv_cache_dtype, dtype, self.spec.head_dim)
         self.max_blocks_per_seq = cdiv(max_model_len, self.block_size)
-        placeholder = RotaryEmbedding(hf_config, self.spec.head_dim, 1)  # replaced after to_empty
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device("meta"):
-                model = LlamaForCausalLM(self.spec, placeholder)
-        finally:
-            torch.set_default_dtype(torch.float32)
-        model.to_empty(device=device)
-        model.tie_weights()
-        rotary = RotaryEmbedding(hf_config, self.spec.head_dim, max(max_model_len, 1)).to(device)
-        for layer in model.layers:
-            layer.self_attn.rotary = rotary
-        if config.load_format == "dummy":
-            model.init_dummy_weights(config.seed)
-        else:
-            model.load_weights(iter_safetensors(model_dir))
         # what the projections run: "none" (float), "int4", "int8" or "mixed" ([engine] quantization)
-        gguf = gguf_path if config.load_format != "dummy" else None
-        self.quantization = apply_quantization(model, config.quantization, device, gguf, config.cpu_kernels)
-        self.model = model.eval()
+        self.model, self.quantization = build_model(
+            config, self.spec, hf_config, model_dir, gguf_path, device, dtype, max_model_len
+        )
         self.window_everywhere, self.sinks = self.spec.window_everywhere, 0
         if config.attention_sinks:
             self._use_sinks(config.attention_sinks, context or max_model_len)
@@ -193,10 +177,11 @@ class ModelRunner:
         s, fmt = self.spec, self.kv_format
         shape = (num_blocks, self.block_size, s.num_kv_heads, fmt.row_width)
         # zeros, not empty: attention multiplies masked-out slots by 0, and 0 x NaN would be NaN.
+        # On CPU a page of the pool takes memory when first written (host_memory.py).
         caches = [
             (
-                torch.zeros(shape, dtype=fmt.storage_dtype, device=self.device),
-                torch.zeros(shape, dtype=fmt.storage_dtype, device=self.device),
+                zeros_on_demand(shape, fmt.storage_dtype, self.device),
+                zeros_on_demand(shape, fmt.storage_dtype, self.device),
             )
             for _ in range(s.num_layers)
         ]

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from cachegw.backend.executor.gguf_weights import BlockWeights, GgufLinear, read_linears
+from cachegw.backend.executor.gguf_weights import BlockWeights, GgufFile, GgufLinear
 from cachegw.backend.executor.layers import cpu_kernels
 from cachegw.backend.executor.layers.quantized_linear import BlockLinear, Int4Linear, Int8Linear
 from cachegw.backend.executor.models.llama import LlamaForCausalLM
@@ -111,23 +111,23 @@ def _build(
         return Int4Linear.from_float(weight, bias, compute_dtype)
     if fmt in ("int4", "int8"):
         return Int8Linear.from_float(weight, bias, compute_dtype)
+    if module.weight.is_meta:  # loaded straight from the file: this one stays float
+        module.weight = nn.Parameter(weight.to(module.weight.dtype), requires_grad=False)
     return module
 
 
 def quantize_model(
     model: LlamaForCausalLM,
     mode: str,
-    gguf: Path | None,
+    gguf: GgufFile | None,
     compute_dtype: torch.dtype = torch.bfloat16,
     kernels: str = "auto",
 ) -> Counter[str]:
-    """Replace the projections (and the LM head) in place; returns how many layers got each format.
+    """Replace the projections (and the LM head) in place, one layer at a time, each from the file's
+    tensors where ``gguf`` holds them; returns how many layers got each format. The projections may
+    be on the meta device (``gguf_model.load``): every one the file holds is built from the file.
     Under "auto" the LM head stays float when no projection was quantized (a GGUF of float tensors),
     so such a model runs exactly as under "none"."""
-    spec = model.spec
-    linears: dict[str, GgufLinear] = {}
-    if gguf is not None:
-        linears = {g.name: g for g in read_linears(gguf, spec.num_heads, spec.num_kv_heads)}
     native = use_native_kernels(kernels)
     formats: Counter[str] = Counter()
     for i, layer in enumerate(model.layers):
@@ -135,7 +135,8 @@ def quantize_model(
             owner_name, attr = fused.rsplit(".", 1)
             owner = layer.get_submodule(owner_name)
             names = [f"model.layers.{i}.{p}.weight" for p in parts]
-            sources = [linears[n] for n in names] if all(n in linears for n in names) else None
+            present = gguf is not None and all(n in gguf for n in names)
+            sources = [gguf.linear(n) for n in names] if present and gguf is not None else None
             fmt = mode
             if mode == "auto":
                 fmts = {_auto_format(s.kind) for s in sources} if sources else {"none"}
@@ -144,15 +145,25 @@ def quantize_model(
             setattr(owner, attr, new)
             formats[_format(new)] += 1
     if mode != "none" and (mode != "auto" or set(formats) != {"none"}):
-        head = model.lm_head
-        assert isinstance(head, nn.Linear)
-        if native and BlockLinear.supports(head.in_features):
-            # per block of 32, absmax/127: a Q8_0 embedding's own integers come back unchanged
-            model.lm_head = BlockLinear.from_float(head.weight, None, 8)
-        else:
-            model.lm_head = Int8Linear.from_float(head.weight, None, compute_dtype)
+        model.lm_head = _head(model, gguf, native, compute_dtype)
         formats["lm_head " + _format(model.lm_head)] += 1
     return formats
+
+
+def _head(
+    model: LlamaForCausalLM, gguf: GgufFile | None, native: bool, compute_dtype: torch.dtype
+) -> nn.Module:
+    """The LM head as int8: a Q8_0 head (or the Q8_0 embedding it is tied to) keeps the file's own
+    integers on cachegw's kernel; otherwise per block of 32, absmax/127 (which gives a Q8_0 tensor's
+    integers back in float32, not from a bfloat16 copy)."""
+    head = model.lm_head
+    assert isinstance(head, nn.Linear)
+    if native and BlockLinear.supports(head.in_features):
+        name = "model.embed_tokens.weight" if model.spec.tie_word_embeddings else "lm_head.weight"
+        if gguf is not None and name in gguf and gguf.kind(name) == "Q8_0":
+            return BlockLinear.from_blocks(gguf.blocks(name), None)
+        return BlockLinear.from_float(head.weight, None, 8)
+    return Int8Linear.from_float(head.weight, None, compute_dtype)
 
 
 def _format(layer: nn.Module) -> str:
@@ -179,7 +190,20 @@ def apply_quantization(
     the layers may keep, None for a safetensors or dummy model) and log the outcome, so the start-up
     log says which weight mode runs. Returns that mode (see ``chosen_mode``)."""
     mode = resolve_mode(requested, device, gguf)
-    formats = quantize_model(model, mode, gguf, kernels=kernels) if mode != "none" else Counter[str]()
+    formats = Counter[str]()
+    if mode != "none":
+        file = GgufFile(gguf, model.spec.num_heads, model.spec.num_kv_heads) if gguf is not None else None
+        try:
+            formats = quantize_model(model, mode, file, kernels=kernels)
+        finally:
+            if file is not None:
+                file.close()
+    log_outcome(requested, formats, gguf)
+    return chosen_mode(formats)
+
+
+def log_outcome(requested: str, formats: Counter[str], gguf: Path | None) -> None:
+    """The start-up log's line saying which weight mode runs."""
     chosen = chosen_mode(formats)
     source = gguf.name if gguf is not None else "float checkpoint"
     head = next((k.removeprefix("lm_head ") for k in formats if k.startswith("lm_head")), "float")
@@ -191,4 +215,3 @@ def apply_quantization(
         {k: v for k, v in formats.items() if not k.startswith("lm_head")} or "float",
         head,
     )
-    return chosen

@@ -140,7 +140,7 @@ class BlockLinear(nn.Module):
     def from_blocks(cls, blocks: BlockWeights, bias: torch.Tensor | None) -> BlockLinear:
         """The file's own integers: Q4_0/Q4_1 as 4-bit (w = scale * q + offset), Q8_0 shifted by 128."""
         if blocks.kind == "Q8_0":
-            u = (blocks.q.to(torch.int16) + 128).to(torch.uint8)
+            u = blocks.q.view(torch.uint8) ^ 0x80  # q + 128, without a 16-bit copy
             return cls(u, blocks.scale, blocks.offset - 128 * blocks.scale, 8, bias)
         return cls(blocks.q, blocks.scale, blocks.offset, 4, bias)
 

@@ -1,0 +1,120 @@
+"""Build the model and give it its weights, by the shortest road to the weight mode that runs.
+
+The model is built on the meta device (shapes, no memory). Under a quantized mode over a GGUF
+(the default for the embedded model) each projection goes straight from the file's integer blocks
+into its int4/int8 layer, one layer at a time; only what stays float (embeddings, norms, biases) is
+allocated, in the model's dtype, and the tied LM head reads the embedding's blocks. No float copy
+of the projections ever exists, and the memory-mapped file leaves the process once read. Otherwise
+(``quantization = "none"``, a safetensors folder, CUDA, random weights) every parameter is
+allocated in the model's dtype and filled from the converted safetensors folder, then quantized if
+asked.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from cachegw.backend.config import EngineConfig
+from cachegw.backend.executor.gguf_weights import GgufFile
+from cachegw.backend.executor.layers.rotary import RotaryEmbedding
+from cachegw.backend.executor.model_loader import iter_safetensors
+from cachegw.backend.executor.models.llama import LlamaAttention, LlamaForCausalLM, ModelSpec
+from cachegw.backend.executor.quantization import (
+    apply_quantization,
+    chosen_mode,
+    log_outcome,
+    quantize_model,
+    resolve_mode,
+)
+
+_BY_SHARD = sorted(LlamaForCausalLM._FUSED.items(), key=lambda kv: kv[1][1])
+# our fused parameter -> the checkpoint's, in row order (q_proj, k_proj, v_proj; gate_proj, up_proj)
+_UNFUSED = {
+    fused: [part for part, (f, _) in _BY_SHARD if f == fused] for fused in ("qkv_proj", "gate_up_proj")
+}
+_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def build_model(
+    config: EngineConfig,
+    spec: ModelSpec,
+    hf_config,
+    model_dir: Path | None,
+    gguf: Path | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_model_len: int,
+) -> tuple[LlamaForCausalLM, str]:
+    """The loaded model in eval mode and what its projections run ("none", "int4", "int8", "mixed")."""
+    placeholder = RotaryEmbedding(hf_config, spec.head_dim, 1)  # replaced below
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(spec, placeholder)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    gguf = gguf if config.load_format != "dummy" else None
+    direct = gguf is not None and resolve_mode(config.quantization, device, gguf) != "none"
+    if not direct:
+        model.to_empty(device=device)
+        model.tie_weights()
+    rotary = RotaryEmbedding(hf_config, spec.head_dim, max(max_model_len, 1)).to(device)
+    for module in model.modules():
+        if isinstance(module, LlamaAttention):
+            module.rotary = rotary
+    if direct:
+        assert gguf is not None
+        formats = load_gguf_quantized(model, gguf, config.quantization, config.cpu_kernels)
+        log_outcome(config.quantization, formats, gguf)
+        return model.eval(), chosen_mode(formats)
+    if config.load_format == "dummy":
+        model.init_dummy_weights(config.seed)
+    else:
+        assert model_dir is not None
+        model.load_weights(iter_safetensors(Path(model_dir)))
+    mode = apply_quantization(model, config.quantization, device, gguf, config.cpu_kernels)
+    return model.eval(), mode
+
+
+def _checkpoint_names(param: str) -> list[str]:
+    """The checkpoint tensors one of our float parameters is made of (a fused bias: several)."""
+    parts = param.split(".")
+    if len(parts) >= 2 and parts[-2] in _UNFUSED:
+        return [".".join(["model", *parts[:-2], p, parts[-1]]) for p in _UNFUSED[parts[-2]]]
+    return [param] if param == "lm_head.weight" else [f"model.{param}"]
+
+
+def load_gguf_quantized(model: LlamaForCausalLM, gguf: Path, mode: str, kernels: str) -> Counter[str]:
+    """Fill a meta-device model from the GGUF: float parameters in the model's dtype, then each
+    projection (and the LM head) straight into its quantized layer. Returns the formats made."""
+    spec = model.spec
+    file = GgufFile(gguf, spec.num_heads, spec.num_kv_heads)
+    try:
+        for name, param in list(model.named_parameters()):
+            parts = name.split(".")
+            if parts[0] == "layers" and parts[-2] in _PROJECTIONS and parts[-1] == "weight":
+                continue  # quantize_model builds these from the file's blocks
+            names = _checkpoint_names(name)
+            missing = [n for n in names if n not in file]
+            if missing:
+                raise KeyError(f"{gguf.name} lacks {missing[0]}")
+            value = torch.cat([file.dense(n, param.dtype) for n in names])
+            if value.shape != param.shape:
+                shapes = f"{tuple(value.shape)}, the model wants {tuple(param.shape)}"
+                raise ValueError(f"{names[0]} in {gguf.name} is {shapes}")
+            owner, attr = name.rsplit(".", 1)
+            setattr(model.get_submodule(owner), attr, nn.Parameter(value, requires_grad=False))
+        model.tie_weights()
+        formats = quantize_model(model, mode, file, kernels=kernels)
+    finally:
+        file.close()
+    tensors = itertools.chain(model.named_parameters(), model.named_buffers())
+    left = [n for n, t in tensors if t.is_meta]
+    if left:
+        raise KeyError(f"{gguf.name} lacks the weights of {', '.join(left[:3])}")
+    return formats
