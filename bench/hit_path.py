@@ -1,0 +1,173 @@
+"""Exact hits through real HTTP: this checkout's gateway against an earlier commit's, interleaved.
+
+Each side is a `cachegw serve` process on this machine in front of the same small OpenAI-compatible
+upstream (testkit's: a hit never reaches it, and it answers the seeding misses at once), seeded with
+the same 40 answers, then asked to repeat them: one client at a time (latency), and 32 connections from
+wrk, a C load generator (throughput: a Python client would be the bottleneck here). The two sides take
+turns round by round, so the machine's drift hits both. The earlier commit runs as it was installed
+then: uvicorn on asyncio and h11 (uvloop and httptools are hidden from it).
+
+    .venv/bin/python -m bench.hit_path [--base ca0af8e] [--rounds 3] [--seconds 8]
+
+Needs `wrk` (Debian: `apt-get install wrk`) for the throughput part; without it only latency is taken.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from bench.common import ROOT, pct, save, say
+from testkit.servers import Upstream, free_port, recording_upstream, serve_in_thread
+
+QUESTIONS = [f"How do I reset my password for account type {i}?" for i in range(40)]
+WRK_SCRIPT = """
+local bodies = {}
+local i = 0
+init = function(args)
+  for k = 0, 39 do
+    bodies[#bodies + 1] = '{"model":"m","messages":[{"role":"user","content":"How do I reset my password '
+      .. 'for account type ' .. k .. '?"}],"temperature":0,"max_tokens":16}'
+  end
+end
+request = function()
+  i = i + 1
+  return wrk.format("POST", "/v1/chat/completions", {["Content-Type"] = "application/json"},
+    bodies[(i % #bodies) + 1])
+end
+"""
+# the earlier commit as installed then: no uvloop, no httptools (uvicorn falls back to asyncio and h11)
+HIDDEN = "import sys; sys.modules['uvloop'] = None; sys.modules['httptools'] = None; "
+
+
+def body(question: str) -> dict:
+    return {"model": "m", "messages": [{"role": "user", "content": question}], "temperature": 0,
+            "max_tokens": 16}  # fmt: skip
+
+
+@dataclass
+class Side:
+    name: str
+    checkout: Path
+    url: str
+    proc: subprocess.Popen
+
+
+def start(name: str, checkout: Path, upstream: str, work: Path, hide: bool) -> Side:
+    """`cachegw serve` from ``checkout`` (the module path of its day: cachegw.gateway.cli or gateway.cli)."""
+    module = "cachegw.gateway.cli" if (checkout / "cachegw").is_dir() else "gateway.cli"
+    port = free_port()
+    config = work / f"{name}.toml"
+    config.write_text(f'[gateway]\nbackends = ["{upstream}/v1"]\n')
+    args = ["serve", "--port", str(port), "--config", str(config), "--data-dir", str(work / name)]
+    run = f"{HIDDEN if hide else 'import sys; '}sys.argv = ['cachegw', *{args!r}]; "
+    run += f"from {module} import main; main()"
+    env = {**os.environ, "PYTHONPATH": str(checkout), "HF_HUB_OFFLINE": "1"}
+    log = (work / f"{name}.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-c", run], cwd=checkout, env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{name} exited: see {work / f'{name}.log'}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code in (200, 503):
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    for q in QUESTIONS:  # seed: misses answered by the upstream, then stored
+        httpx.post(f"{url}/v1/chat/completions", json=body(q), timeout=60).raise_for_status()
+    r = httpx.post(f"{url}/v1/chat/completions", json=body(QUESTIONS[0]), timeout=60)
+    assert r.headers.get("x-cache") == "exact-hit", r.headers
+    return Side(name, checkout, url, proc)
+
+
+def latency_ms(side: Side, n: int) -> list[float]:
+    """One request at a time, keep-alive (what a single client sees)."""
+    out = []
+    with httpx.Client(timeout=60) as c:
+        for i in range(n):
+            t = time.perf_counter()
+            r = c.post(f"{side.url}/v1/chat/completions", json=body(QUESTIONS[i % len(QUESTIONS)]))
+            out.append((time.perf_counter() - t) * 1e3)
+            assert r.headers.get("x-cache") == "exact-hit"
+    return out
+
+
+def throughput(side: Side, seconds: int, script: Path) -> tuple[float, float]:
+    """wrk, one thread, 32 connections: (requests/s, p50 ms under that load)."""
+    cmd = ["wrk", "-t1", "-c32", f"-d{seconds}s", "--latency", "-s", str(script), side.url]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
+    p50 = re.search(r"50%\s+([\d.]+)(us|ms|s)", out)
+    scale = {"us": 1e-3, "ms": 1.0, "s": 1e3}[p50.group(2)]  # type: ignore[union-attr]
+    return rps, float(p50.group(1)) * scale  # type: ignore[union-attr]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--base", default="ca0af8e", help="the earlier commit (git rev)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--seconds", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=300, help="sequential requests per latency round")
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="cachegw-hit-path-"))
+    base = work / "base"
+    subprocess.run(["git", "worktree", "add", "--detach", "-q", str(base), args.base], cwd=ROOT, check=True)
+    script = work / "hits.lua"
+    script.write_text(WRK_SCRIPT)
+    has_wrk = shutil.which("wrk") is not None
+    sides: list[Side] = []
+    results: dict[str, dict[str, list[float]]] = {}
+    try:
+        with serve_in_thread(recording_upstream(Upstream(model="m"))) as upstream:
+            sides = [
+                start("base", base, upstream, work, hide=True),
+                start("this", ROOT, upstream, work, hide=False),
+            ]
+            for side in sides:
+                latency_ms(side, 50)  # warm-up
+                results[side.name] = {"p50_ms": [], "p99_ms": [], "rps": [], "p50_ms_loaded": []}
+            for rnd in range(args.rounds):
+                for side in sides if rnd % 2 == 0 else sides[::-1]:
+                    lat = latency_ms(side, args.requests)
+                    res = results[side.name]
+                    res["p50_ms"].append(round(pct(lat, 50), 3))
+                    res["p99_ms"].append(round(pct(lat, 99), 3))
+                    if has_wrk:
+                        rps, loaded = throughput(side, args.seconds, script)
+                        res["rps"].append(round(rps, 1))
+                        res["p50_ms_loaded"].append(round(loaded, 2))
+                    say(f"round {rnd + 1} {side.name}: p50 {res['p50_ms'][-1]} ms, "
+                        f"{res['rps'][-1] if has_wrk else '-'} hits/s")  # fmt: skip
+    finally:
+        for side in sides:
+            if side.proc.poll() is None:
+                os.killpg(side.proc.pid, signal.SIGTERM)
+                side.proc.wait(30)
+        subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT, check=False)
+    med = {name: {k: statistics.median(v) for k, v in res.items() if v} for name, res in results.items()}
+    ratios = {k: round(med["this"][k] / med["base"][k], 2) for k in med["this"] if med["base"].get(k)}
+    save("hit_path", {"base": args.base, "rounds": args.rounds, "seconds": args.seconds,
+                      "requests_per_latency_round": args.requests, "runs": results, "median": med,
+                      "this_over_base": ratios,
+                      "targets": {"exact_hit_p50_ms": "<= 2", "exact_hits_per_s": ">= 1500"}})  # fmt: skip
+    say(f"median: {med}; this/base: {ratios}")
+
+
+if __name__ == "__main__":
+    main()
