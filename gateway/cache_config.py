@@ -188,6 +188,11 @@ class CacheConfig(Strict):
     change_log_rows: int = Field(
         gt=0, description="change-log rows kept; a replica further behind reloads its views"
     )
+    exact_keys_in_memory: int = Field(
+        ge=0,
+        description="exact keys each replica mirrors in memory, least recently used dropped (one not "
+        "mirrored is one indexed query); 0 = all (read at start)",
+    )
     encoder: EncoderConfig = Field(description="the query encoder")
     verifier: VerifierConfig = Field(description="the pair verifier")
     error_bound: ErrorBoundConfig = Field(description="the bounded false-hit rate")

@@ -1,13 +1,16 @@
 """The exact tier: a repeat of the same canonical request, found by its exact key.
 
 The keys are mirrored in memory (exact key -> entry ids), so an exact hit needs no query; a key
-this replica does not know is still looked up in the database (another replica's answer, or one
-that replaced a known entry since the last sync).
+this replica does not know is still looked up in the database (another replica's answer, one that
+replaced a known entry since the last sync, or one the mirror dropped). The mirror holds at most
+``capacity`` keys (0: all), least recently used dropped first, so its memory stays flat however
+many entries the database holds.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 
 from cachegw.gateway.cache.memo import EntryMemo
 from cachegw.gateway.storage.interfaces import EntryStore
@@ -17,32 +20,33 @@ from cachegw.policies.cacheability import Freshness, unservable
 
 
 class ExactTier:
-    def __init__(self, entries: EntryStore, memo: EntryMemo) -> None:
+    def __init__(self, entries: EntryStore, memo: EntryMemo, capacity: int = 0) -> None:
         self.entries = entries
         self.memo = memo
-        self._ids: dict[str, list[int]] = {}  # exact key -> entry ids
+        self.capacity = capacity
+        self._ids: OrderedDict[str, list[int]] = OrderedDict()  # exact key -> entry ids, LRU first
         self._key_of: dict[int, str] = {}
 
     def __contains__(self, entry_id: int) -> bool:
-        """Whether this replica knows the entry (it is counted in the cache's totals)."""
+        """Whether the mirror holds the entry (then it is counted in the cache's totals; with a bounded
+        mirror the totals are also recounted from the database every minute)."""
         return entry_id in self._key_of
 
+    def __len__(self) -> int:
+        return len(self._ids)
+
     def rebuild(self) -> None:
-        """Load the mirror from the database (on start, and on a reload while requests go on: the new
-        mirror is built aside and swapped in whole)."""
-        ids: dict[str, list[int]] = {}
+        """Load the mirror from the database, the newest keys when bounded (on start, and on a reload
+        while requests go on: the new mirror is built aside and swapped in whole)."""
+        ids: OrderedDict[str, list[int]] = OrderedDict()
         key_of: dict[int, str] = {}
         for key, entry_id in self.entries.exact_keys():
             if entry_id not in key_of:
-                ids.setdefault(key, []).append(entry_id)
-                key_of[entry_id] = key
+                _mirror(ids, key_of, key, entry_id, self.capacity)
         self._ids, self._key_of = ids, key_of
 
     def add(self, key: str, entry_id: int) -> None:
-        ids = self._ids.setdefault(key, [])
-        if entry_id not in ids:
-            ids.append(entry_id)
-            self._key_of[entry_id] = key
+        _mirror(self._ids, self._key_of, key, entry_id, self.capacity)
 
     def drop(self, entry_id: int) -> None:
         key = self._key_of.pop(entry_id, None)
@@ -56,6 +60,8 @@ class ExactTier:
     ) -> CacheEntry | None:
         """The newest stored answer to exactly this request that may serve it, or None."""
         known = self._ids.get(keys.exact)
+        if known:
+            self._ids.move_to_end(keys.exact)  # recently used
         found = await self.memo.get(list(known)) if known else {}
         if found:
             candidates = sorted(found.values(), key=lambda e: -e.id)
@@ -72,3 +78,19 @@ class ExactTier:
             ):
                 return entry
         return None
+
+
+def _mirror(
+    ids: OrderedDict[str, list[int]], key_of: dict[int, str], key: str, entry_id: int, cap: int
+) -> None:
+    """Mirror ``entry_id`` under ``key`` as the most recently used; past ``cap`` keys (0: none) the least
+    recently used key and its entries leave."""
+    held = ids.setdefault(key, [])
+    ids.move_to_end(key)
+    if entry_id not in held:
+        held.append(entry_id)
+        key_of[entry_id] = key
+    while cap and len(ids) > cap:
+        _, gone = ids.popitem(last=False)
+        for i in gone:
+            key_of.pop(i, None)

@@ -63,7 +63,7 @@ class ResponseCache:
         self.index = index
         self.clock = self.entry_store.clock
         self.memo = EntryMemo(self.entry_store)
-        self.exact = ExactTier(self.entry_store, self.memo)
+        self.exact = ExactTier(self.entry_store, self.memo, self.settings().exact_keys_in_memory)
         self.semantic = SemanticTier(self.settings, index, batcher, verifier, self.memo, lines)
         self.maintenance = Maintenance(self.settings, stores, self._forget)
         self.replicas = ReplicaSync(

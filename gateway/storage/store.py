@@ -297,13 +297,15 @@ class SqlEntries:
                 yield scope, entry_id, np.frombuffer(blob, dtype=np.float32)
             last = rows[-1][1]
 
-    def exact_keys(self) -> list[tuple[str, int]]:
-        """(exact key, id) of every live entry, to mirror the exact tier in memory."""
+    def exact_keys(self) -> Iterator[tuple[str, int]]:
+        """(exact key, id) of every live entry, oldest first, streamed: to mirror the exact tier in
+        memory (a bounded mirror keeps the newest)."""
         with self.session() as s:
             q = select(CacheEntry.exact_key, CacheEntry.id).where(
                 CacheEntry.expires_at > self.clock(), CacheEntry.bad.is_(False)
             )
-            return [(k, int(i)) for k, i in s.execute(q)]
+            for k, i in s.execute(q.order_by(CacheEntry.id).execution_options(yield_per=10_000)):
+                yield k, int(i)
 
     def count_embeddings(self) -> int:
         with self.session() as s:
