@@ -32,9 +32,10 @@ from bench.common import save, say
 from bench.faiss_lookup import corpus, embed_cached, pick_queries
 from bench.gateway_latency import MODEL, SYSTEM, start, stop, wait_health
 from bench.pg_server import new_database, pg_server
+from bench.shared_index import bulk_build
 from cachegw.gateway.config import load_settings
 from cachegw.gateway.storage.tables import CacheEntry
-from testkit.servers import Upstream, free_port, recording_upstream, serve_in_thread
+from testkit.servers import Upstream, free_port, pgvector_config, recording_upstream, serve_in_thread
 
 VARIANTS = [
     "{q}",
@@ -55,15 +56,6 @@ COLUMNS = (
 def body(question: str) -> dict:
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
     return {"model": MODEL, "temperature": 0, "max_tokens": 16, "messages": messages}
-
-
-def config(work: Path, upstream: str, database: str) -> Path:
-    path = work / "cachegw.toml"
-    path.write_text(
-        f'[gateway]\nbackends = ["{upstream}/v1"]\ndatabase_url = "{database}"\n'
-        '[index]\nstore = "pgvector"\n[cache.verifier]\ncross_verifier = false\n'
-    )
-    return path
 
 
 def fill(database: str, texts: list[str], vecs: np.ndarray, upto: int) -> dict[str, float]:
@@ -97,16 +89,7 @@ def fill(database: str, texts: list[str], vecs: np.ndarray, upto: int) -> dict[s
             )
             conn.execute(text("ALTER TABLE cache_entries ENABLE TRIGGER cachegw_entry_vectors"))
     filled = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    with engine.begin() as conn:
-        conn.execute(
-            text(
-                "CREATE INDEX ix_entry_vectors_hnsw ON entry_vectors USING hnsw (embedding vector_ip_ops) "
-                f"WITH (m = {ix.hnsw_m}, ef_construction = {ix.ef_construction})"
-            )
-        )
-        conn.execute(text("ANALYZE"))
-    built = time.perf_counter() - t0
+    built = bulk_build(engine, ix.hnsw_m, ix.ef_construction)
     engine.dispose()
     return {"insert_s": round(filled, 1), "hnsw_bulk_build_s": round(built, 1)}
 
@@ -199,7 +182,7 @@ def main() -> None:
         serve_in_thread(recording_upstream(Upstream(model=MODEL))) as upstream,
     ):
         work, database = Path(tmp), new_database(server)
-        cfg = config(work, upstream, database)
+        cfg = pgvector_config(work, upstream, database)
         say(f"seeding {len(questions)} answers through a replica")
         asyncio.run(seed(cfg, work, questions))
         for size in sizes:

@@ -1,5 +1,6 @@
 """Test and benchmark helpers: run an ASGI app with uvicorn on a free loopback port in a background thread;
-a small OpenAI-compatible upstream that records what it is sent and can be made to hang."""
+a small OpenAI-compatible upstream that records what it is sent and can be made to hang; a
+gateway config on the pgvector store."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import uvicorn
@@ -56,6 +58,17 @@ def release_fastapi_caches() -> None:
     for value in vars(models).values():
         if callable(getattr(value, "cache_clear", None)):
             value.cache_clear()
+
+
+def pgvector_config(folder: Path, upstream: str, database: str) -> Path:
+    """A gateway config on the pgvector store in front of ``upstream`` (the MLP verifier alone: hits
+    cost less, so a test or benchmark spends its time where it means to)."""
+    path = folder / "cachegw.toml"
+    path.write_text(
+        f'[gateway]\nbackends = ["{upstream}/v1"]\ndatabase_url = "{database}"\n'
+        '[index]\nstore = "pgvector"\n[cache.verifier]\ncross_verifier = false\n'
+    )
+    return path
 
 
 def free_port() -> int:

@@ -12,13 +12,12 @@ import os
 import random
 import signal
 import threading
-from pathlib import Path
 
 import httpx
 import pytest
 from sqlalchemy import create_engine, text
 
-from testkit.servers import Upstream, free_port, recording_upstream, serve_in_thread
+from testkit.servers import Upstream, free_port, pgvector_config, recording_upstream, serve_in_thread
 from tests.test_gateway import MODEL, ask
 from tests.test_gateway_process import post, start_serve, wait_health
 from tests.test_pgvector_index import fresh_database
@@ -35,15 +34,6 @@ WORDS = (
 def question(rng: random.Random, n: int) -> str:
     a, b, c = rng.sample(WORDS, 3)
     return f"Case {n}: what links the {a} to the {b} when a {c} is involved?"
-
-
-def config(tmp: Path, upstream: str, database: str) -> Path:
-    path = tmp / "cachegw.toml"
-    path.write_text(
-        f'[gateway]\nbackends = ["{upstream}/v1"]\ndatabase_url = "{database}"\n'
-        '[index]\nstore = "pgvector"\n[cache.verifier]\ncross_verifier = false\n'
-    )
-    return path
 
 
 def load(
@@ -66,7 +56,7 @@ def load(
 def test_sigkill_mid_write_loses_no_acknowledged_entry(pgvector_url, tmp_path) -> None:
     database = fresh_database(pgvector_url)
     with serve_in_thread(recording_upstream(Upstream(model=MODEL, answer="forty-two"))) as upstream:
-        cfg = config(tmp_path, upstream, database)
+        cfg = pgvector_config(tmp_path, upstream, database)
         port = free_port()
         victim = start_serve(cfg, tmp_path / "a", port, tmp_path / "a.log")
         wait_health(port, victim)
