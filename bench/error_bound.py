@@ -32,7 +32,7 @@ import random
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -59,8 +59,12 @@ SAMPLES = 40  # points of the plotted history per run
 KEYS = ("estimate", "interval", "line", "audits", "evidence")
 
 
-def labelled_backend(answer_of: dict[str, str]) -> FastAPI:
-    """Answers each question with its meaning's label: same meaning, same answer."""
+def labelled_backend(answer_of: dict[str, str] | Callable[[dict[str, Any]], str]) -> FastAPI:
+    """Answers each question with its meaning's label: same meaning, same answer. ``answer_of`` maps
+    the last message's text to its label, or is a function of the whole request body."""
+    answer = (
+        answer_of if callable(answer_of) else lambda b: answer_of.get(b["messages"][-1]["content"], "unknown")
+    )
     app = FastAPI()
 
     @app.get("/v1/models")
@@ -74,16 +78,18 @@ def labelled_backend(answer_of: dict[str, str]) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> dict:
         body = await request.json()
-        question = body["messages"][-1]["content"]
-        answer = answer_of.get(question, "unknown")
-        words = len(question.split())
+        words = len(str(body["messages"][-1]["content"]).split())
         return {
             "id": "chatcmpl-bench",
             "object": "chat.completion",
             "created": 0,
             "model": MODEL,
             "choices": [
-                {"index": 0, "message": {"role": "assistant", "content": answer}, "finish_reason": "stop"}
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": answer(body)},
+                    "finish_reason": "stop",
+                }
             ],
             "usage": {"prompt_tokens": words + 8, "completion_tokens": 3, "total_tokens": words + 11},
         }
