@@ -76,7 +76,12 @@ class ModelRunner:
         self.attention_backend = self._choose_attention_backend()
         self.num_blocks = self._num_kv_blocks()
         # CPU only: CUDA has its Triton kernels and CUDA graphs; attention sinks keep the eager path.
-        compiling = device.type == "cpu" and not self.sinks and will_compile(config.compile)
+        compiling = (
+            device.type == "cpu"
+            and not self.sinks
+            and self.spec.decode_compiles
+            and will_compile(config.compile)
+        )
         # With a compiled decode step, one more block than the block manager hands out: the
         # compile's warm-up writes there while sequences may already be running.
         self.kv_caches = self._allocate_kv_cache(self.num_blocks + compiling)
@@ -138,8 +143,8 @@ class ModelRunner:
                 )
             except Exception:
                 log.exception("Triton attention failed its self-check")
-            if not use:
-                log.warning("using the torch attention path on CUDA (slower; no CUDA graphs)")
+        if self.device.type == "cuda" and not use:
+            log.warning("using the torch attention path on CUDA (slower; no CUDA graphs)")
         for layer in self.model.layers:
             layer.self_attn.attn.use_triton = use
         return "triton" if use else "torch"

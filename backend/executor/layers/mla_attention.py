@@ -117,8 +117,11 @@ class MLAttention(PagedAttention):
     ) -> torch.Tensor:
         """One query per sequence over its blocks (``tables`` [n, blocks], padded), tensor ops alone."""
         n = q_nope.shape[0]
-        rows = read_blocks(self.k_cache, tables.reshape(-1), q_nope.dtype).view(n, -1, self.k_cache.shape[-1])
-        seen = _visible(torch.arange(rows.shape[1], device=rows.device), seq_lens, None)[:, None, :]
+        length = tables.shape[1] * self.k_cache.shape[1]
+        rows = read_blocks(self.k_cache, tables.reshape(-1), q_nope.dtype).view(
+            n, length, self.k_cache.shape[-1]
+        )
+        seen = _visible(torch.arange(length, device=rows.device), seq_lens, None)[:, None, :]
         if not self.absorb:
             keys, values = self._split(rows, w)  # [n, H, S, nope + rope], [n, H, S, v]
             queries = torch.cat((q_nope, q_pe), dim=-1)[:, :, None, :]

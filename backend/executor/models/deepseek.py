@@ -58,6 +58,11 @@ class MLASpec(ModelSpec):
     def rotary_dim(self) -> int:
         return self.qk_rope_head_dim
 
+    @property
+    def decode_compiles(self) -> bool:
+        """The experts loop depends on the routing's values, which torch.compile cannot trace."""
+        return self.moe is None
+
     @classmethod
     def from_hf_config(cls, config) -> MLASpec:
         arch = config.architectures[0]
@@ -138,14 +143,16 @@ class DeepseekAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         s, n = self.spec, x.shape[0]
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if s.q_lora_rank else self.q_proj(x)
-        q_nope, q_pe = q.view(n, s.num_heads, -1).split([s.qk_nope_head_dim, s.qk_rope_head_dim], dim=-1)
+        # explicit sizes, no -1: the compiled decode step traces n as an unbacked size
+        q = q.view(n, s.num_heads, s.qk_nope_head_dim + s.qk_rope_head_dim)
+        q_nope, q_pe = q.split([s.qk_nope_head_dim, s.qk_rope_head_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([s.kv_lora_rank, s.qk_rope_head_dim], dim=-1)
         k_pe = k_pe[:, None, :]
         if s.rope_interleave:
             q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
         q_pe, k_pe = self.rotary(positions, q_pe, k_pe)
         o = self.attn(q_nope, q_pe, self.kv_a_layernorm(latent), k_pe[:, 0], meta, self.kv_b_proj.weight)
-        return self.o_proj(o.reshape(n, -1))
+        return self.o_proj(o.reshape(n, s.num_heads * s.v_head_dim))
 
 
 class DeepseekDecoderLayer(LlamaDecoderLayer):

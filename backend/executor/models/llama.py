@@ -87,6 +87,11 @@ class ModelSpec:
     def rotary_dim(self) -> int:
         return self.head_dim
 
+    @property
+    def decode_compiles(self) -> bool:
+        """Whether the compiled decode step can trace the model (``executor/compiled_decode.py``)."""
+        return True
+
     def kv_bytes_per_token(self, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
         """K and V, every layer: 2 x layers x kv_heads x the bytes of one stored row (``head_dim``
         elements of ``dtype``, or their int8/fp8 form and its scale: ``layers/kv_quant.py``)."""

@@ -8,12 +8,14 @@ know.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from cachegw.backend.config import EngineConfig
 from cachegw.backend.executor.models.deepseek import DEEPSEEK_ARCHITECTURES, DeepseekForCausalLM, MLASpec
 from cachegw.backend.executor.models.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM, ModelSpec
 
+log = logging.getLogger("cachegw.backend")
 ARCHITECTURES = (*SUPPORTED_ARCHITECTURES, *DEEPSEEK_ARCHITECTURES)
 
 
@@ -37,7 +39,14 @@ def model_spec(hf_config, config: EngineConfig, gguf: Path | None = None) -> Mod
             f"{arch} uses latent attention (MLA), which cachegw runs with float weights from a safetensors "
             f"folder and a float KV cache only: {', '.join(names)} cannot be used with it"
         )
-    return MLASpec.from_hf_config(hf_config)
+    spec = MLASpec.from_hf_config(hf_config)
+    if not spec.decode_compiles and config.compile != "off":
+        log.info(
+            "%s has mixture-of-experts layers: compile=%r does not apply, decoding eagerly",
+            arch,
+            config.compile,
+        )
+    return spec
 
 
 def model_class(spec: ModelSpec) -> type[LlamaForCausalLM]:
