@@ -5,8 +5,9 @@ config.json alone), each started as a real engine in bfloat16: bytes per token a
 the runner allocated divided by the tokens they hold, checked against the figure the engine sizes its
 pool by (``ModelSpec.kv_bytes_per_token``). ``published``: the same sizing for published shapes,
 their config values typed in here (no download, no weights): SmolLM2-135M and Llama-3-8B (GQA),
-DeepSeek-V2-Lite and DeepSeek-V3 (MLA). For the MLA models, what the same attention would keep with
-per-head K and V (K: qk_nope + qk_rope per head, V: v_head_dim per head) beside it.
+DeepSeek-V2-Lite and DeepSeek-V3 (MLA). Beside every model, what a K and a V for every query head
+would keep (MHA; for MLA, keys of qk_nope + qk_rope and values of v_head_dim per head): what GQA, MQA
+and MLA save.
 
     .venv/bin/python -m bench.kv_bytes
 """
@@ -83,11 +84,12 @@ def _published() -> dict[str, tuple[str, object]]:
 
 
 def _per_head_kv(spec) -> int:
-    """Bytes per token (bf16) if the model cached per-head K and V (MLA's keys are nope + rope wide)."""
+    """Bytes per token (bf16) with a K and a V for every query head, as MHA keeps them (MLA's keys are
+    nope + rope wide, its values v_head_dim): what GQA, MQA and MLA each save against."""
     from cachegw.backend.executor.models.deepseek import MLASpec
 
     if not isinstance(spec, MLASpec):
-        return spec.kv_bytes_per_token(torch.bfloat16)
+        return 2 * spec.num_layers * spec.num_heads * spec.head_dim * BF16
     width = spec.qk_nope_head_dim + spec.qk_rope_head_dim + spec.v_head_dim
     return spec.num_layers * spec.num_heads * width * BF16
 
@@ -138,7 +140,7 @@ def published() -> list[dict]:
                 "tokens_per_gib": (1 << 30) // per_token,
             }
         )
-        say(f"{name}: {per_token} B/token ({rows[-1]['per_head_kv_bytes']} with per-head K/V)")
+        say(f"{name}: {per_token} B/token ({rows[-1]['per_head_kv_bytes']} with K/V per query head)")
     return rows
 
 

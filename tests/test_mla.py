@@ -126,6 +126,18 @@ def test_a_block_spilled_to_ram_comes_back_with_the_same_tokens(v2):
     gc.collect()
 
 
+def test_forked_samples_and_draft_tokens_give_greedy_tokens(v2):
+    """n > 1 copies a partly filled latent block; n-gram drafts are multi-token chunks over the cache."""
+    prompt, greedy = [5, 6, 7, 8] * 10, dict(temperature=0.0, max_tokens=16, ignore_eos=True)
+    llm = engine(v2[0])
+    plain = llm.generate(prompt, SamplingParams(**greedy))[0].outputs[0].token_ids
+    forked = llm.generate(prompt, SamplingParams(**greedy, n=2), cache_salt="fork")[0].outputs
+    assert [o.token_ids for o in forked] == [plain, plain]
+    drafting = engine(v2[0], speculative="ngram", num_speculative_tokens=4)
+    assert drafting.generate(prompt, SamplingParams(**greedy))[0].outputs[0].token_ids == plain
+    assert drafting.engine.spec_accepted_tokens > 0
+
+
 @pytest.mark.parametrize(
     "setting",
     [{"kv_cache_dtype": "int8"}, {"kv_cache_dtype": "fp8"}, {"quantization": "int8"}, {"attention_sinks": 4}],
