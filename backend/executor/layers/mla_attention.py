@@ -30,7 +30,6 @@ from cachegw.backend.executor.layers.attention import (
     DecodeMetadata,
     PagedAttention,
     StepMetadata,
-    _visible,
     read_blocks,
 )
 
@@ -93,7 +92,9 @@ class MLAttention(PagedAttention):
         keys = torch.cat((k_nope, k_pe.unsqueeze(-2).expand(*k_nope.shape[:-1], self.rope_dim)), dim=-1)
         return keys.transpose(-3, -2), v.transpose(-3, -2)
 
-    def _expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, context: torch.Tensor, w: torch.Tensor):
+    def _expanded(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, context: torch.Tensor, w: torch.Tensor
+    ) -> torch.Tensor:
         """A chunk of queries (the last ``len(q)`` positions of ``context``), causal, expanded form."""
         q_len, ctx = q_nope.shape[0], context.shape[0]
         keys, values = self._split(context, w)
@@ -121,7 +122,9 @@ class MLAttention(PagedAttention):
         rows = read_blocks(self.k_cache, tables.reshape(-1), q_nope.dtype).view(
             n, length, self.k_cache.shape[-1]
         )
-        seen = _visible(torch.arange(length, device=rows.device), seq_lens, None)[:, None, :]
+        seen = (torch.arange(length, device=rows.device)[None, :] < seq_lens[:, None])[
+            :, None, :
+        ]  # [n, 1, S]
         if not self.absorb:
             keys, values = self._split(rows, w)  # [n, H, S, nope + rope], [n, H, S, v]
             queries = torch.cat((q_nope, q_pe), dim=-1)[:, :, None, :]
