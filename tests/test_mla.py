@@ -3,7 +3,8 @@
 The engine's greedy tokens equal transformers' generate, and its logprobs equal a transformers forward
 pass over prompt + output, in float32, with decodes in the absorbed form and in the expanded one. The
 paged cache holds one latent row per token (kv_lora_rank + qk_rope_head_dim), and the byte budget,
-prefix caching and the RAM tier work on it.
+prefix caching, forks, n-gram drafts and the RAM and disk tiers work on it; settings that assume
+per-head K/V are refused at start.
 """
 
 from __future__ import annotations
@@ -124,6 +125,21 @@ def test_a_block_spilled_to_ram_comes_back_with_the_same_tokens(v2):
     assert llm.engine.stats().prefix_cache_hits_by_tier["ram"] > 0
     del llm
     gc.collect()
+
+
+def test_a_restart_finds_the_latent_blocks_on_disk(v2, tmp_path):
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompt, tier = (
+        list(range(10, 60)),
+        dict(kv_cache_tokens=64, kv_offload_bytes=0, kv_offload_dir=str(tmp_path)),
+    )
+    first = engine(v2[0], **tier)
+    reference = first.generate(prompt, greedy)[0].outputs[0].token_ids
+    first.engine.close()  # the pool's blocks go to disk
+    restarted = engine(v2[0], **tier)
+    out = restarted.generate(prompt, greedy)[0]
+    assert out.num_cached_tokens == 48 and out.outputs[0].token_ids == reference
+    assert restarted.engine.stats().prefix_cache_hits_by_tier["disk"] == 48
 
 
 def test_forked_samples_and_draft_tokens_give_greedy_tokens(v2):
