@@ -23,14 +23,16 @@ SHAPE = dict(
     initializer_range=0.05, tie_word_embeddings=False,
 )  # fmt: skip
 MOE = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1)
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+        "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}  # fmt: skip
 BS = 8
 ROW = 32 + 8  # kv_lora_rank + qk_rope_head_dim
 PROMPTS = [[5, 17, 99, 3, 250, 7, 7, 8, 100, 101, 44], list(range(30, 90))]
 
 
 def save(kind: str, folder) -> torch.nn.Module:
-    """V2: queries from q_proj, every layer dense; V3: a query bottleneck (q_lora_rank), then MoE layers
-    with grouped sigmoid routing and a correction bias."""
+    """V2: queries from q_proj, every layer dense; V3: a query bottleneck (q_lora_rank), YaRN rope (its
+    softmax mscale too), then MoE layers with grouped sigmoid routing and a correction bias."""
     from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config
 
     if kind == "v2":
@@ -38,7 +40,7 @@ def save(kind: str, folder) -> torch.nn.Module:
     else:
         cfg = DeepseekV3Config(
             **SHAPE, **MOE, q_lora_rank=24, first_k_dense_replace=1, n_group=2, topk_group=1,
-            norm_topk_prob=True, routed_scaling_factor=2.5,
+            norm_topk_prob=True, routed_scaling_factor=2.5, rope_parameters=YARN,
         )  # fmt: skip
     cfg.architectures = [f"Deepseek{kind.upper()}ForCausalLM"]
     torch.manual_seed(0)
