@@ -223,7 +223,7 @@ def offload_for(
     fmt = runner.kv_format
     if fmt.kind != "auto":  # int8/fp8 blocks (scales included) computed in this compute dtype
         identity += f"|kv={fmt.kind}|{str(dtype).removeprefix('torch.')}"
-    shape = (spec.num_layers, 2, cfg.block_size, spec.num_kv_heads, fmt.row_width)
+    shape = (spec.num_layers, spec.kv_parts, cfg.block_size, spec.num_kv_heads, fmt.row_width)
     return KVOffload(
         BlockFormat(identity, fmt.storage_dtype, shape),
         runner.read_block,

@@ -20,7 +20,7 @@ from cachegw.backend.executor.host_memory import zeros_on_demand
 from cachegw.backend.executor.layers import kv_quant
 from cachegw.backend.executor.layers.attention import AttentionMetadata, PagedAttention
 from cachegw.backend.executor.model_weights import build_model
-from cachegw.backend.executor.models.llama import ModelSpec
+from cachegw.backend.executor.models.registry import model_spec
 from cachegw.backend.executor.quantization import use_native_kernels
 
 log = logging.getLogger("cachegw.backend")
@@ -62,7 +62,7 @@ class ModelRunner:
         self.config, self.device, self.dtype = config, device, dtype
         self.block_size = config.block_size
         self.max_model_len = max_model_len
-        self.spec = ModelSpec.from_hf_config(hf_config)
+        self.spec = model_spec(hf_config, config, gguf_path)
         kv_quant.check_supported(config.kv_cache_dtype, device)
         self.kv_format = kv_quant.KVCacheFormat(config.kv_cache_dtype, dtype, self.spec.head_dim)
         self.max_blocks_per_seq = cdiv(max_model_len, self.block_size)
@@ -76,7 +76,12 @@ class ModelRunner:
         self.attention_backend = self._choose_attention_backend()
         self.num_blocks = self._num_kv_blocks()
         # CPU only: CUDA has its Triton kernels and CUDA graphs; attention sinks keep the eager path.
-        compiling = device.type == "cpu" and not self.sinks and will_compile(config.compile)
+        compiling = (
+            device.type == "cpu"
+            and not self.sinks
+            and self.spec.decode_compiles
+            and will_compile(config.compile)
+        )
         # With a compiled decode step, one more block than the block manager hands out: the
         # compile's warm-up writes there while sequences may already be running.
         self.kv_caches = self._allocate_kv_cache(self.num_blocks + compiling)
@@ -86,7 +91,8 @@ class ModelRunner:
         if compiling:
             head_dim = self.spec.head_dim
             self.native_decode = (
-                use_native_kernels(config.cpu_kernels)
+                self.spec.kv_parts == 2  # cachegw's kernel reads per-head K and V
+                and use_native_kernels(config.cpu_kernels)
                 and self.kv_caches[0][0].dtype == dtype == torch.float32
                 and head_dim % 16 == 0
                 and head_dim <= 256
@@ -121,8 +127,13 @@ class ModelRunner:
     def _choose_attention_backend(self) -> str:
         """ "triton" on CUDA when the kernels pass a self-check against the torch path, else "torch"."""
         use = False
-        # Attention sinks and an int8 KV cache: torch path only.
-        if self.device.type == "cuda" and not self.sinks and self.kv_format.kind != "int8":
+        # Attention sinks, an int8 KV cache and latent attention (one part per layer): torch path only.
+        if (
+            self.device.type == "cuda"
+            and not self.sinks
+            and self.kv_format.kind != "int8"
+            and self.spec.kv_parts == 2
+        ):
             from cachegw.backend.executor.layers.kernel_check import self_check
             from cachegw.backend.executor.layers.triton_attention import triton_available
 
@@ -132,8 +143,8 @@ class ModelRunner:
                 )
             except Exception:
                 log.exception("Triton attention failed its self-check")
-            if not use:
-                log.warning("using the torch attention path on CUDA (slower; no CUDA graphs)")
+        if self.device.type == "cuda" and not use:
+            log.warning("using the torch attention path on CUDA (slower; no CUDA graphs)")
         for layer in self.model.layers:
             layer.self_attn.attn.use_triton = use
         return "triton" if use else "torch"
@@ -173,20 +184,19 @@ class ModelRunner:
         self.kv_caches = []
         torch.cuda.empty_cache()
 
-    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, ...]]:
+        """Per layer ``spec.kv_parts`` tensors: K and V, or one latent cache (``layers/mla_attention.py``)."""
         s, fmt = self.spec, self.kv_format
         shape = (num_blocks, self.block_size, s.num_kv_heads, fmt.row_width)
         # zeros, not empty: attention multiplies masked-out slots by 0, and 0 x NaN would be NaN.
         # On CPU a page of the pool takes memory when first written (host_memory.py).
         caches = [
-            (
-                zeros_on_demand(shape, fmt.storage_dtype, self.device),
-                zeros_on_demand(shape, fmt.storage_dtype, self.device),
-            )
+            tuple(zeros_on_demand(shape, fmt.storage_dtype, self.device) for _ in range(s.kv_parts))
             for _ in range(s.num_layers)
         ]
-        for layer, (k, v) in zip(self.model.layers, caches, strict=True):
-            layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache = k, v
+        for layer, parts in zip(self.model.layers, caches, strict=True):
+            attn = layer.self_attn.attn
+            attn.k_cache, attn.v_cache = parts if len(parts) == 2 else (parts[0], torch.empty(0))
         return caches
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
@@ -289,23 +299,23 @@ class ModelRunner:
     @torch.inference_mode()
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one KV block in every layer (a forked sample's own copy of a shared partial block)."""
-        for k, v in self.kv_caches:
-            k[dst].copy_(k[src])
-            v[dst].copy_(v[src])
+        for parts in self.kv_caches:
+            for cache in parts:
+                cache[dst].copy_(cache[src])
 
     @torch.inference_mode()
     def read_block(self, block_id: int) -> torch.Tensor:
-        """One block's K/V in every layer, on the host, as stored: [layers, 2, block_size, kv_heads,
+        """One block's K/V in every layer, on the host, as stored: [layers, kv_parts, block_size, kv_heads,
         row_width] (an int8 block carries its scales: ``kv_format``)."""
-        return torch.stack([torch.stack((k[block_id], v[block_id])) for k, v in self.kv_caches]).cpu()
+        return torch.stack([torch.stack([c[block_id] for c in parts]) for parts in self.kv_caches]).cpu()
 
     @torch.inference_mode()
     def write_block(self, block_id: int, data: torch.Tensor) -> None:
         """Put a block read by ``read_block`` (here or in an earlier run) back into block ``block_id``."""
         data = data.to(self.device, non_blocking=True)
-        for (k, v), layer in zip(self.kv_caches, data, strict=True):
-            k[block_id].copy_(layer[0])
-            v[block_id].copy_(layer[1])
+        for parts, layer in zip(self.kv_caches, data, strict=True):
+            for cache, stored in zip(parts, layer, strict=True):
+                cache[block_id].copy_(stored)
 
     # CUDA graphs: decode steps are captured once per batch size and replayed with new inputs.
 

@@ -23,7 +23,8 @@ from cachegw.backend.config import EngineConfig
 from cachegw.backend.executor.gguf_weights import GgufFile
 from cachegw.backend.executor.layers.rotary import RotaryEmbedding
 from cachegw.backend.executor.model_loader import iter_safetensors
-from cachegw.backend.executor.models.llama import LlamaAttention, LlamaForCausalLM, ModelSpec
+from cachegw.backend.executor.models.llama import LlamaForCausalLM, ModelSpec
+from cachegw.backend.executor.models.registry import model_class
 from cachegw.backend.executor.quantization import (
     apply_quantization,
     chosen_mode,
@@ -51,11 +52,11 @@ def build_model(
     max_model_len: int,
 ) -> tuple[LlamaForCausalLM, str]:
     """The loaded model in eval mode and what its projections run ("none", "int4", "int8", "mixed")."""
-    placeholder = RotaryEmbedding(hf_config, spec.head_dim, 1)  # replaced below
+    placeholder = RotaryEmbedding(hf_config, spec.rotary_dim, 1)  # replaced below
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = LlamaForCausalLM(spec, placeholder)
+            model = model_class(spec)(spec, placeholder)
     finally:
         torch.set_default_dtype(torch.float32)
     gguf = gguf if config.load_format != "dummy" else None
@@ -63,9 +64,9 @@ def build_model(
     if not direct:
         model.to_empty(device=device)
         model.tie_weights()
-    rotary = RotaryEmbedding(hf_config, spec.head_dim, max(max_model_len, 1)).to(device)
+    rotary = RotaryEmbedding(hf_config, spec.rotary_dim, max(max_model_len, 1)).to(device)
     for module in model.modules():
-        if isinstance(module, LlamaAttention):
+        if isinstance(getattr(module, "rotary", None), RotaryEmbedding):
             module.rotary = rotary
     if direct:
         assert gguf is not None

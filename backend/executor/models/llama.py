@@ -78,11 +78,25 @@ class ModelSpec:
             sliding_windows=layer_windows(config, arch),
         )
 
+    @property
+    def kv_parts(self) -> int:
+        """Cache tensors per layer: K and V (a latent-attention model keeps one: ``models/deepseek.py``)."""
+        return 2
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.head_dim
+
+    @property
+    def decode_compiles(self) -> bool:
+        """Whether the compiled decode step can trace the model (``executor/compiled_decode.py``)."""
+        return True
+
     def kv_bytes_per_token(self, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
         """K and V, every layer: 2 x layers x kv_heads x the bytes of one stored row (``head_dim``
         elements of ``dtype``, or their int8/fp8 form and its scale: ``layers/kv_quant.py``)."""
         row = KVCacheFormat(kv_cache_dtype, dtype, self.head_dim).row_bytes
-        return 2 * self.num_layers * self.num_kv_heads * row
+        return self.kv_parts * self.num_layers * self.num_kv_heads * row
 
 
 def layer_windows(config, arch: str) -> tuple[int | None, ...]:
