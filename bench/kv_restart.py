@@ -75,26 +75,30 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=5000)
     ap.add_argument("--write-behind", action="store_true", help="alternate A's kv_write_behind by repeat")
+    ap.add_argument("--model", default="", help="a model other than the embedded SmolLM2")
     args = ap.parse_args()
     rng = random.Random(5000)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="kv-restart-") as tmp, redis_server("2gb") as redis_url:
         folder = Path(tmp)
         log = folder / "backend.log"
-        b = start_backend(config(folder, "b", redis_url, disk=False, write_behind=False), log, free_port())
+        model = ("--model", args.model) if args.model else ()
+        b = start_backend(
+            config(folder, "b", redis_url, disk=False, write_behind=False), log, free_port(), *model
+        )
         try:
             for rep in range(args.repeats):
                 behind = args.write_behind and rep % 2 == 1
                 a_cfg = config(folder, f"a{rep}", redis_url, disk=True, write_behind=behind)
                 prompt = [rng.randrange(100, 49000) for _ in range(args.tokens)]
-                a = start_backend(a_cfg, log, free_port())
+                a = start_backend(a_cfg, log, free_port(), *model)
                 cold, cold_text, _ = ttft(a, prompt)
                 say(f"repeat {rep}: cold {cold:.2f} s (write-behind {'on' if behind else 'off'})")
                 t0 = time.perf_counter()
                 status = a.stop(signal.SIGTERM)
                 stop_s, written = time.perf_counter() - t0, blocks_on_disk(folder)
                 t0 = time.perf_counter()
-                a = start_backend(a_cfg, log, free_port())
+                a = start_backend(a_cfg, log, free_port(), *model)
                 start_s = time.perf_counter() - t0
                 restart, restart_text, restart_cached = ttft(a, prompt)
                 pool, pool_text, _ = ttft(a, prompt)
