@@ -76,7 +76,8 @@ class EngineConfig(Strict):
     )
     kv_offload_disk_bytes: int = Field(ge=0, description="disk tier budget in bytes, each engine trims to it")
     kv_offload_url: str = Field(
-        description='a KV tier shared over the network: "redis://host:port/db" ("" = none)'
+        pattern=r"^$|^(redis|rediss|unix)://",
+        description='a KV tier shared over the network: "redis://host:port/db" ("" = none)',
     )
     kv_offload_url_ttl_s: int = Field(
         gt=0, description="seconds a block stays in Redis after it was last written or read"
