@@ -36,9 +36,9 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def prompt() -> list[int]:
+def prompts() -> list[list[int]]:
     rng = random.Random(33)
-    return [rng.randrange(100, 49000) for _ in range(PROMPT_TOKENS)]
+    return [[rng.randrange(100, 49000) for _ in range(PROMPT_TOKENS)] for _ in range(2)]
 
 
 def config(tmp_path: Path, **engine: object) -> Path:
@@ -56,39 +56,34 @@ def block_files(tmp_path: Path) -> list[Path]:
     return list((tmp_path / "kv").rglob("*.kv"))
 
 
-def test_a_sigterm_writes_the_pool_to_disk_and_a_restart_serves_the_prompt(tiny_model, prompt, tmp_path):
-    cfg, log = config(tmp_path), tmp_path / "backend.log"
-    first = start_backend(cfg, log, free_port(), "--model", str(tiny_model))
+def test_a_sigterm_writes_the_pool_to_disk_and_write_behind_survives_a_kill_9(tiny_model, prompts, tmp_path):
+    """Three starts of one server on one directory: stopped with SIGTERM (write-behind off: the blocks
+    reach disk at shutdown only), then with kill -9 (write-behind on: they were written as filled)."""
+    log, model = tmp_path / "backend.log", ("--model", str(tiny_model))
+    first = start_backend(config(tmp_path), log, free_port(), *model)
     try:
-        cold = complete(first, prompt)
+        cold = complete(first, prompts[0])
         assert cold.prompt_tokens == PROMPT_TOKENS and cold.cached_tokens == 0
         assert block_files(tmp_path) == []  # nothing evicted, no write-behind: only the shutdown writes
     finally:
         assert first.stop(signal.SIGTERM) == 0
     assert len(block_files(tmp_path)) >= PROMPT_TOKENS // 16
-    second = start_backend(cfg, log, free_port(), "--model", str(tiny_model))
+
+    second = start_backend(config(tmp_path, kv_write_behind=True), log, free_port(), *model)
     try:
-        warm = complete(second, prompt)
+        warm = complete(second, prompts[0])
+        other = complete(second, prompts[1])
+        deadline = time.monotonic() + 120  # the worker writes behind the answer: wait for its files
+        while len(block_files(tmp_path)) < 2 * (PROMPT_TOKENS // 16) and time.monotonic() < deadline:
+            time.sleep(0.1)
     finally:
-        second.stop()
+        second.stop(signal.SIGKILL)
     assert warm.cached_tokens >= 0.9 * PROMPT_TOKENS
     assert warm.text == cold.text and warm.text
 
-
-def test_with_write_behind_a_kill_9_keeps_the_prompt(tiny_model, prompt, tmp_path):
-    cfg, log = config(tmp_path, kv_write_behind=True), tmp_path / "backend.log"
-    first = start_backend(cfg, log, free_port(), "--model", str(tiny_model))
+    third = start_backend(config(tmp_path), log, free_port(), *model)
     try:
-        cold = complete(first, prompt)
-        deadline = time.monotonic() + 120  # the worker writes behind the answer: wait for its files
-        while len(block_files(tmp_path)) < PROMPT_TOKENS // 16 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        again = complete(third, prompts[1])
     finally:
-        first.stop(signal.SIGKILL)
-    second = start_backend(cfg, log, free_port(), "--model", str(tiny_model))
-    try:
-        warm = complete(second, prompt)
-    finally:
-        second.stop()
-    assert warm.cached_tokens >= 0.9 * PROMPT_TOKENS
-    assert warm.text == cold.text
+        third.stop()
+    assert again.cached_tokens >= 0.9 * PROMPT_TOKENS and again.text == other.text
