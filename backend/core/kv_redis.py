@@ -98,8 +98,11 @@ class RedisTier:
         return data
 
     def write(self, block_hash: bytes, data: torch.Tensor, mtime: float | None = None) -> None:
-        """SET with the TTL, only if absent (same hash, same model: same bytes). ``mtime`` has no
-        meaning here: Redis orders by its own LRU clock."""
+        """SET with the TTL, only if absent (same hash, same model: same bytes; asked first, so a block
+        another engine stored is not sent again). ``mtime`` has no meaning here: Redis keeps its own
+        LRU clock."""
+        if block_hash in self:
+            return
         raw = encode(self.fmt, block_hash, data)
         if self._call("set", self._r.set, self._key(block_hash), raw, ex=self.ttl_s, nx=True):
             with self._lock:
