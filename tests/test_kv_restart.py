@@ -60,7 +60,7 @@ def test_a_sigterm_writes_the_pool_to_disk_and_write_behind_survives_a_kill_9(ti
     """Three starts of one server on one directory: stopped with SIGTERM (write-behind off: the blocks
     reach disk at shutdown only), then with kill -9 (write-behind on: they were written as filled)."""
     log, model = tmp_path / "backend.log", ("--model", str(tiny_model))
-    first = start_backend(config(tmp_path), log, free_port(), *model)
+    first = start_backend(config(tmp_path, kv_write_behind=False), log, free_port(), *model)
     try:
         cold = complete(first, prompts[0])
         assert cold.prompt_tokens == PROMPT_TOKENS and cold.cached_tokens == 0
@@ -81,7 +81,7 @@ def test_a_sigterm_writes_the_pool_to_disk_and_write_behind_survives_a_kill_9(ti
     assert warm.cached_tokens >= 0.9 * PROMPT_TOKENS
     assert warm.text == cold.text and warm.text
 
-    third = start_backend(config(tmp_path), log, free_port(), *model)
+    third = start_backend(config(tmp_path, kv_write_behind=False), log, free_port(), *model)
     try:
         again = complete(third, prompts[1])
     finally:
