@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml constraints.txt
 	# torch.compile's CPU backend (the engine's compiled decode step) builds C++: g++ from Debian.
 	command -v g++ >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 		apt-get install -y -q g++ >/dev/null; } || echo "no g++: the engine will decode without torch.compile"
+	# The KV tier shared over Redis is tested against a real server: redis-server from Debian.
+	command -v redis-server >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		apt-get install -y -q redis-server >/dev/null; } || echo "no redis-server: its tests will be skipped"
 	touch $(STAMP)
 
 serve: install

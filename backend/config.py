@@ -75,6 +75,17 @@ class EngineConfig(Strict):
         description='disk tier directory ("" = none); engines of one machine may share it'
     )
     kv_offload_disk_bytes: int = Field(ge=0, description="disk tier budget in bytes, each engine trims to it")
+    kv_offload_url: str = Field(
+        pattern=r"^$|^(redis|rediss|unix)://",
+        description='a KV tier shared over the network: "redis://host:port/db" ("" = none)',
+    )
+    kv_offload_url_ttl_s: int = Field(
+        gt=0, description="seconds a block stays in Redis after it was last written or read"
+    )
+    kv_write_behind: bool = Field(description="copy each hashed block to the disk/Redis tier as it is filled")
+    kv_shutdown_budget_s: float = Field(
+        ge=0, description="on SIGTERM, seconds given to writing the pool's and RAM's blocks to the tier"
+    )
     speculative: Literal["off", "ngram"] = Field(
         description="speculative decoding: off | ngram (prompt lookup)"
     )

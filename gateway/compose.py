@@ -97,7 +97,8 @@ async def started_gateway(
     specs: list[BackendSpec | str] = list(settings.gateway.backends)
     if not specs:
         port = settings.backend_server.port
-        builtin = BuiltinBackend("127.0.0.1", port, settings.config_path, engine_cpus)
+        stop_s = settings.engine.kv_shutdown_budget_s + 10  # its KV tier written, then its exit
+        builtin = BuiltinBackend("127.0.0.1", port, settings.config_path, engine_cpus, stop_timeout_s=stop_s)
         await builtin.start()
         specs = [BackendSpec(url=builtin.url, drafts=True, pins=True)]
     g = settings.gateway

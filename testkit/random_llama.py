@@ -19,7 +19,7 @@ class LlamaShape:
     vocab: int
 
 
-def save_random_llama(folder: Path, shape: LlamaShape, seed: int = 0) -> Path:
+def save_random_llama(folder: Path, shape: LlamaShape, seed: int = 0, max_positions: int = 1024) -> Path:
     """float32 weights at a larger init than training uses (0.05), so greedy picks are decisive; no
     tokenizer (prompts go in as token ids); untied embeddings, so the LM head is its own weight."""
     import torch
@@ -33,7 +33,7 @@ def save_random_llama(folder: Path, shape: LlamaShape, seed: int = 0) -> Path:
         num_attention_heads=shape.heads,
         num_key_value_heads=shape.kv_heads,
         head_dim=shape.head_dim,
-        max_position_embeddings=1024,
+        max_position_embeddings=max_positions,
         initializer_range=0.05,
         tie_word_embeddings=False,
         bos_token_id=1,

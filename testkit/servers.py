@@ -1,13 +1,16 @@
 """Test and benchmark helpers: run an ASGI app with uvicorn on a free loopback port in a background thread;
 a small OpenAI-compatible upstream that records what it is sent and can be made to hang; a
-gateway config on the pgvector store."""
+gateway config on the pgvector store; a throwaway Redis server."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import shutil
 import socket
+import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -141,3 +144,51 @@ def recording_upstream(up: Upstream) -> FastAPI:
         yield b"data: [DONE]\n\n"
 
     return app
+
+
+REDIS_SERVER = "/usr/bin/redis-server"
+
+
+def redis_available() -> bool:
+    return shutil.which(REDIS_SERVER) is not None
+
+
+@contextlib.contextmanager
+def redis_server(maxmemory: str = "256mb") -> Iterator[str]:
+    """A real ``redis-server`` on a free loopback port, its files in a temporary folder, no persistence,
+    least recently used keys dropped past ``maxmemory``; yields its URL (``redis://127.0.0.1:PORT/0``)."""
+    import redis
+
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="cachegw-redis-") as folder:
+        args = [
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            folder,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ]
+        args += ["--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"]
+        proc = subprocess.Popen([REDIS_SERVER, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        url = f"redis://127.0.0.1:{port}/0"
+        client = redis.Redis.from_url(url)
+        try:
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    client.ping()
+                    break
+                except redis.ConnectionError:
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError("redis-server did not start") from None
+                    time.sleep(0.05)
+            yield url
+        finally:
+            client.close()
+            proc.terminate()
+            proc.wait(10)

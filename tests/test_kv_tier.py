@@ -121,7 +121,7 @@ def test_evicted_blocks_come_back_from_ram_then_disk_with_their_kv(tmp_path):
     again = run(bm, pool, first, rid="c")
     assert again.num_cached_tokens == 12  # every full block, none recomputed
     tier.flush()
-    assert bm.hits_by_tier == {"pool": 0, "ram": 8, "disk": 4}
+    assert bm.hits_by_tier == {"pool": 0, "ram": 8, "disk": 4, "redis": 0}
     for i, block_id in enumerate(again.block_table[:3]):
         assert torch.equal(pool.kv[block_id], block(float(first[i * BS])))
 

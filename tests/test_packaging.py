@@ -25,6 +25,7 @@ EXTRA_ONLY = [
     "triton",
     "playwright",
     "psycopg",
+    "redis",
 ]
 
 

@@ -304,6 +304,15 @@ class BlockManager:
             if h not in self.cached:  # else an identical block computed elsewhere already holds it
                 block.hash = h
                 self.cached[h] = block.block_id
+                if self.tier is not None:
+                    self.tier.filled(h, block.block_id)
+
+    def hashed_by_recency(self) -> list[tuple[bytes, int]]:
+        """``(hash, block id)`` of every findable block, most recently used first: those in use, then the
+        free ones from the back of the eviction order."""
+        in_use = [b for b in self.blocks if b.ref_count > 0]
+        order = [*in_use, *(self.blocks[i] for i in reversed(self.free))]
+        return [(b.hash, b.block_id) for b in order if b.hash and self.cached.get(b.hash) == b.block_id]
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix not in use; returns how many blocks were dropped."""

@@ -107,10 +107,10 @@ class LLMEngine:
         )
 
     def close(self) -> None:
-        """Write the pool's and the RAM tier's blocks to the disk tier (if any) and wait for the writes,
-        so a restart finds them. A killed engine keeps only what had already left RAM."""
+        """Write the pool's and RAM's blocks to the disk/Redis tier, most recent first, within
+        ``kv_shutdown_budget_s``, so a restart finds them (a killed engine keeps what left before)."""
         if self.kv_tier is not None:
-            self.kv_tier.persist(list(self.block_manager.cached.items()))
+            self.kv_tier.persist(self.block_manager.hashed_by_recency(), self.config.kv_shutdown_budget_s)
             self.kv_tier.close()
 
     def _eos_ids(self, hf_config, generation_config_cls) -> set[int]:

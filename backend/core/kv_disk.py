@@ -108,7 +108,9 @@ def decode(fmt: BlockFormat, block_hash: bytes, raw: bytes) -> torch.Tensor | No
 
 
 class DiskTier:
-    """Block files under one directory, within a byte budget (thread-safe)."""
+    """Block files under one directory, within a byte budget (thread-safe); a ``kv_store.BlockStore``."""
+
+    name = "disk"
 
     def __init__(self, root: str | os.PathLike[str], budget_bytes: int, fmt: BlockFormat) -> None:
         self.fmt = fmt
@@ -119,6 +121,7 @@ class DiskTier:
         self._files: OrderedDict[bytes, int] = OrderedDict()  # hash -> file size, oldest first
         self.bytes = 0
         self.rejected = 0  # files that failed the checks
+        self.errors = 0  # files that could not be written
         self._scan()
 
     def _path(self, block_hash: bytes) -> Path:
@@ -189,8 +192,9 @@ class DiskTier:
             pass
         return data
 
-    def write(self, block_hash: bytes, data: torch.Tensor) -> None:
-        """Store a block (a temporary file renamed into place), then trim to the budget."""
+    def write(self, block_hash: bytes, data: torch.Tensor, mtime: float | None = None) -> None:
+        """Store a block (a temporary file renamed into place), then trim to the budget. ``mtime``: its
+        recency for the next start's scan, when not now."""
         if block_hash in self:
             return  # same hash, same model: same bytes
         raw = encode(self.fmt, block_hash, data)
@@ -198,9 +202,12 @@ class DiskTier:
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(raw)
+            if mtime is not None:
+                os.utime(tmp, (mtime, mtime))
             os.replace(tmp, self._path(block_hash))
         except OSError:
             log.exception("KV tier: could not write a block file")
+            self.errors += 1
             try:
                 os.unlink(tmp)
             except OSError:
@@ -211,6 +218,9 @@ class DiskTier:
                 self._files[block_hash] = len(raw)
                 self.bytes += len(raw)
         self._trim()
+
+    def close(self) -> None:
+        """Nothing to release: every write is a whole file when it returns."""
 
     def _forget(self, block_hash: bytes) -> None:
         with self._lock:

@@ -67,7 +67,7 @@ class EngineStats:
     compiled_decode_steps: int = (
         0  # decode steps the compiled graph ran (backend/executor/compiled_decode.py)
     )
-    prefix_cache_hits_by_tier: dict[str, int] = field(default_factory=dict)  # tokens: pool, ram, disk
+    prefix_cache_hits_by_tier: dict[str, int] = field(default_factory=dict)  # tokens: pool, ram, disk, redis
     kv_tier: TierStats = field(default_factory=lambda: TierStats({}, {}, {}, {}))
     pinned_blocks: dict[str, int] = field(default_factory=dict)  # blocks held by pins: pool, tier
 

@@ -49,6 +49,8 @@ class LLM:
         kv_offload_bytes: int | None = None,
         kv_offload_dir: str | None = None,
         kv_offload_disk_bytes: int | None = None,
+        kv_offload_url: str | None = None,
+        kv_write_behind: bool | None = None,
         speculative: str | None = None,
         num_speculative_tokens: int | None = None,
         compile: str | None = None,
@@ -78,6 +80,8 @@ class LLM:
             kv_offload_bytes=kv_offload_bytes,
             kv_offload_dir=kv_offload_dir,
             kv_offload_disk_bytes=kv_offload_disk_bytes,
+            kv_offload_url=kv_offload_url,
+            kv_write_behind=kv_write_behind,
             speculative=speculative,
             num_speculative_tokens=num_speculative_tokens,
         )

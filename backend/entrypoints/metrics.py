@@ -80,8 +80,9 @@ def _pinned(s: EngineStats | None) -> Metric:
     return family
 
 
-_HITS_DOC = "Prompt tokens found in the prefix cache, by the tier they came from (pool, ram, disk)."
-_LOAD_DOC = "Time to load one KV block from the ram or disk tier into the pool."
+_HITS_DOC = "Prompt tokens found in the prefix cache, by the tier they came from (pool, ram, disk, redis)."
+_LOAD_DOC = "Time to load one KV block from the ram, disk or redis tier into the pool."
+_ERRORS_DOC = "Failed operations of a KV store (a disk write; Redis unreachable or slow): each a miss."
 
 
 def _tier_metrics(s: EngineStats | None) -> Iterator[Metric]:
@@ -91,6 +92,7 @@ def _tier_metrics(s: EngineStats | None) -> Iterator[Metric]:
     blocks = GaugeMetricFamily(PREFIX + "kv_tier_blocks", "Findable KV blocks per tier.", labels=["tier"])
     size = GaugeMetricFamily(PREFIX + "kv_tier_bytes", "Bytes of KV blocks held per tier.", labels=["tier"])
     load = HistogramMetricFamily(PREFIX + "kv_tier_load_seconds", _LOAD_DOC, labels=["tier"])
+    errors = CounterMetricFamily(PREFIX + "kv_tier_errors", _ERRORS_DOC, labels=["tier"])
     if s is not None:
         for tier, tokens in s.prefix_cache_hits_by_tier.items():
             hits.add_metric([tier], tokens)
@@ -99,7 +101,9 @@ def _tier_metrics(s: EngineStats | None) -> Iterator[Metric]:
             size.add_metric([tier], s.kv_tier.bytes[tier])
         for tier, buckets in s.kv_tier.load_seconds.items():
             load.add_metric([tier], buckets, s.kv_tier.load_seconds_sum[tier])
-    yield from (hits, blocks, size, load)
+        for tier, n in s.kv_tier.errors.items():
+            errors.add_metric([tier], n)
+    yield from (hits, blocks, size, load, errors)
 
 
 class ServerMetrics:

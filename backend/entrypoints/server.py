@@ -12,6 +12,7 @@ import asyncio
 import copy
 import logging
 import re
+import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -327,8 +328,15 @@ def run_backend(
     host = host or server_cfg.host
     port = server_cfg.port if port is None else port
     log.info("serving %s at %s/v1 (health %s/health, metrics %s/metrics)", name, *[_url(host, port)] * 3)
+    # uvicorn handles SIGTERM by stopping, then raises it again with the handler it found: the default
+    # one would end the process before the engine writes its KV blocks to the tier (``LLMEngine.close``).
+    signal.signal(signal.SIGTERM, _exit_after_serving)
     try:
         # uvicorn's loggers left to the root handler `cachegw backend` set up (level and format flags)
         uvicorn.run(app, host=host, port=port, log_config=None, log_level=None)
     finally:
-        engine.shutdown()
+        engine.shutdown(timeout=engine_cfg.kv_shutdown_budget_s + 10.0)
+
+
+def _exit_after_serving(signum: int, frame: object) -> None:
+    raise SystemExit(0)

@@ -84,6 +84,7 @@ class BuiltinBackend:
         probe_timeout_s: float = 5.0,
         hung_after_probes: int = 3,
         healthy_reset_s: float = 60.0,
+        stop_timeout_s: float = 15.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.host, self.port, self.config_path = host, port, config_path
@@ -92,6 +93,7 @@ class BuiltinBackend:
         self.probe_interval_s, self.probe_timeout_s = probe_interval_s, probe_timeout_s
         self.hung_after_probes, self.healthy_reset_s = hung_after_probes, healthy_reset_s
         self.clock = clock
+        self.stop_timeout_s = stop_timeout_s  # SIGTERM to SIGKILL: the engine writes its KV tier meanwhile
         self.proc: subprocess.Popen | None = None
         self.restarts = 0  # over the gateway's life (a metric)
         self.failures = 0  # in a row: sets the next restart's delay
@@ -211,6 +213,6 @@ class BuiltinBackend:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
-                await asyncio.to_thread(self.proc.wait, 15)
+                await asyncio.to_thread(self.proc.wait, self.stop_timeout_s)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
