@@ -13,7 +13,7 @@ blocks in the prefix cache:
    generated tokens per second, and the TTFT and end-to-end latency of the requests that were
    preempted, swap over recompute.
 
-Usage: python -m bench.preemption [--lengths 32,128,512] [--requests 8] [--new 32] [--repeats 3]
+Usage: python -m bench.preemption [--lengths 64,256] [--requests 8] [--new 32] [--repeats 2]
 """
 
 from __future__ import annotations
@@ -101,10 +101,10 @@ def median(runs: list[dict], key: str) -> float | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lengths", default="32,128,512")
+    ap.add_argument("--lengths", default="64,256")
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--new", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
     from cachegw.backend import LLM
     from cachegw.backend.core.swap import SwapSpace
@@ -118,7 +118,7 @@ def main() -> None:
     assert isinstance(swap, SwapSpace)
     rng = random.Random(0)
     costs: dict[int, dict[str, float]] = {}
-    for length in [16, 32, 64, *lengths]:
+    for length in sorted({16, 32, 64, 128, 256, 512, *lengths}):
         rec, sw = [], []
         for _ in range(args.repeats):
             rec.append(recompute_cost(llm, length, rng))

@@ -103,14 +103,15 @@ def test_a_small_budget_bounds_the_blocks_and_decoding_goes_on(h2o_llm: LLM) -> 
     engine = h2o_llm.engine
     prompt = h2o_llm.chat_prompt_ids([{"role": "user", "content": f"{DOC}\nSummarize the text."}])
     assert len(prompt) > 3 * 64
-    seq = engine.add_request("long", prompt, greedy(48))
-    held = []
+    seq = engine.add_request("long", prompt, greedy(32))
+    held, dropped = [], 0
     while engine.has_unfinished_requests():
         engine.step()
-        if seq.num_output_tokens:
+        if seq.num_output_tokens and not seq.is_finished:
             held.append(len(seq.block_table))
+            dropped = seq.kv_dropped
     bs = engine.block_manager.block_size
-    assert seq.num_output_tokens == 48 and seq.kv_dropped > 0
+    assert seq.num_output_tokens == 32 and dropped >= len(prompt) - 64 - bs
     assert max(held) <= cdiv(64 + bs, bs), "past the prompt, a sequence holds budget + one block at most"
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     text = h2o_llm.tokenizer.decode(seq.output_token_ids)

@@ -77,6 +77,8 @@ class ModelRunner:
         # H2O: attention on the scored torch path (no fused kernel forms the weights); its sinks are
         # tokens it never drops, not StreamingLLM's window
         self.scores_keys = config.kv_eviction == "h2o"
+        if self.scores_keys and (config.compile != "off" or device.type == "cuda"):
+            log.info("kv_eviction h2o: attention on the scored torch path (no compiled decode, no Triton)")
         if config.attention_sinks and not self.scores_keys:
             self._use_sinks(config.attention_sinks, context or max_model_len)
         self.attention_backend = self._choose_attention_backend()
