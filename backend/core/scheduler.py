@@ -150,6 +150,10 @@ class Scheduler:
             seq = self.waiting[0]
             if self.swap is not None and self.swap.holds(seq):
                 resumed = self.swap.resume(seq, budget)  # its blocks copied back: nothing recomputed
+                while (
+                    resumed is None and not self.running and self.pins is not None and self.pins.yield_block()
+                ):
+                    resumed = self.swap.resume(seq, budget)  # with nothing running, pins give way
                 if resumed is None:
                     break
                 n = resumed
