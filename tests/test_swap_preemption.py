@@ -95,6 +95,21 @@ def test_auto_swaps_only_sequences_past_the_threshold_and_an_abort_drops_the_cop
     assert not s.swap.held and s.swap.counts.bytes_held == 0
 
 
+def test_a_sequence_h2o_compacted_swaps_its_slots_and_keeps_its_scores() -> None:
+    s, _ = scheduler("swap")
+    assert s.swap is not None
+    a = Sequence("a", list(range(13)), SamplingParams())
+    a.block_table = s.block_manager.take_blocks(2)
+    a.num_computed_tokens, a.kv_dropped, a.key_scores = 12, 4, torch.arange(8.0)  # 8 slots held
+    a.status = SequenceStatus.RUNNING
+    assert s.swap.swap_out(a)
+    s.block_manager.free_blocks(a)
+    assert a.kv_dropped == 0 and a.key_scores is None
+    assert s.swap.resume(a, 64) == 1  # its 13th token: slot 8, a third block
+    assert (a.num_computed_tokens, a.kv_dropped, len(a.block_table)) == (12, 4, 3)
+    assert a.key_scores is not None and a.key_scores.tolist() == list(range(8))
+
+
 @pytest.fixture(scope="module")
 def engine() -> LLM:
     """A float32 engine whose pool holds the longest request but not the batch, under swap."""
