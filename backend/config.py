@@ -107,6 +107,20 @@ class EngineConfig(Strict):
     pin_in_memory_ttl_s: float = Field(
         gt=0, description='how long prompt_cache_retention "in_memory" pins the prompt, seconds'
     )
+    preemption_mode: Literal["recompute", "swap", "auto"] = Field(
+        description="a preempted sequence's K/V: recomputed | swapped to host memory | auto (by length)"
+    )
+    swap_space_bytes: int = Field(ge=0, description="host memory for swapped-out K/V; past it: recompute")
+    swap_min_tokens: int = Field(
+        ge=0, description="auto: swap sequences with at least this many tokens computed"
+    )
+    kv_eviction: Literal["none", "h2o"] = Field(
+        description="drop KV of tokens past kv_budget_tokens per sequence: none | h2o (Heavy-Hitter Oracle)"
+    )
+    kv_budget_tokens: int = Field(ge=0, description="h2o: tokens of KV one sequence keeps (> 0 under h2o)")
+    kv_recent_tokens: int = Field(
+        ge=0, description="h2o: of those, the most recent kept; 0 = half the budget"
+    )
     compile: Literal["background", "startup", "off"] = Field(
         description="decode steps through torch.compile: in a thread after start-up | before serving | off"
     )
@@ -136,6 +150,27 @@ class EngineConfig(Strict):
     def _ngram_range(self) -> EngineConfig:
         if self.speculative_ngram_max < self.speculative_ngram_min:
             raise ValueError("speculative_ngram_max must be >= speculative_ngram_min")
+        return self
+
+    @model_validator(mode="after")
+    def _h2o_budget(self) -> EngineConfig:
+        """H2O's budget holds its sinks and recent window, and nothing asked for lacks attention scores."""
+        if self.kv_eviction != "h2o":
+            return self
+        kept = self.attention_sinks + self.kv_recent_tokens
+        if self.kv_budget_tokens <= 0 or self.kv_budget_tokens < kept:
+            raise ValueError(
+                'kv_eviction = "h2o" needs kv_budget_tokens > 0 and >= attention_sinks + kv_recent_tokens'
+            )
+        if self.speculative != "off":
+            raise ValueError(
+                'kv_eviction = "h2o" cannot take back rejected draft tokens: set speculative = "off"'
+            )
+        if self.compile == "startup":
+            raise ValueError(
+                'kv_eviction = "h2o" needs attention weights, which the compiled decode step\'s fused '
+                'attention never forms: set compile = "off" (or "background", which h2o leaves unused)'
+            )
         return self
 
     @property

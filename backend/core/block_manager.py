@@ -60,6 +60,7 @@ class BlockManager:
         window: int | None = None,
         sinks: int = 0,
         tier: KVOffload | None = None,
+        kv_budget: int = 0,
     ) -> None:
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
@@ -67,6 +68,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.window = window  # every layer's sliding window, or None
         self.kept_blocks = cdiv(sinks, block_size)  # the blocks of the attention sinks stay
+        self.kv_budget = kv_budget  # H2O: tokens of KV a sequence keeps past a step (0 = no eviction)
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[bytes, int] = {}  # hash -> block id
@@ -124,6 +126,8 @@ class BlockManager:
         """The most blocks a sequence of ``num_tokens`` holds at once, computed ``chunk`` at a time:
         with a window, the blocks from its window start to the end of its current chunk."""
         whole = cdiv(num_tokens, self.block_size)
+        if self.kv_budget:  # H2O compacts back to the budget once a block's worth is over it
+            return min(whole, cdiv(self.kv_budget + self.block_size + chunk, self.block_size))
         if self.window is None:
             return whole
         return min(whole, self.kept_blocks + cdiv(self.window + chunk, self.block_size) + 1)
@@ -157,7 +161,7 @@ class BlockManager:
         self.tier.prefetch(h for i in range(n) if (h := self.block_hash(seq, i)) not in self.cached)
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        return max(0, cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(seq.block_table))
+        return max(0, cdiv(seq.num_cached_slots + num_new_tokens, self.block_size) - len(seq.block_table))
 
     def can_allocate(self, seq: Sequence, cached: list[int], num_new_tokens: int) -> bool:
         """Can a waiting seq start with ``cached`` reused and ``num_new_tokens`` computed?"""
@@ -192,7 +196,7 @@ class BlockManager:
 
     def can_fork(self, parent: Sequence) -> bool:
         """Is there a block for the copy of the parent's partly filled last block (if it has one)?"""
-        return parent.num_computed_tokens % self.block_size == 0 or bool(self.free)
+        return parent.num_cached_slots % self.block_size == 0 or bool(self.free)
 
     def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
         """Give ``child`` the parent's computed blocks: full ones shared (ref count + 1), a partly
@@ -200,17 +204,23 @@ class BlockManager:
 
         Returns (source, destination) of the block whose K/V the runner must copy, or None.
         """
-        full = parent.num_computed_tokens // self.block_size
+        full = parent.num_cached_slots // self.block_size
         child.block_table = parent.block_table[:full]
         for block_id in child.block_table:
             if block_id != FREED:
                 self.blocks[block_id].ref_count += 1
         child.num_computed_tokens = parent.num_computed_tokens
+        child.kv_dropped = parent.kv_dropped
+        child.key_scores = None if parent.key_scores is None else parent.key_scores.clone()
         if len(parent.block_table) == full:
             return None
         copy = self._take_free_block()
         child.block_table.append(copy)
         return parent.block_table[full], copy
+
+    def take_blocks(self, count: int) -> list[int]:
+        """``count`` blocks from the free queue, referenced once (a swapped-in sequence's)."""
+        return [self._take_free_block() for _ in range(count)]
 
     def _take_free_block(self) -> int:
         block_id = next(iter(self.free))
@@ -237,6 +247,7 @@ class BlockManager:
                 self._release(block_id)
         seq.block_table = []
         seq.num_computed_tokens = 0
+        seq.kv_dropped, seq.key_scores = 0, None
 
     def free_outside_window(self, seq: Sequence) -> int:
         """Give back the seq's blocks wholly before its next query's window; returns how many."""
@@ -292,7 +303,7 @@ class BlockManager:
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Make every full block whose K/V are all computed findable, generated tokens included."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.kv_dropped:  # compacted blocks are not the prefix
             return
         for i in range(seq.num_computed_tokens // self.block_size):
             if seq.block_table[i] == FREED:  # hashed before it was freed (or not worth hashing)
@@ -313,6 +324,32 @@ class BlockManager:
         in_use = [b for b in self.blocks if b.ref_count > 0]
         order = [*in_use, *(self.blocks[i] for i in reversed(self.free))]
         return [(b.hash, b.block_id) for b in order if b.hash and self.cached.get(b.hash) == b.block_id]
+
+    def compact(self, seq: Sequence, kept: int) -> list[int] | None:
+        """The table for the seq's first ``kept`` slots after H2O compaction: its first blocks, each
+        unhashed (its rows are about to change, so it names no prefix any more), or a fresh block where
+        another sequence shares it; the blocks after them released. None (table unchanged) when no
+        block is free for such a copy. The caller moves the K/V rows before anything else runs."""
+        n = cdiv(kept, self.block_size)
+        old = seq.block_table
+        shared = sum(1 for b in old[:n] if self.blocks[b].ref_count > 1)
+        if shared > len(self.free) + sum(1 for b in old[n:] if self.blocks[b].ref_count == 1):
+            return None
+        for block_id in reversed(old[n:]):
+            self._release(block_id)
+        table = []
+        for block_id in old[:n]:
+            block = self.blocks[block_id]
+            if block.ref_count > 1:
+                self._release(block_id)
+                block_id = self._take_free_block()
+            elif block.hash is not None:
+                if self.cached.get(block.hash) == block_id:
+                    del self.cached[block.hash]
+                block.hash = None
+            table.append(block_id)
+        seq.block_table = table
+        return table
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix not in use; returns how many blocks were dropped."""

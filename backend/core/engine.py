@@ -16,6 +16,8 @@ import torch
 from cachegw.backend.config import EngineConfig
 from cachegw.backend.core.block_manager import BlockManager
 from cachegw.backend.core.detokenizer import IncrementalDetokenizer
+from cachegw.backend.core.eos import eos_token_ids
+from cachegw.backend.core.h2o import h2o_for
 from cachegw.backend.core.kv_tier import TierStats, offload_for
 from cachegw.backend.core.outputs import EngineStats, RequestOutput, request_output
 from cachegw.backend.core.pins import PinTable
@@ -26,6 +28,7 @@ from cachegw.backend.core.sequence import Sequence, SequenceGroup
 from cachegw.backend.core.spec_verify import verify
 from cachegw.backend.core.speculative import DraftSource, Speculator
 from cachegw.backend.core.structured import GrammarCompiler
+from cachegw.backend.core.swap import SwapCounts, swap_space_for
 from cachegw.backend.executor.model_loader import gguf_source, resolve_model_dir
 from cachegw.backend.executor.model_runner import ModelRunner
 from cachegw.backend.executor.platform import resolve_device, resolve_dtype
@@ -42,7 +45,7 @@ class ContextLengthExceeded(InvalidParameter):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+        from transformers import AutoConfig, AutoTokenizer
 
         start = time.perf_counter()
         self.config = config
@@ -74,7 +77,9 @@ class LLMEngine:
             window=self.runner.window_everywhere,
             sinks=self.runner.sinks,
             tier=self.kv_tier,
+            kv_budget=config.kv_budget_tokens if config.kv_eviction == "h2o" else 0,
         )
+        self.h2o = h2o_for(config, self.block_manager, self.runner.move_rows)
         self.pins = PinTable(self.block_manager, int(config.pinned_kv_share * self.runner.num_blocks))
         self.scheduler = Scheduler(
             self.block_manager,
@@ -82,8 +87,9 @@ class LLMEngine:
             config.max_num_batched_tokens,
             speculative_max_seqs=config.speculative_max_seqs,
             pins=self.pins,
+            swap=swap_space_for(config, self.block_manager, self.runner.read_block, self.runner.write_block),
         )
-        self.eos_token_ids = self._eos_ids(hf_config, GenerationConfig)
+        self.eos_token_ids = eos_token_ids(self.model_dir, hf_config, self.tokenizer)
         self.grammars = GrammarCompiler(
             self.tokenizer, self.runner.spec.vocab_size, self.eos_token_ids, config.grammar_cache_size
         )
@@ -113,18 +119,6 @@ class LLMEngine:
             self.kv_tier.persist(self.block_manager.hashed_by_recency(), self.config.kv_shutdown_budget_s)
             self.kv_tier.close()
 
-    def _eos_ids(self, hf_config, generation_config_cls) -> set[int]:
-        ids: set[int] = set()
-        try:
-            gen = generation_config_cls.from_pretrained(str(self.model_dir))
-            eos = gen.eos_token_id
-        except OSError:
-            eos = getattr(hf_config, "eos_token_id", None)
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return ids
-
     @property
     def kv_cache_bytes(self) -> int:
         return self.runner.num_blocks * self.config.block_size * self.runner.kv_bytes_per_token
@@ -137,7 +131,7 @@ class LLMEngine:
     def longest_request(self) -> int:
         """Prompt + completion tokens one request may reach: the context, and the KV pool unless a
         window on every layer bounds what a sequence holds (``BlockManager.most_blocks_held``)."""
-        if self.block_manager.window is not None:
+        if self.block_manager.window is not None or self.block_manager.kv_budget:
             return self.max_model_len
         return min(self.max_model_len, self.kv_cache_tokens)
 
@@ -271,6 +265,8 @@ class LLMEngine:
             self.block_manager.cache_computed_blocks(seq)
             self.pins.on_computed(seq)  # before the window frees any block of the prompt
             self.block_manager.free_outside_window(seq)
+        if self.h2o is not None:  # the step's attention scores; sequences over the budget compacted
+            self.h2o.after_step(batch.seqs, step.key_mass)
         now = time.time()
         touched: dict[str, SequenceGroup] = {}
         rows, sampled = [], []
@@ -393,4 +389,5 @@ class LLMEngine:
             spec_decode_accepted_tokens=self.spec_accepted_tokens,
             compiled_decode_steps=self.runner.compiled.steps if self.runner.compiled else 0,
             pinned_blocks={"pool": self.pins.num_pool_blocks, "tier": self.pins.num_tier_blocks},
+            swap=replace(self.scheduler.swap.counts) if self.scheduler.swap else SwapCounts(),
         )

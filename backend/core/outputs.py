@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from cachegw.backend.core.kv_tier import TierStats
+from cachegw.backend.core.swap import SwapCounts
 
 if TYPE_CHECKING:
     from cachegw.backend.core.sequence import SequenceGroup
@@ -70,6 +71,7 @@ class EngineStats:
     prefix_cache_hits_by_tier: dict[str, int] = field(default_factory=dict)  # tokens: pool, ram, disk, redis
     kv_tier: TierStats = field(default_factory=lambda: TierStats({}, {}, {}, {}))
     pinned_blocks: dict[str, int] = field(default_factory=dict)  # blocks held by pins: pool, tier
+    swap: SwapCounts = field(default_factory=SwapCounts)  # [engine] preemption_mode swap/auto
 
 
 def request_output(group: SequenceGroup) -> RequestOutput:

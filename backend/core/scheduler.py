@@ -4,7 +4,8 @@ Every step has a token budget (``max_num_batched_tokens``). Running sequences go
 decode takes one token (plus its draft tokens with speculative decoding), an unfinished prompt
 takes the next chunk. When blocks run out, drafts are dropped first, then the running sequence
 that is last in the order below is preempted (its blocks freed, to be recomputed later, likely
-from the prefix cache) until the earlier one fits. Waiting sequences then join in that order
+from the prefix cache, or under ``[engine] preemption_mode`` swap copied to host memory and back:
+``backend/core/swap.py``) until the earlier one fits. Waiting sequences then join in that order
 while budget, ``max_num_seqs`` and blocks allow. A sequence is always in exactly one of
 ``waiting`` or ``running`` until it finishes, so none is lost or run twice.
 
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 from cachegw.backend.core.block_manager import BlockManager
 from cachegw.backend.core.pins import PinTable
 from cachegw.backend.core.sequence import Sequence, SequenceStatus
+from cachegw.backend.core.swap import SwapSpace
 
 PRIORITY_AGING_S = 1.0  # seconds of waiting worth one priority level
 
@@ -62,8 +64,10 @@ class Scheduler:
         priority_aging_s: float = PRIORITY_AGING_S,
         speculative_max_seqs: int = 1,
         pins: PinTable | None = None,
+        swap: SwapSpace | None = None,
     ) -> None:
         self.block_manager = block_manager
+        self.swap = swap  # [engine] preemption_mode swap/auto: preempted K/V wait in host memory
         self.pins = pins
         self.priority_aging_s = priority_aging_s
         self.max_num_seqs = max_num_seqs
@@ -144,11 +148,21 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            cached = bm.find_cached_prefix(seq)
-            n = min(seq.num_tokens - len(cached) * bm.block_size, budget)
-            if not self._room_for(seq, cached, n):
-                break
-            bm.allocate(seq, cached, n)  # counts the prefix-cache hit (per tier) on first admission
+            if self.swap is not None and self.swap.holds(seq):
+                resumed = self.swap.resume(seq, budget)  # its blocks copied back: nothing recomputed
+                while (
+                    resumed is None and not self.running and self.pins is not None and self.pins.yield_block()
+                ):
+                    resumed = self.swap.resume(seq, budget)  # with nothing running, pins give way
+                if resumed is None:
+                    break
+                n = resumed
+            else:
+                cached = bm.find_cached_prefix(seq)
+                n = min(seq.num_tokens - len(cached) * bm.block_size, budget)
+                if not self._room_for(seq, cached, n):
+                    break
+                bm.allocate(seq, cached, n)  # counts the prefix-cache hit (per tier) on first admission
             if seq.num_cached_tokens < 0:  # first time: this is the request's prefix-cache hit
                 seq.num_cached_tokens = seq.num_computed_tokens
                 seq.first_scheduled_time = time.time()
@@ -166,6 +180,8 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
+        if self.swap is not None:
+            self.swap.swap_out(seq)  # or recomputed, as without swap
         self.block_manager.free_blocks(seq)
         seq.draft = []
         seq.status = SequenceStatus.WAITING
@@ -179,5 +195,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+            if self.swap is not None:
+                self.swap.drop(seq)
         self.block_manager.free_blocks(seq)
         seq.status = SequenceStatus.FINISHED

@@ -69,6 +69,10 @@ class Sequence:
         self.grammar: Grammar | None = None  # response_format's matcher, advanced by each output token
         self.spec: DraftSource | None = None  # proposes draft tokens when speculative decoding is on
         self.draft: list[int] = []  # this step's draft tokens, scored after the last token
+        # H2O ([engine] kv_eviction): tokens whose K/V were dropped (the cache slot of position p is
+        # p - kv_dropped) and the attention each cached slot has received (backend/core/h2o.py)
+        self.kv_dropped = 0
+        self.key_scores: torch.Tensor | None = None
 
     @property
     def needs_prompt_logprobs(self) -> bool:
@@ -98,6 +102,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_cached_slots(self) -> int:
+        """Tokens whose K/V are in the cache now: the computed ones less those H2O dropped."""
+        return self.num_computed_tokens - self.kv_dropped
 
     @property
     def output_token_ids(self) -> list[int]:

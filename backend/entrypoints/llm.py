@@ -54,6 +54,11 @@ class LLM:
         speculative: str | None = None,
         num_speculative_tokens: int | None = None,
         compile: str | None = None,
+        preemption_mode: str | None = None,
+        swap_space_bytes: int | None = None,
+        kv_eviction: str | None = None,
+        kv_budget_tokens: int | None = None,
+        kv_recent_tokens: int | None = None,
         config_path: str | None = None,
     ) -> None:
         overrides: dict[str, Any] = dict(
@@ -84,6 +89,11 @@ class LLM:
             kv_write_behind=kv_write_behind,
             speculative=speculative,
             num_speculative_tokens=num_speculative_tokens,
+            preemption_mode=preemption_mode,
+            swap_space_bytes=swap_space_bytes,
+            kv_eviction=kv_eviction,
+            kv_budget_tokens=kv_budget_tokens,
+            kv_recent_tokens=kv_recent_tokens,
         )
         self.engine = LLMEngine(load_engine_config(config_path, **overrides))
 

@@ -60,6 +60,7 @@ class EngineStatsCollector(Collector):
             yield GaugeMetricFamily(PREFIX + name, doc, value=getattr(s, field))
         yield from _tier_metrics(s)
         yield _pinned(s)
+        yield _swaps(s)
 
     def describe(self) -> Iterator[Metric]:
         # Lets the registry check names at registration without reading the engine.
@@ -69,6 +70,7 @@ class EngineStatsCollector(Collector):
             yield GaugeMetricFamily(PREFIX + name, doc)
         yield from _tier_metrics(None)
         yield _pinned(None)
+        yield _swaps(None)
 
 
 def _pinned(s: EngineStats | None) -> Metric:
@@ -77,6 +79,20 @@ def _pinned(s: EngineStats | None) -> Metric:
     family = GaugeMetricFamily(PREFIX + "kv_pinned_blocks", doc, labels=["where"])
     for where, n in (s.pinned_blocks if s is not None else {}).items():
         family.add_metric([where], n)
+    return family
+
+
+def _swaps(s: EngineStats | None) -> Metric:
+    """Preempted sequences by what happened to their K/V ([engine] preemption_mode swap/auto)."""
+    doc = "Preempted sequences swapped out to host memory, back in, or recomputed for lack of swap space."
+    family = CounterMetricFamily(PREFIX + "kv_swaps", doc, labels=["direction"])
+    if s is not None:
+        for direction, n in (
+            ("out", s.swap.swapped_out),
+            ("in", s.swap.swapped_in),
+            ("fallback", s.swap.fallbacks),
+        ):
+            family.add_metric([direction], n)
     return family
 
 

@@ -14,6 +14,7 @@ import torch
 
 from cachegw.backend.config import EngineConfig
 from cachegw.backend.core.block_manager import FREED, cdiv
+from cachegw.backend.core.h2o import check_h2o
 from cachegw.backend.core.scheduler import ScheduledBatch
 from cachegw.backend.executor.compiled_decode import CompiledDecode, start_compiling, will_compile
 from cachegw.backend.executor.host_memory import zeros_on_demand
@@ -43,6 +44,7 @@ class StepOutput:
     rows: list[int]  # the batch entries they belong to (consecutive rows for a sequence's drafts)
     # batch entry -> (first position, hidden states of its prompt positions): see ModelRunner.logits
     prompt_hidden: dict[int, tuple[int, torch.Tensor]]
+    key_mass: torch.Tensor | None = None  # H2O: attention each cached key received this step
 
 
 class ModelRunner:
@@ -71,14 +73,20 @@ class ModelRunner:
             config, self.spec, hf_config, model_dir, gguf_path, device, dtype, max_model_len
         )
         self.window_everywhere, self.sinks = self.spec.window_everywhere, 0
-        if config.attention_sinks:
+        check_h2o(config, self.spec.sliding_windows)
+        # H2O: attention on the scored torch path (no fused kernel forms the weights); its sinks are
+        # tokens it never drops, not StreamingLLM's window
+        self.scores_keys = config.kv_eviction == "h2o"
+        if self.scores_keys and (config.compile != "off" or device.type == "cuda"):
+            log.info("kv_eviction h2o: attention on the scored torch path (no compiled decode, no Triton)")
+        if config.attention_sinks and not self.scores_keys:
             self._use_sinks(config.attention_sinks, context or max_model_len)
         self.attention_backend = self._choose_attention_backend()
         self.num_blocks = self._num_kv_blocks()
         # CPU only: CUDA has its Triton kernels and CUDA graphs; attention sinks keep the eager path.
         compiling = (
             device.type == "cpu"
-            and not self.sinks
+            and not (self.sinks or self.scores_keys)
             and self.spec.decode_compiles
             and will_compile(config.compile)
         )
@@ -127,10 +135,11 @@ class ModelRunner:
     def _choose_attention_backend(self) -> str:
         """ "triton" on CUDA when the kernels pass a self-check against the torch path, else "torch"."""
         use = False
-        # Attention sinks, an int8 KV cache and latent attention (one part per layer): torch path only.
+        # Attention sinks, H2O's scores, an int8 KV cache and latent attention (one part per layer): torch
+        # path only.
         if (
             self.device.type == "cuda"
-            and not self.sinks
+            and not (self.sinks or self.scores_keys)
             and self.kv_format.kind != "int8"
             and self.spec.kv_parts == 2
         ):
@@ -212,10 +221,10 @@ class ModelRunner:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             ids.extend((seq.token_ids + seq.draft if seq.draft else seq.token_ids)[start:end])
             positions.extend(range(start, end))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            table, gone = seq.block_table, seq.kv_dropped  # H2O: slot of position p is p - gone
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start - gone, end - gone))
             starts.append(starts[-1] + n)
-            seq_lens.append(end)
+            seq_lens.append(end - gone)
             query_lens.append(n)
             scored_end = min(end, seq.num_prompt_tokens - 1)
             if seq.needs_prompt_logprobs and scored_end > start:
@@ -245,6 +254,7 @@ class ModelRunner:
             num_decodes=sum(1 for n in query_lens if n == 1),
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
+            key_mass=torch.zeros(len(seq_lens), max(seq_lens), device=dev) if self.scores_keys else None,
         )
         return StepInputs(
             tensor(ids, torch.long),
@@ -287,9 +297,9 @@ class ModelRunner:
         flat = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         prompt = {i: (first, flat[rows]) for i, (rows, first) in inputs.prompt_rows.items()}
         if not inputs.sample_seq_indices:
-            return StepOutput(torch.empty(0, self.spec.vocab_size), [], prompt)
+            return StepOutput(torch.empty(0, self.spec.vocab_size), [], prompt, inputs.meta.key_mass)
         logits = self.model.compute_logits(flat[inputs.sample_indices])
-        return StepOutput(logits, inputs.sample_seq_indices, prompt)
+        return StepOutput(logits, inputs.sample_seq_indices, prompt, inputs.meta.key_mass)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -302,6 +312,15 @@ class ModelRunner:
         for parts in self.kv_caches:
             for cache in parts:
                 cache[dst].copy_(cache[src])
+
+    @torch.inference_mode()
+    def move_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy cache rows (flat slots ``block * block_size + offset``) from ``src`` to ``dst`` in every
+        layer, every source read before any destination is written (H2O's compaction)."""
+        src, dst = src.to(self.device), dst.to(self.device)
+        for cache in (c for kv in self.kv_caches for c in kv):
+            rows = kv_quant.indexable(cache).flatten(0, 1)
+            rows.index_copy_(0, dst, rows.index_select(0, src))
 
     @torch.inference_mode()
     def read_block(self, block_id: int) -> torch.Tensor:

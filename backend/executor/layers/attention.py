@@ -36,6 +36,7 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
     decode_groups: list[tuple[int, int]] | None = None  # torch path: set on first use in a step
+    key_mass: torch.Tensor | None = None  # [S, max_seq_len] float32: H2O wants each key's attention
 
     def groups(self) -> list[tuple[int, int]]:
         """The decodes in groups of similar context length (``decode_groups``), computed once a step."""
@@ -346,6 +347,11 @@ class PagedAttention(torch.nn.Module):
                     window or 0,
                 )
             return decode_attention_torch(q, self.k_cache, self.v_cache, meta, self.scale, window)
+        if meta.key_mass is not None:  # H2O: weights spelled out, each key's share summed
+            from cachegw.backend.executor.layers.scored_attention import scored_attention
+
+            store_kv_torch(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            return scored_attention(q, self.k_cache, self.v_cache, meta, self.scale, meta.key_mass)
         if q_sink is not None and self.sliding_window is not None:
             from cachegw.backend.executor.layers.sinks import sink_attention
 

@@ -30,6 +30,7 @@ def model_spec(hf_config, config: EngineConfig, gguf: Path | None = None) -> Mod
         "kv_cache_dtype": config.kv_cache_dtype != "auto",
         "quantization": config.quantization in ("int4", "int8"),
         "attention_sinks": bool(config.attention_sinks),
+        "kv_eviction": config.kv_eviction != "none",  # H2O's scored path is per-head K/V attention
     }
     names = [f"{key}={getattr(config, key)!r}" for key, bad in refused.items() if bad]
     if gguf is not None and config.load_format != "dummy":
