@@ -63,7 +63,9 @@ def test_the_builds_agree(bits: int) -> None:
     layer = BlockLinear.from_float(w, None, bits, f"cachegw_{BUILDS[0]}")
     x = torch.randn(300, 576, generator=torch.Generator().manual_seed(0))
     ref = x @ layer.dequantized().T
-    outs = {b: getattr(torch.ops, f"cachegw_{b}").block_linear(x, layer.w, layer.d, layer.m, bits) for b in BUILDS}
+    outs = {
+        b: getattr(torch.ops, f"cachegw_{b}").block_linear(x, layer.w, layer.d, layer.m, bits) for b in BUILDS
+    }
     for build, y in outs.items():
         assert _relative_error(y, ref) < 0.01, build
         torch.testing.assert_close(y, outs[BUILDS[0]], rtol=1e-4, atol=1e-4)
@@ -121,8 +123,10 @@ def test_bad_cpu_kernels_value_is_refused_at_start() -> None:
         load_engine_config(cpu_kernels="fast")
 
 
-def test_auto_takes_the_best_build_and_a_build_the_cpu_lacks_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    """"auto" picks the first build of avx512 > avxvnni > avx2 that loads; a CPU without AVX-512 VNNI
+def test_auto_takes_the_best_build_and_a_build_the_cpu_lacks_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """ "auto" picks the first build of avx512 > avxvnni > avx2 that loads; a CPU without AVX-512 VNNI
     (most AMD Zen 2/3 and Intel client parts) gets an AVX2 build under "auto", and naming "avx512"
     there stops the engine with what the CPU lacks, before any weight loads."""
     from cachegw.backend.executor.model_runner import ModelRunner
@@ -172,7 +176,9 @@ def test_engine_greedy_tokens_are_the_same_on_every_build() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     tokens = {}
     for build in BUILDS:
-        llm = LLM(quantization="int4", dtype="float32", kv_cache_tokens=256, max_num_seqs=4, cpu_kernels=build)
+        llm = LLM(
+            quantization="int4", dtype="float32", kv_cache_tokens=256, max_num_seqs=4, cpu_kernels=build
+        )
         head = llm.engine.runner.model.lm_head
         assert isinstance(head, BlockLinear) and head.ops == f"cachegw_{build}"
         tokens[build] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]

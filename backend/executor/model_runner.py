@@ -88,7 +88,11 @@ class ModelRunner:
         self.native_decode: str | None = None  # its op namespace
         if compiling:
             head_dim = self.spec.head_dim
-            fits = self.kv_caches[0][0].dtype == dtype == torch.float32 and head_dim % 16 == 0 and head_dim <= 256
+            fits = (
+                self.kv_caches[0][0].dtype == dtype == torch.float32
+                and head_dim % 16 == 0
+                and head_dim <= 256
+            )
             self.native_decode = native if fits else None
             for module in self.model.modules():
                 if isinstance(module, PagedAttention):

@@ -10,6 +10,7 @@ build this CPU can). ``choose`` applies ``[engine] cpu_kernels``: ``auto`` takes
 CPU has (torch's kernels where none builds, and the log says why); a named build the CPU lacks is
 refused at start.
 """
+
 from __future__ import annotations
 
 import functools
@@ -27,7 +28,9 @@ import torch
 
 log = logging.getLogger("cachegw.backend")
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_kernels.cpp", "cpu_kernels_avx512.h", "cpu_kernels_avx2.h"))
+SOURCES = tuple(
+    Path(__file__).with_name(n) for n in ("cpu_kernels.cpp", "cpu_kernels_avx512.h", "cpu_kernels_avx2.h")
+)
 SETTINGS = ("auto", "avx512", "avxvnni", "avx2", "torch")
 
 
@@ -42,7 +45,9 @@ class Build:
 BUILDS = {
     "avx512": Build("avx512", ("avx512f", "avx512bw", "avx512_vnni"), ("-march=native",)),
     # x86-64-v3: AVX2, FMA, F16C (and no AVX-512 even on a CPU that has it)
-    "avxvnni": Build("avxvnni", ("avx2", "fma", "f16c", "avx_vnni"), ("-march=x86-64-v3", "-mavxvnni", "-mtune=native")),
+    "avxvnni": Build(
+        "avxvnni", ("avx2", "fma", "f16c", "avx_vnni"), ("-march=x86-64-v3", "-mavxvnni", "-mtune=native")
+    ),
     "avx2": Build("avx2", ("avx2", "fma", "f16c"), ("-march=x86-64-v3", "-mtune=native")),
 }
 
@@ -106,7 +111,9 @@ def _build(compiler: str, build: Build, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        done = subprocess.run(_compile_command(compiler, build, out), capture_output=True, text=True, timeout=600)
+        done = subprocess.run(
+            _compile_command(compiler, build, out), capture_output=True, text=True, timeout=600
+        )
         if done.returncode != 0:
             raise RuntimeError(done.stderr.strip()[-2000:])
         os.replace(out, target)
@@ -129,7 +136,12 @@ def _load(name: str) -> KernelStatus:
         return KernelStatus(False, "no C++ compiler (install g++)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256()
-    for part in (*(s.read_bytes() for s in SOURCES), torch.__version__.encode(), version.encode(), sys.version.encode()):
+    for part in (
+        *(s.read_bytes() for s in SOURCES),
+        torch.__version__.encode(),
+        version.encode(),
+        sys.version.encode(),
+    ):
         key.update(part)
     key.update(" ".join([*build.flags, *sorted(_cpu_flags())]).encode())
     target = _cache_dir() / f"cachegw_cpu_kernels_{name}_{key.hexdigest()[:16]}.so"
