@@ -12,6 +12,9 @@
 // weight j of the pair in its low nibble and weight 32 + j in its high nibble); 8-bit weights as
 // they are; d and m as float16 [rows, K / 32]. K must be a multiple of 64.
 //
+// Many activation rows at once (a prefill) take cpu_kernels_prefill.h's path instead: a scale per
+// block of 32 and sums in int32 per block.
+//
 // One source, built once per instruction set the CPU has (cpu_kernels.py): the compiler's target
 // picks cpu_kernels_avx512.h or cpu_kernels_avx2.h for the inner loops, and CACHEGW_OPS names the
 // op namespace (cachegw_avx512, cachegw_avxvnni, cachegw_avx2), so several builds load side by side.
@@ -27,6 +30,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -40,6 +44,18 @@ struct Activations {
   std::vector<int8_t> q;      // [rows, k]
   std::vector<float> scales;  // [rows, k / 4]
   std::vector<float> sums;    // [rows, nb]
+  std::vector<int32_t> x128;  // [rows, k / 4]: 128 * each group's sum (AVX2's signed 8-bit products)
+};
+
+// The activations as the prefill kernel reads them (cpu_kernels_prefill.h): rows across the vector
+// lanes, 4 bytes of one row per lane, one scale per block of 32; `tiles` groups of kLanes rows
+// (the last padded with zeros).
+struct Columns {
+  int64_t tiles;
+  std::vector<int8_t> q;      // [tiles][k / 4][kLanes][4]
+  std::vector<float> scales;  // [tiles][nb][kLanes]
+  std::vector<float> sums;    // [tiles][nb][kLanes]: scale * the block's sum of rounded values
+  std::vector<int32_t> isums; // [tiles][nb][kLanes]: the block's sum of rounded values
 };
 
 }  // namespace
@@ -48,6 +64,9 @@ struct Activations {
 #include "cpu_kernels_avx512.h"
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include "cpu_kernels_avx2.h"
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include "cpu_kernels_prefill.h"
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) || \
@@ -72,6 +91,7 @@ at::Tensor block_linear_impl(const at::Tensor& x, const at::Tensor& w, const at:
   const int64_t rows = x.size(0), k = x.size(1), n = w.size(0);
   const int64_t nb = k / kBlock, row_bytes = Bits == 4 ? k / 2 : k;
   TORCH_CHECK(w.size(1) == row_bytes, "weight bytes per row ", w.size(1), " != ", row_bytes);
+  if (rows >= kPrefillFrom) return prefill_linear<Bits>(x, w, d, m);
   const Activations a = quantize(x.data_ptr<float>(), rows, k);
   at::Tensor y = at::empty({rows, n}, x.options());
   float* out = y.data_ptr<float>();
@@ -87,8 +107,6 @@ at::Tensor block_linear_impl(const at::Tensor& x, const at::Tensor& w, const at:
       const int64_t j = t * R, r = std::min<int64_t>(R, n - j);
       halves_to_floats(dp + j * nb, r * nb, dw.data());
       halves_to_floats(mp + j * nb, r * nb, mw.data());
-      if constexpr (Bits == 8 && kSigned8)  // the kernel multiplies by u - 128: the minimums take it back
-        for (int64_t i = 0; i < r * nb; ++i) mw[i] += 128.0f * dw[i];
       const uint8_t* wr = wp + j * row_bytes;
       if (r == R) {
         rows_tile<Bits, 4>(wr, dw.data(), mw.data(), a, k, n, j, rows, out);

@@ -29,7 +29,8 @@ import torch
 log = logging.getLogger("cachegw.backend")
 
 SOURCES = tuple(
-    Path(__file__).with_name(n) for n in ("cpu_kernels.cpp", "cpu_kernels_avx512.h", "cpu_kernels_avx2.h")
+    Path(__file__).with_name(n)
+    for n in ("cpu_kernels.cpp", "cpu_kernels_avx512.h", "cpu_kernels_avx2.h", "cpu_kernels_prefill.h")
 )
 SETTINGS = ("auto", "avx512", "avxvnni", "avx2", "torch")
 
@@ -88,6 +89,8 @@ def _compile_command(compiler: str, build: Build, out: Path) -> list[str]:
     return [
         compiler,
         "-O3",
+        # no fused multiply-adds but the written ones: every build then rounds alike, bit for bit
+        "-ffp-contract=off",
         *build.flags,
         f"-DCACHEGW_OPS=cachegw_{build.name}",
         "-std=c++17",

@@ -15,7 +15,7 @@ constexpr bool kSigned8 = false;  // 8-bit weights go in unsigned (u = q + 128)
 // block, and an outlier coarsens only its 3 neighbours' rounding instead of its block's 31.
 Activations quantize(const float* x, int64_t rows, int64_t k) {
   const int64_t nb = k / kBlock;
-  Activations a{std::vector<int8_t>(rows * k), std::vector<float>(rows * k / 4), std::vector<float>(rows * nb)};
+  Activations a{std::vector<int8_t>(rows * k), std::vector<float>(rows * k / 4), std::vector<float>(rows * nb), {}};
   int8_t* q = a.q.data();
   float* scales = a.scales.data();
   float* sums = a.sums.data();
@@ -165,6 +165,66 @@ void attend_one(const float* q, const float* kc, const float* vc, const int32_t*
     for (int64_t j = 0; j < nv; ++j) o[j] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + j * 16), o[j]);
   }
   for (int64_t j = 0; j < nv; ++j) _mm512_storeu_ps(out + j * 16, _mm512_mul_ps(o[j], _mm512_set1_ps(inv)));
+}
+
+// --- prefill (cpu_kernels_prefill.h): 16 activation rows per vector, 4 x 2 accumulators ---
+constexpr int64_t kLanes = 16, kPrefillRows = 4, kPrefillTiles = 2;
+
+// A block of 32 activations rounded to int8 with one scale (amax / 127), returned; `sum` the sum of
+// the rounded values.
+inline float round_block(const float* x, int8_t* q, int32_t& sum) {
+  const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(qb));
+  sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+  return amax / 127.0f;
+}
+
+// R output rows (unpacked weights wu [R][k], from output row j, `count` of them real) times T
+// tiles of 16 activation rows from tile0.
+template <int Bits, int R, int T>
+inline void prefill_tile(const uint8_t* wu, const float* dw, const float* mw, const Columns& a, int64_t tile0,
+                         int64_t k, int64_t n, int64_t j, int64_t count, int64_t rows, float* out) {
+  const int64_t nb = k / kBlock, groups = k / 4;
+  const int32_t* xq = reinterpret_cast<const int32_t*>(a.q.data());
+  __m512 acc[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i s[R][T];
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < T; ++t) s[r][t] = _mm512_setzero_si512();
+    for (int g = 0; g < 8; ++g) {
+      __m512i xv[T];
+      for (int t = 0; t < T; ++t) xv[t] = _mm512_loadu_si512(xq + ((tile0 + t) * groups + b * 8 + g) * kLanes);
+      for (int r = 0; r < R; ++r) {
+        int32_t word;
+        std::memcpy(&word, wu + r * k + b * kBlock + g * 4, 4);
+        const __m512i wv = _mm512_set1_epi32(word);
+        for (int t = 0; t < T; ++t) s[r][t] = _mm512_dpbusd_epi32(s[r][t], wv, xv[t]);
+      }
+    }
+    for (int t = 0; t < T; ++t) {
+      const int64_t at = ((tile0 + t) * nb + b) * kLanes;
+      const __m512 xs = _mm512_loadu_ps(a.scales.data() + at), sums = _mm512_loadu_ps(a.sums.data() + at);
+      for (int r = 0; r < R; ++r) {
+        const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(dw[r * nb + b]), xs);
+        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][t]), scale, acc[r][t]);
+        acc[r][t] = _mm512_fmadd_ps(_mm512_set1_ps(mw[r * nb + b]), sums, acc[r][t]);
+      }
+    }
+  }
+  alignas(64) float lanes[kLanes];
+  for (int t = 0; t < T; ++t) {
+    const int64_t first = (tile0 + t) * kLanes, real = std::min<int64_t>(kLanes, rows - first);
+    for (int r = 0; r < count; ++r) {
+      _mm512_store_ps(lanes, acc[r][t]);
+      for (int64_t l = 0; l < real; ++l) out[(first + l) * n + j + r] = lanes[l];
+    }
+  }
 }
 
 }  // namespace
