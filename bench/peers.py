@@ -16,6 +16,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import resource
+import sys
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -172,6 +173,8 @@ _ENGINES = {"ours": _Ours, "llama.cpp": _LlamaCpp, "hf": _HF}
 def _worker(kind: str, options: dict[str, Any], cpus: list[int] | None, conn: Connection) -> None:
     if cpus is not None:
         os.sched_setaffinity(0, cpus)
+    if os.environ.get("PYTHONPATH"):  # spawn gives the child its parent's sys.path: put ours first
+        sys.path[:0] = os.environ["PYTHONPATH"].split(os.pathsep)
     engine = _ENGINES[kind](**options)
     conn.send("ready")
     while (msg := conn.recv()) != "stop":
