@@ -39,8 +39,9 @@ class EngineConfig(Strict):
     quantization: Literal["auto", "none", "int8", "int4"] = Field(
         description="weight-only int8/int4 linears on CPU; auto = what the GGUF holds, where fast"
     )
-    cpu_kernels: Literal["auto", "torch"] = Field(
-        description="whose CPU kernels run int4/int8 weights: auto = cachegw's (VNNI CPUs), else torch's"
+    cpu_kernels: Literal["auto", "avx512", "avxvnni", "avx2", "torch"] = Field(
+        description="whose CPU kernels run int4/int8 weights: auto = cachegw's best build for this CPU "
+        "(AVX-512 VNNI, AVX-VNNI, AVX2), else torch's; a named build is refused where the CPU lacks it"
     )
     block_size: int = Field(gt=0, description="tokens per KV block (a power of two)")
     kv_cache_tokens: int = Field(

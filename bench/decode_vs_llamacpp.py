@@ -8,10 +8,14 @@ with a message when it is not installed.
 
     .venv/bin/python -m bench.decode_vs_llamacpp [--runs 3] [--new 256]
         [--modes none,int8,int4,auto,auto+compile] [--threads 2]
+        [--llama avx2=/work/llama-peer-avx2,native=/work/llama-peer]
 
 A mode with ``+compile`` runs the compiled decode step (`[engine] compile`, compiled before the
 runs); the others run eagerly. ``+torch`` runs torch's int4/int8 kernels (`[engine] cpu_kernels =
-"torch"`) instead of cachegw's.
+"torch"`) instead of cachegw's; ``+avx512``, ``+avxvnni``, ``+avx2`` one build of cachegw's (the
+best this CPU has otherwise). ``--llama``: llama-cpp-python builds to compare with, each a folder
+put on its own worker's PYTHONPATH (default: the installed package, if any); every engine's ratio
+to each of them is reported.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import random
 import statistics
 
 from bench.common import RESULTS, save, say
-from bench.peers import Peer, llamacpp_installed, load_average
+from bench.peers import Peer, llamacpp_builds, load_average
 
 
 def main() -> None:
@@ -33,27 +37,29 @@ def main() -> None:
     # 2 on a quiet machine; on a loaded one 2 OpenMP threads per engine collapse (spinning barriers)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="decode_vs_llamacpp")
+    ap.add_argument("--llama", default="", help="name=folder,... of llama-cpp-python builds")
     args = ap.parse_args()
+    from cachegw.backend.executor.layers.cpu_kernels import SETTINGS
     from cachegw.backend.executor.model_loader import embedded_gguf_path
 
     gguf = embedded_gguf_path()
     rng = random.Random(0)
     prompt = [rng.randrange(100, 49152) for _ in range(args.prompt)]
     ours = dict(kv_cache_tokens=1024, max_num_seqs=1, enable_prefix_caching=False)
-    peers = []
+    peers: list[tuple[str, str, dict, dict[str, str]]] = []
     for mode in args.modes.split(","):  # "auto+compile": the weight mode, decode step compiled first
         weights, *flags = mode.split("+")
         compile_ = "startup" if "compile" in flags else "off"
-        kernels = "torch" if "torch" in flags else "auto"
+        kernels = next((f for f in flags if f in SETTINGS), "auto")
         options = dict(quantization=weights, compile=compile_, cpu_kernels=kernels, **ours)
-        peers.append((f"ours {mode}", "ours", options))
-    if llamacpp_installed():
-        peers.append(("llama.cpp", "llama.cpp", dict(path=str(gguf))))
-    else:
-        say("llama-cpp-python is not installed: skipping the llama.cpp peer (docs/benchmarks.md says how)")
+        peers.append((f"ours {mode}", "ours", options, {}))
+    llamas = llamacpp_builds(args.llama)
+    if not llamas:
+        say("no llama-cpp-python build: skipping the llama.cpp peer (docs/benchmarks.md says how)")
+    peers += [(name, "llama.cpp", dict(path=str(gguf)), env) for name, env in llamas]
     workers: dict[str, Peer] = {}
-    for name, kind, options in peers:  # loaded one after another: loading is not what is measured
-        workers[name] = Peer(name, kind, threads=args.threads, **options)
+    for name, kind, options, env in peers:  # loaded one after another: loading is not measured
+        workers[name] = Peer(name, kind, env=env, threads=args.threads, **options)
         say(f"{name} loaded")
     load = [load_average()]
     runs: dict[str, list[float]] = {name: [] for name in workers}
@@ -63,12 +69,12 @@ def main() -> None:
             say(f"round {r + 1} {name}: {runs[name][-1]} tok/s")
         load.append(load_average())
     rss = {name: peer.stop() for name, peer in workers.items()}
-    ref = statistics.median(runs["llama.cpp"]) if "llama.cpp" in runs else None
+    refs = {name: statistics.median(runs[name]) for name, _ in llamas}
     result = {
         name: {
             "decode_tok_per_s": runs[name],
             "median": statistics.median(runs[name]),
-            "ratio_to_llamacpp": None if ref is None else round(statistics.median(runs[name]) / ref, 2),
+            "ratio_to": {ref: round(statistics.median(runs[name]) / v, 2) for ref, v in refs.items()},
             "peak_rss_mib": rss[name],
         }
         for name in workers
@@ -100,6 +106,7 @@ def plot(result: dict, path, load: list[float], threads: int) -> None:
         [result[n]["median"] for n in names],
         color=["#2a7" if n.startswith("ours") else "#999" for n in names],
     )
+    ax.tick_params(axis="x", labelsize=7, labelrotation=20)
     for i, n in enumerate(names):
         ax.plot([i] * len(result[n]["decode_tok_per_s"]), result[n]["decode_tok_per_s"], "k.")
     ax.set_ylabel("decode tokens / s (batch 1)")

@@ -16,8 +16,10 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import resource
+import sys
 import time
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any, NamedTuple
 
 Work = list[tuple[list[int], int]]  # (prompt token ids, output tokens), EOS ignored
@@ -171,6 +173,8 @@ _ENGINES = {"ours": _Ours, "llama.cpp": _LlamaCpp, "hf": _HF}
 def _worker(kind: str, options: dict[str, Any], cpus: list[int] | None, conn: Connection) -> None:
     if cpus is not None:
         os.sched_setaffinity(0, cpus)
+    if os.environ.get("PYTHONPATH"):  # spawn gives the child its parent's sys.path: put ours first
+        sys.path[:0] = os.environ["PYTHONPATH"].split(os.pathsep)
     engine = _ENGINES[kind](**options)
     conn.send("ready")
     while (msg := conn.recv()) != "stop":
@@ -227,6 +231,23 @@ def torch_env(threads: int) -> dict[str, str]:
     """The OpenMP wait policy `cachegw backend` gives torch with several threads (passive: spinning
     threads collapse beside other work, backend/executor/cpu_threads.py); the HF peer gets the same."""
     return {"OMP_WAIT_POLICY": "PASSIVE"} if threads > 1 else {}
+
+
+def llamacpp_builds(spec: str) -> list[tuple[str, dict[str, str]]]:
+    """``--llama`` as (peer name, worker environment) per llama-cpp-python build: "" = the installed
+    package, if any ("llama.cpp"); "avx2=/work/llama-peer-avx2,native=/work/llama-peer" = each
+    folder (a ``pip install --target``) on its worker's PYTHONPATH only ("llama.cpp avx2" ...).
+    A folder without the package is skipped with a message."""
+    if not spec:
+        return [("llama.cpp", {})] if llamacpp_installed() else []
+    builds = []
+    for item in spec.split(","):
+        name, _, folder = item.partition("=")
+        if not (Path(folder) / "llama_cpp").is_dir():
+            print(f"no llama_cpp package in {folder!r}: skipping the llama.cpp {name} peer", flush=True)
+            continue
+        builds.append((f"llama.cpp {name}", {"PYTHONPATH": folder}))
+    return builds
 
 
 def llamacpp_installed() -> bool:

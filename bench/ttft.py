@@ -7,6 +7,12 @@ loaded once; the runs are interleaved (every engine at every length in a round),
 round at the shortest length that is not counted.
 
     .venv/bin/python -m bench.ttft [--lengths 200,1000,2000] [--runs 3] [--threads 2]
+        [--modes auto,none,auto+avx2] [--llama avx2=/work/llama-peer-avx2,native=/work/llama-peer]
+
+A mode is ``[engine] quantization``, with ``+avx512``/``+avxvnni``/``+avx2``/``+torch`` for
+``[engine] cpu_kernels`` (the best build of cachegw's otherwise); ``--llama``: llama-cpp-python
+builds, each a folder on its own worker's PYTHONPATH (default: the installed package); ratios are
+to each of them.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import random
 import statistics
 
 from bench.common import RESULTS, save, say
-from bench.peers import Peer, llamacpp_installed, load_average, torch_env
+from bench.peers import Peer, llamacpp_builds, load_average, torch_env
 
 
 def main() -> None:
@@ -26,6 +32,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--modes", default="auto,none", help="our engine's [engine] quantization, each")
     ap.add_argument("--out", default="ttft")
+    ap.add_argument("--llama", default="", help="name=folder,... of llama-cpp-python builds")
+    ap.add_argument("--no-hf", action="store_true", help="leave out the HF transformers peer")
     args = ap.parse_args()
     from cachegw.backend.executor.model_loader import embedded_gguf_path
 
@@ -33,22 +41,22 @@ def main() -> None:
     rng = random.Random(0)
     prompts = {n: [rng.randrange(100, 49152) for _ in range(n)] for n in lengths}
     room = max(lengths) + 64
-    specs: list[tuple[str, str, dict]] = [
-        (
-            f"ours {m}",
-            "ours",
-            dict(quantization=m, kv_cache_tokens=room, max_num_seqs=1, enable_prefix_caching=False),
-        )
-        for m in args.modes.split(",")
-    ]
-    if llamacpp_installed():
-        specs.append(("llama.cpp Q4_1", "llama.cpp", dict(path=str(embedded_gguf_path()), n_ctx=room)))
-    else:
-        say("llama-cpp-python is not installed: skipping the llama.cpp peer")
-    specs.append(("HF transformers float32", "hf", {}))
+    specs: list[tuple[str, str, dict, dict[str, str]]] = []
+    for mode in args.modes.split(","):
+        weights, *flags = mode.split("+")
+        kernels = flags[0] if flags else "auto"
+        options = dict(quantization=weights, cpu_kernels=kernels, kv_cache_tokens=room, max_num_seqs=1)
+        specs.append((f"ours {mode}", "ours", dict(enable_prefix_caching=False, **options), {}))
+    llamas = llamacpp_builds(args.llama)
+    if not llamas:
+        say("no llama-cpp-python build: skipping the llama.cpp peer")
+    gguf = str(embedded_gguf_path())
+    specs += [(name, "llama.cpp", dict(path=gguf, n_ctx=room), env) for name, env in llamas]
+    if not args.no_hf:
+        specs.append(("HF transformers float32", "hf", {}, {}))
     peers = {}
-    for name, kind, options in specs:
-        env = torch_env(args.threads) if kind != "llama.cpp" else {}
+    for name, kind, options, env in specs:
+        env = {**env, **(torch_env(args.threads) if kind != "llama.cpp" else {})}
         peers[name] = Peer(name, kind, env=env, threads=args.threads, **options)
         say(f"{name} loaded")
     for peer in peers.values():  # warm-up: first-call costs (kernel selection, allocations)
@@ -63,16 +71,16 @@ def main() -> None:
                 say(f"round {r + 1} {n:5} tokens {name:24} TTFT {ms:8.1f} ms")
             load.append(load_average())
     rss = {name: peer.stop() for name, peer in peers.items()}
-    ref = "llama.cpp Q4_1" if "llama.cpp Q4_1" in runs else None
+    refs = {name: {n: statistics.median(runs[name][n]) for n in lengths} for name, _ in llamas}
     engines = {}
     for name in peers:
         medians = {n: statistics.median(runs[name][n]) for n in lengths}
         engines[name] = {
             "ttft_ms": {str(n): runs[name][n] for n in lengths},
             "median_ms": {str(n): medians[n] for n in lengths},
-            "ratio_to_llamacpp": None
-            if ref is None
-            else {str(n): round(medians[n] / statistics.median(runs[ref][n]), 2) for n in lengths},
+            "ratio_to": {
+                ref: {str(n): round(medians[n] / v[n], 2) for n in lengths} for ref, v in refs.items()
+            },
             "peak_rss_mib": rss[name],
         }
     save(

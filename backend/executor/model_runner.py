@@ -62,6 +62,9 @@ class ModelRunner:
         """``max_model_len``: the longest sequence; ``context``: the most positions one query may
         span, when attention sinks let sequences run past it (``[engine] attention_sinks``)."""
         self.config, self.device, self.dtype = config, device, dtype
+        # cachegw's CPU kernels ([engine] cpu_kernels), chosen before the weights load: a build the
+        # CPU lacks is refused at once
+        native = use_native_kernels(config.cpu_kernels) if device.type == "cpu" else None
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.spec = model_spec(hf_config, config, gguf_path)
@@ -95,16 +98,16 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_cache(self.num_blocks + compiling)
         self.compiled: CompiledDecode | None = None
         # the compiled decode step's attention on cachegw's kernel (float32 caches)
-        self.native_decode = False
+        self.native_decode: str | None = None  # its op namespace
         if compiling:
             head_dim = self.spec.head_dim
-            self.native_decode = (
+            fits = (
                 self.spec.kv_parts == 2  # cachegw's kernel reads per-head K and V
-                and use_native_kernels(config.cpu_kernels)
                 and self.kv_caches[0][0].dtype == dtype == torch.float32
                 and head_dim % 16 == 0
                 and head_dim <= 256
             )
+            self.native_decode = native if fits else None
             for module in self.model.modules():
                 if isinstance(module, PagedAttention):
                     module.native_decode = self.native_decode

@@ -10,8 +10,10 @@ lookup. Norms, embeddings and rotary tables stay float. On CUDA the engine runs 
 weights: these kernels are CPU ones.
 
 Which kernels, ``[engine] cpu_kernels``: ``auto`` runs cachegw's own (``BlockLinear``: int8
-activations times the 4/8-bit blocks in integers, AVX-512 VNNI) where the CPU has them and g++ builds
-them, else torch's (``Int4Linear``/``Int8Linear``: bfloat16 activations); ``torch`` always torch's.
+activations times the 4/8-bit blocks in integers; the AVX-512 VNNI, AVX-VNNI or AVX2 build, the best
+the CPU has) where g++ builds them, else torch's (``Int4Linear``/``Int8Linear``: bfloat16
+activations); ``avx512``/``avxvnni``/``avx2`` force one build (refused where the CPU lacks it);
+``torch`` always torch's.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from cachegw.backend.executor.models.llama import LlamaForCausalLM
 log = logging.getLogger("cachegw.backend")
 
 MODES = ("auto", "none", "int8", "int4")
-KERNELS = ("auto", "torch")
 # our fused module -> the checkpoint projections it holds, in row order
 _FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -71,16 +72,16 @@ def _concat(blocks: list[BlockWeights]) -> BlockWeights:
     )
 
 
-def use_native_kernels(kernels: str) -> bool:
-    """Whether cachegw's VNNI kernels run (``[engine] cpu_kernels``); the log says why not."""
-    if kernels not in KERNELS:
-        raise ValueError(f"[engine] cpu_kernels must be one of {', '.join(KERNELS)}, not {kernels!r}")
-    if kernels == "torch":
-        return False
-    status = cpu_kernels.load()
-    if not status.available:
-        log.info("cpu_kernels=auto: torch's kernels (cachegw's need: %s)", status.reason)
-    return status.available
+def use_native_kernels(kernels: str) -> str | None:
+    """The op namespace of cachegw's kernels that run (``[engine] cpu_kernels``), None for torch's;
+    the log says which and why. A build the setting names but the CPU lacks raises ValueError."""
+    status = cpu_kernels.choose(kernels)
+    if status.available:
+        log.info("cpu_kernels=%s: cachegw's %s build", kernels, status.build)
+        return status.ops
+    if kernels == "auto":
+        log.info("cpu_kernels=auto: torch's kernels (cachegw's: %s)", status.reason)
+    return None
 
 
 def _build(
@@ -88,18 +89,19 @@ def _build(
     sources: list[GgufLinear] | None,
     module: nn.Linear,
     compute_dtype: torch.dtype,
-    native: bool,
+    native: str | None,
 ) -> nn.Module:
-    """The quantized layer replacing ``module`` (its bias kept), or ``module`` where no kernel fits."""
+    """The quantized layer replacing ``module`` (its bias kept), or ``module`` where no kernel fits.
+    ``native``: the op namespace of cachegw's kernels, None for torch's."""
     bias = module.bias
     if native and fmt in ("int4", "int8") and BlockLinear.supports(module.in_features):
         bits = 4 if fmt == "int4" else 8
         exact_kinds = ("Q4_0", "Q4_1") if bits == 4 else ("Q8_0",)
         blocks = [s.blocks for s in sources or [] if s.blocks is not None and s.kind in exact_kinds]
         if sources and len(blocks) == len(sources) and len({s.kind for s in sources}) == 1:
-            return BlockLinear.from_blocks(_concat(blocks), bias)
+            return BlockLinear.from_blocks(_concat(blocks), bias, native)
         weight = torch.cat([s.to_float() for s in sources]) if sources else module.weight
-        return BlockLinear.from_float(weight, bias, bits)
+        return BlockLinear.from_float(weight, bias, bits, native)
     if (
         fmt == "int4"
         and sources
@@ -151,7 +153,7 @@ def quantize_model(
 
 
 def _head(
-    model: LlamaForCausalLM, gguf: GgufFile | None, native: bool, compute_dtype: torch.dtype
+    model: LlamaForCausalLM, gguf: GgufFile | None, native: str | None, compute_dtype: torch.dtype
 ) -> nn.Module:
     """The LM head as int8: a Q8_0 head (or the Q8_0 embedding it is tied to) keeps the file's own
     integers on cachegw's kernel; otherwise per block of 32, absmax/127 (which gives a Q8_0 tensor's
@@ -161,8 +163,8 @@ def _head(
     if native and BlockLinear.supports(head.in_features):
         name = "model.embed_tokens.weight" if model.spec.tie_word_embeddings else "lm_head.weight"
         if gguf is not None and name in gguf and gguf.kind(name) == "Q8_0":
-            return BlockLinear.from_blocks(gguf.blocks(name), None)
-        return BlockLinear.from_float(head.weight, None, 8)
+            return BlockLinear.from_blocks(gguf.blocks(name), None, native)
+        return BlockLinear.from_float(head.weight, None, 8, native)
     return Int8Linear.from_float(head.weight, None, compute_dtype)
 
 

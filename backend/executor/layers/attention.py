@@ -314,9 +314,10 @@ class PagedAttention(torch.nn.Module):
         )
         self.sliding_window = sliding_window
         self.sinks = 0  # StreamingLLM: the first ``sinks`` positions stay visible (torch path only)
-        # cachegw's CPU kernel for the compiled decode step's attention; the runner turns it on where
-        # ``[engine] cpu_kernels``, the CPU, the head size and float32 caches allow
-        self.native_decode = False
+        # the op namespace of cachegw's CPU kernel for the compiled decode step's attention (None:
+        # torch's); the runner sets it where ``[engine] cpu_kernels``, the CPU, the head size and
+        # float32 caches allow
+        self.native_decode: str | None = None
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
@@ -337,7 +338,7 @@ class PagedAttention(torch.nn.Module):
             store_kv_torch(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
             window = self.sliding_window
             if self.native_decode:
-                return torch.ops.cachegw.paged_decode_attention(
+                return getattr(torch.ops, self.native_decode).paged_decode_attention(
                     q.contiguous(),
                     self.k_cache,
                     self.v_cache,

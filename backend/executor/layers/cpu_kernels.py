@@ -1,11 +1,14 @@
 """Builds and loads ``cpu_kernels.cpp`` (block-quantized linear layers and paged decode attention
-for AVX-512 VNNI CPUs).
+for x86 CPUs), once per instruction set: ``avx512`` (AVX-512 VNNI), ``avxvnni`` (AVX2 with the
+256-bit VNNI of newer client CPUs) and ``avx2`` (any AVX2 CPU: Zen 2/3, Haswell on).
 
-The library is compiled once per machine with the system's g++ against the installed torch
-(``-march=native``: it uses this CPU's instructions) and cached under
-``$CACHEGW_KERNEL_CACHE`` (default ``~/.cache/cachegw/kernels``), keyed by the source, the torch
-version, the compiler and the CPU's flags. ``load()`` says whether the ops are usable; when they are
-not (no compiler, no VNNI, a failed build) the engine keeps torch's own kernels, and the log says why.
+Each build is compiled once per machine with the system's g++ against the installed torch and cached
+under ``$CACHEGW_KERNEL_CACHE`` (default ``~/.cache/cachegw/kernels``), keyed by the sources, the
+build's flags, the torch version, the compiler and the CPU's flags. Each registers its ops in its own
+namespace (``torch.ops.cachegw_avx2`` ...), so several load in one process (the tests run every
+build this CPU can). ``choose`` applies ``[engine] cpu_kernels``: ``auto`` takes the best build the
+CPU has (torch's kernels where none builds, and the log says why); a named build the CPU lacks is
+refused at start.
 """
 
 from __future__ import annotations
@@ -25,14 +28,41 @@ import torch
 
 log = logging.getLogger("cachegw.backend")
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-_REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512_vnni")
+SOURCES = tuple(
+    Path(__file__).with_name(n)
+    for n in ("cpu_kernels.cpp", "cpu_kernels_avx512.h", "cpu_kernels_avx2.h", "cpu_kernels_prefill.h")
+)
+SETTINGS = ("auto", "avx512", "avxvnni", "avx2", "torch")
+
+
+@dataclass(frozen=True)
+class Build:
+    name: str
+    needs: tuple[str, ...]  # /proc/cpuinfo flags
+    flags: tuple[str, ...]  # g++'s target options
+
+
+# best first: what "auto" tries
+BUILDS = {
+    "avx512": Build("avx512", ("avx512f", "avx512bw", "avx512_vnni"), ("-march=native",)),
+    # x86-64-v3: AVX2, FMA, F16C (and no AVX-512 even on a CPU that has it)
+    "avxvnni": Build(
+        "avxvnni", ("avx2", "fma", "f16c", "avx_vnni"), ("-march=x86-64-v3", "-mavxvnni", "-mtune=native")
+    ),
+    "avx2": Build("avx2", ("avx2", "fma", "f16c"), ("-march=x86-64-v3", "-mtune=native")),
+}
 
 
 @dataclass(frozen=True)
 class KernelStatus:
     available: bool
     reason: str  # why not, or where the library is
+    build: str = ""  # which build ("avx512", "avxvnni", "avx2") when available
+
+    @property
+    def ops(self) -> str:
+        """The op namespace: ``getattr(torch.ops, status.ops).block_linear``."""
+        return f"cachegw_{self.build}"
 
 
 def _cpu_flags() -> set[str]:
@@ -50,7 +80,7 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("CACHEGW_KERNEL_CACHE") or Path.home() / ".cache" / "cachegw" / "kernels")
 
 
-def _compile_command(compiler: str, out: Path) -> list[str]:
+def _compile_command(compiler: str, build: Build, out: Path) -> list[str]:
     from torch.utils import cpp_extension
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
@@ -59,14 +89,17 @@ def _compile_command(compiler: str, out: Path) -> list[str]:
     return [
         compiler,
         "-O3",
-        "-march=native",
+        # no fused multiply-adds but the written ones: every build then rounds alike, bit for bit
+        "-ffp-contract=off",
+        *build.flags,
+        f"-DCACHEGW_OPS=cachegw_{build.name}",
         "-std=c++17",
         "-fPIC",
         "-shared",
         "-fopenmp",
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         *includes,
-        str(SOURCE),
+        str(SOURCES[0]),
         "-o",
         str(out),
         *[f"-L{d}" for d in lib_dirs],
@@ -76,45 +109,85 @@ def _compile_command(compiler: str, out: Path) -> list[str]:
     ]
 
 
-def _build(compiler: str, target: Path) -> None:
+def _build(compiler: str, build: Build, target: Path) -> None:
     """Compile into a temporary file, then rename: concurrent builders never load half a library."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        done = subprocess.run(_compile_command(compiler, out), capture_output=True, text=True, timeout=600)
+        done = subprocess.run(
+            _compile_command(compiler, build, out), capture_output=True, text=True, timeout=600
+        )
         if done.returncode != 0:
             raise RuntimeError(done.stderr.strip()[-2000:])
         os.replace(out, target)
 
 
-@functools.cache
-def load() -> KernelStatus:
-    """Build (first time on a machine, about 8 s) and load the kernels; cached per process."""
-    missing = [f for f in _REQUIRED_FLAGS if f not in _cpu_flags()]
+def load(name: str = "avx512") -> KernelStatus:
+    """One build, where the CPU has its instructions: built the first time on a machine (about 8 s)
+    and loaded once per process."""
+    missing = [f for f in BUILDS[name].needs if f not in _cpu_flags()]
     if missing:
         return KernelStatus(False, f"the CPU lacks {', '.join(missing)}")
+    return _load(name)
+
+
+@functools.cache
+def _load(name: str) -> KernelStatus:
+    build = BUILDS[name]
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         return KernelStatus(False, "no C++ compiler (install g++)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), version.encode(), sys.version.encode()):
+    for part in (
+        *(s.read_bytes() for s in SOURCES),
+        torch.__version__.encode(),
+        version.encode(),
+        sys.version.encode(),
+    ):
         key.update(part)
-    key.update(" ".join(sorted(_cpu_flags())).encode())
-    target = _cache_dir() / f"cachegw_cpu_kernels_{key.hexdigest()[:16]}.so"
+    key.update(" ".join([*build.flags, *sorted(_cpu_flags())]).encode())
+    target = _cache_dir() / f"cachegw_cpu_kernels_{name}_{key.hexdigest()[:16]}.so"
     try:
         if not target.exists():
-            log.info("building cachegw's CPU kernels into %s", target)
-            _build(compiler, target)
+            log.info("building cachegw's CPU kernels (%s) into %s", name, target)
+            _build(compiler, build, target)
         torch.ops.load_library(str(target))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        log.warning("cachegw's CPU kernels are unavailable, using torch's: %s", exc)
+        log.warning("cachegw's %s CPU kernels are unavailable: %s", name, exc)
         return KernelStatus(False, f"build or load failed: {exc}")
-    if not torch.ops.cachegw.has_vnni():
-        return KernelStatus(False, "the compiler did not target AVX-512 VNNI")
-    torch.library.register_fake("cachegw::block_linear", _block_linear_shape)
-    torch.library.register_fake("cachegw::paged_decode_attention", _attention_shape)
-    return KernelStatus(True, str(target))
+    status = KernelStatus(True, str(target), name)
+    built_for = getattr(torch.ops, status.ops).isa()
+    if built_for != name:
+        return KernelStatus(False, f"the compiler targeted {built_for}, not {name}")
+    torch.library.register_fake(f"{status.ops}::block_linear", _block_linear_shape)
+    torch.library.register_fake(f"{status.ops}::paged_decode_attention", _attention_shape)
+    return status
+
+
+def choose(setting: str) -> KernelStatus:
+    """The kernels ``[engine] cpu_kernels`` asks for: "auto" the first build of ``BUILDS`` this CPU
+    has and g++ builds (unavailable, with the reasons, where none does: torch's kernels then run);
+    "torch" none; a named build must load, else ValueError says why."""
+    if setting not in SETTINGS:
+        raise ValueError(f"[engine] cpu_kernels must be one of {', '.join(SETTINGS)}, not {setting!r}")
+    if setting == "torch":
+        return KernelStatus(False, 'cpu_kernels = "torch"')
+    if setting != "auto":
+        status = load(setting)
+        if not status.available:
+            raise ValueError(
+                f'[engine] cpu_kernels = "{setting}" cannot run here: {status.reason} '
+                '("auto" picks the best this CPU has, "torch" runs torch\'s kernels)'
+            )
+        return status
+    reasons = []
+    for name in BUILDS:
+        status = load(name)
+        if status.available:
+            return status
+        reasons.append(f"{name}: {status.reason}")
+    return KernelStatus(False, "; ".join(reasons))
 
 
 def _block_linear_shape(

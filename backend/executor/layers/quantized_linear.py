@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from cachegw.backend.executor.gguf_weights import BLOCK, BlockWeights
+from cachegw.backend.executor.layers import cpu_kernels
 
 
 class Int8Linear(nn.Module):
@@ -111,16 +112,25 @@ class Int4Linear(nn.Module):
 
 class BlockLinear(nn.Module):
     """Blocks of 32 weights along a row, w = d * u + m per block, u 4-bit or 8-bit unsigned, on
-    cachegw's AVX-512 VNNI kernel (``cpu_kernels.cpp``), which rounds the activations to int8 in
-    groups of 4 and multiplies in integers, as llama.cpp does for these formats (per 32). The
-    GGUF's Q4_0, Q4_1 and Q8_0 blocks map onto it exactly. Float32 in and out: no casts around the kernel."""
+    cachegw's kernel (``cpu_kernels.cpp``: AVX-512 VNNI, AVX-VNNI or AVX2), which rounds the
+    activations to int8 in groups of 4 and multiplies in integers, as llama.cpp does for these
+    formats (per 32). The GGUF's Q4_0, Q4_1 and Q8_0 blocks map onto it exactly. Float32 in and
+    out: no casts around the kernel. ``ops``: which build's op namespace runs it
+    (``KernelStatus.ops``), the best this CPU has by default; every build takes the same layout."""
 
     def __init__(
-        self, u: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int, bias: torch.Tensor | None
+        self,
+        u: torch.Tensor,
+        d: torch.Tensor,
+        m: torch.Tensor,
+        bits: int,
+        bias: torch.Tensor | None,
+        ops: str | None = None,
     ) -> None:
         """``u`` [out, in] unsigned integers (0..15 or 0..255); ``d``/``m`` [out, in / 32]."""
         super().__init__()
         self.bits = bits
+        self.ops = ops or cpu_kernels.choose("auto").ops
         self.out_features, self.in_features = u.shape
         n, k = u.shape
         u = u.to(torch.uint8)
@@ -137,15 +147,19 @@ class BlockLinear(nn.Module):
         return in_features % 64 == 0
 
     @classmethod
-    def from_blocks(cls, blocks: BlockWeights, bias: torch.Tensor | None) -> BlockLinear:
+    def from_blocks(
+        cls, blocks: BlockWeights, bias: torch.Tensor | None, ops: str | None = None
+    ) -> BlockLinear:
         """The file's own integers: Q4_0/Q4_1 as 4-bit (w = scale * q + offset), Q8_0 shifted by 128."""
         if blocks.kind == "Q8_0":
             u = blocks.q.view(torch.uint8) ^ 0x80  # q + 128, without a 16-bit copy
-            return cls(u, blocks.scale, blocks.offset - 128 * blocks.scale, 8, bias)
-        return cls(blocks.q, blocks.scale, blocks.offset, 4, bias)
+            return cls(u, blocks.scale, blocks.offset - 128 * blocks.scale, 8, bias, ops)
+        return cls(blocks.q, blocks.scale, blocks.offset, 4, bias, ops)
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, bits: int) -> BlockLinear:
+    def from_float(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None, bits: int, ops: str | None = None
+    ) -> BlockLinear:
         """4-bit: min/max per block (Q4_1's rounding); 8-bit: absmax/127 per block (Q8_0's)."""
         n, k = weight.shape
         w = weight.detach().float().view(n, k // BLOCK, BLOCK)
@@ -153,10 +167,10 @@ class BlockLinear(nn.Module):
             lo, hi = w.amin(dim=-1), w.amax(dim=-1)
             d = ((hi - lo) / 15).clamp(min=1e-12)
             u = torch.round((w - lo[..., None]) / d[..., None]).clamp(0, 15)
-            return cls(u.view(n, k), d, lo, 4, bias)
+            return cls(u.view(n, k), d, lo, 4, bias, ops)
         d = (w.abs().amax(dim=-1) / 127).clamp(min=1e-12)
         q = torch.round(w / d[..., None]).clamp(-127, 127)
-        return cls((q + 128).view(n, k), d, -128 * d, 8, bias)
+        return cls((q + 128).view(n, k), d, -128 * d, 8, bias, ops)
 
     def dequantized(self) -> torch.Tensor:
         w = self.w
@@ -174,7 +188,7 @@ class BlockLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1]).float().contiguous()
-        y = torch.ops.cachegw.block_linear(flat, self.w, self.d, self.m, self.bits)
+        y = getattr(torch.ops, self.ops).block_linear(flat, self.w, self.d, self.m, self.bits)
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).view(*shape[:-1], self.out_features)

@@ -1,0 +1,230 @@
+// The AVX-512 VNNI parts of cpu_kernels.cpp (included there): 16 lanes, one VNNI instruction
+// multiplies and adds 64 unsigned weights by 64 signed activations, 4 per lane.
+
+#pragma once
+
+namespace {
+
+constexpr const char* kIsa = "avx512";
+constexpr bool kSigned8 = false;  // 8-bit weights go in unsigned (u = q + 128)
+
+// Rounds the activations to int8 in groups of 4, each group with its own scale (amax / 127), and
+// sums each block of 32 of the rounded values (for the blocks' minimums: the product's error is
+// then sum(w * (rounded x - x)) with the centred weights, not the shifted ones). A VNNI lane adds
+// the products of one group, so a scale per group costs the inner loop nothing over a scale per
+// block, and an outlier coarsens only its 3 neighbours' rounding instead of its block's 31.
+Activations quantize(const float* x, int64_t rows, int64_t k) {
+  const int64_t nb = k / kBlock;
+  Activations a{std::vector<int8_t>(rows * k), std::vector<float>(rows * k / 4), std::vector<float>(rows * nb), {}};
+  int8_t* q = a.q.data();
+  float* scales = a.scales.data();
+  float* sums = a.sums.data();
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < k; i += 16) {
+      const __m512 v = _mm512_loadu_ps(x + r * k + i);
+      const __m512 a = _mm512_abs_ps(v);
+      const __m512 m1 = _mm512_max_ps(a, _mm512_permute_ps(a, _MM_SHUFFLE(2, 3, 0, 1)));
+      const __m512 amax = _mm512_max_ps(m1, _mm512_permute_ps(m1, _MM_SHUFFLE(1, 0, 3, 2)));
+      const __mmask16 nonzero = _mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ);
+      const __m512 inv = _mm512_maskz_div_ps(nonzero, _mm512_set1_ps(127.0f), amax);
+      const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + r * k + i), _mm512_cvtsepi32_epi8(qi));
+      const __m512 scale = _mm512_mul_ps(amax, _mm512_set1_ps(1.0f / 127.0f));
+      _mm_storeu_ps(scales + (r * k + i) / 4, _mm512_castps512_ps128(_mm512_maskz_compress_ps(0x1111, scale)));
+      sums[r * nb + i / kBlock] += _mm512_reduce_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(qi), scale));
+    }
+  }
+  return a;
+}
+
+// float16 -> float32 for n values.
+void halves_to_floats(const at::Half* src, int64_t n, float* dst) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+  }
+  if (i < n) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m256i h = _mm256_maskz_loadu_epi16(tail, src + i);
+    _mm512_mask_storeu_ps(dst + i, tail, _mm512_cvtph_ps(h));
+  }
+}
+
+// The 64 unsigned weights of block pair p, as bytes.
+template <int Bits>
+inline __m512i load_pair(const uint8_t* w, int64_t p) {
+  if constexpr (Bits == 4) {
+    // the 32 bytes in both halves, the upper half shifted down a nibble, then the low nibbles
+    const __m512i both = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32)));
+    return _mm512_and_si512(_mm512_mask_srli_epi16(both, 0xFFFF0000, both, 4), _mm512_set1_epi8(0x0F));
+  } else {
+    return _mm512_loadu_si512(w + p * 64);
+  }
+}
+
+// R weight rows (from row j) times C activation rows (from row c0): out[c, j + r].
+template <int Bits, int R, int C>
+inline void tile(const uint8_t* w, const float* dw, const float* mw, const Activations& a, int64_t k, int64_t n,
+                 int64_t j, int64_t c0, float* out) {
+  const int64_t nb = k / kBlock, pairs = k / 64, row_bytes = Bits == 4 ? k / 2 : k;
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  // Row by row, so the weights stream through memory in order; U partial sums per activation row
+  // keep U * C independent chains of multiply-adds in flight.
+  constexpr int U = C >= 4 ? 1 : (C >= 2 ? 2 : 4);
+  for (int r = 0; r < R; ++r) {
+    const uint8_t* wr = w + r * row_bytes;
+    const float* d = dw + r * nb;
+    __m512 part[C][U];
+    for (int c = 0; c < C; ++c)
+      for (int u = 0; u < U; ++u) part[c][u] = _mm512_setzero_ps();
+    auto step = [&](int64_t p, int u) {
+      _mm_prefetch(reinterpret_cast<const char*>(wr + p * Bits * 8 + kPrefetch), _MM_HINT_T0);
+      const __m512i wv = load_pair<Bits>(wr, p);
+      const __m512 dv = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d[2 * p]), _mm512_set1_ps(d[2 * p + 1]));
+      for (int c = 0; c < C; ++c) {
+        const __m512i xv = _mm512_loadu_si512(a.q.data() + (c0 + c) * k + p * 64);
+        const __m512 xs = _mm512_loadu_ps(a.scales.data() + (c0 + c) * (k / 4) + p * 16);
+        const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv);
+        part[c][u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, xs), part[c][u]);
+      }
+    };
+    int64_t p = 0;
+    for (; p + U <= pairs; p += U)
+      for (int u = 0; u < U; ++u) step(p + u, u);
+    for (; p < pairs; ++p) step(p, 0);
+    for (int c = 0; c < C; ++c) {
+      acc[r][c] = part[c][0];
+      for (int u = 1; u < U; ++u) acc[r][c] = _mm512_add_ps(acc[r][c], part[c][u]);
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    const float* sums = a.sums.data() + (c0 + c) * nb;
+    for (int r = 0; r < R; ++r) {
+      __m512 mins = _mm512_setzero_ps();
+      for (int64_t b = 0; b < nb; b += 16) {
+        const __mmask16 m = nb - b >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (nb - b)) - 1);
+        mins = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, mw + r * nb + b), _mm512_maskz_loadu_ps(m, sums + b), mins);
+      }
+      out[(c0 + c) * n + j + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][c], mins));
+    }
+  }
+}
+
+// e^x for x <= 0 (softmax after subtracting the max): 2^n * e^r with |r| <= ln2 / 2, e^r by its
+// Taylor series to degree 6 (relative error ~1e-7), 2^n applied by scalef.
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// One query row against its sequence's keys in the paged cache: scores, softmax, weighted values.
+// D is a multiple of 16 and at most 256.
+void attend_one(const float* q, const float* kc, const float* vc, const int32_t* table, int64_t start, int64_t end,
+                int64_t block_size, int64_t row_stride, float scale, float* scores, float* out, int64_t d) {
+  const int64_t nv = d / 16;
+  __m512 qv[16];
+  for (int64_t j = 0; j < nv; ++j) qv[j] = _mm512_mul_ps(_mm512_loadu_ps(q + j * 16), _mm512_set1_ps(scale));
+  float best = -INFINITY;
+  for (int64_t t = start; t < end; ++t) {
+    const int64_t row = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+    const float* k = kc + row * row_stride;
+    __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+    for (int64_t j = 1; j < nv; ++j) acc = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(k + j * 16), acc);
+    const float sc = _mm512_reduce_add_ps(acc);
+    scores[t - start] = sc;
+    best = std::max(best, sc);
+  }
+  const int64_t len = end - start;
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t i = 0; i < len; i += 16) {
+    const __mmask16 m = len - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (len - i)) - 1);
+    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + i), _mm512_set1_ps(best)));
+    _mm512_mask_storeu_ps(scores + i, m, e);
+    total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
+  }
+  const float inv = 1.0f / _mm512_reduce_add_ps(total);
+  __m512 o[16];
+  for (int64_t j = 0; j < nv; ++j) o[j] = _mm512_setzero_ps();
+  for (int64_t t = start; t < end; ++t) {
+    const int64_t row = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+    const float* v = vc + row * row_stride;
+    const __m512 w = _mm512_set1_ps(scores[t - start]);
+    for (int64_t j = 0; j < nv; ++j) o[j] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + j * 16), o[j]);
+  }
+  for (int64_t j = 0; j < nv; ++j) _mm512_storeu_ps(out + j * 16, _mm512_mul_ps(o[j], _mm512_set1_ps(inv)));
+}
+
+// --- prefill (cpu_kernels_prefill.h): 16 activation rows per vector, 4 x 2 accumulators ---
+constexpr int64_t kLanes = 16, kPrefillRows = 4, kPrefillTiles = 2;
+
+// A block of 32 activations rounded to int8 with one scale (amax / 127), returned; `sum` the sum of
+// the rounded values.
+inline float round_block(const float* x, int8_t* q, int32_t& sum) {
+  const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(qb));
+  sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+  return amax / 127.0f;
+}
+
+// R output rows (unpacked weights wu [R][k], from output row j, `count` of them real) times T
+// tiles of 16 activation rows from tile0.
+template <int Bits, int R, int T>
+inline void prefill_tile(const uint8_t* wu, const float* dw, const float* mw, const Columns& a, int64_t tile0,
+                         int64_t k, int64_t n, int64_t j, int64_t count, int64_t rows, float* out) {
+  const int64_t nb = k / kBlock, groups = k / 4;
+  const int32_t* xq = reinterpret_cast<const int32_t*>(a.q.data());
+  __m512 acc[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i s[R][T];
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < T; ++t) s[r][t] = _mm512_setzero_si512();
+    for (int g = 0; g < 8; ++g) {
+      __m512i xv[T];
+      for (int t = 0; t < T; ++t) xv[t] = _mm512_loadu_si512(xq + ((tile0 + t) * groups + b * 8 + g) * kLanes);
+      for (int r = 0; r < R; ++r) {
+        int32_t word;
+        std::memcpy(&word, wu + r * k + b * kBlock + g * 4, 4);
+        const __m512i wv = _mm512_set1_epi32(word);
+        for (int t = 0; t < T; ++t) s[r][t] = _mm512_dpbusd_epi32(s[r][t], wv, xv[t]);
+      }
+    }
+    for (int t = 0; t < T; ++t) {
+      const int64_t at = ((tile0 + t) * nb + b) * kLanes;
+      const __m512 xs = _mm512_loadu_ps(a.scales.data() + at), sums = _mm512_loadu_ps(a.sums.data() + at);
+      for (int r = 0; r < R; ++r) {
+        const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(dw[r * nb + b]), xs);
+        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][t]), scale, acc[r][t]);
+        acc[r][t] = _mm512_fmadd_ps(_mm512_set1_ps(mw[r * nb + b]), sums, acc[r][t]);
+      }
+    }
+  }
+  alignas(64) float lanes[kLanes];
+  for (int t = 0; t < T; ++t) {
+    const int64_t first = (tile0 + t) * kLanes, real = std::min<int64_t>(kLanes, rows - first);
+    for (int r = 0; r < count; ++r) {
+      _mm512_store_ps(lanes, acc[r][t]);
+      for (int64_t l = 0; l < real; ++l) out[(first + l) * n + j + r] = lanes[l];
+    }
+  }
+}
+
+}  // namespace
