@@ -20,7 +20,7 @@ from cachegw.backend.executor.host_memory import zeros_on_demand
 from cachegw.backend.executor.layers import kv_quant
 from cachegw.backend.executor.layers.attention import AttentionMetadata, PagedAttention
 from cachegw.backend.executor.model_weights import build_model
-from cachegw.backend.executor.models.llama import ModelSpec
+from cachegw.backend.executor.models.registry import model_spec
 from cachegw.backend.executor.quantization import use_native_kernels
 
 log = logging.getLogger("cachegw.backend")
@@ -62,7 +62,7 @@ class ModelRunner:
         self.config, self.device, self.dtype = config, device, dtype
         self.block_size = config.block_size
         self.max_model_len = max_model_len
-        self.spec = ModelSpec.from_hf_config(hf_config)
+        self.spec = model_spec(hf_config)
         kv_quant.check_supported(config.kv_cache_dtype, device)
         self.kv_format = kv_quant.KVCacheFormat(config.kv_cache_dtype, dtype, self.spec.head_dim)
         self.max_blocks_per_seq = cdiv(max_model_len, self.block_size)
@@ -71,6 +71,8 @@ class ModelRunner:
             config, self.spec, hf_config, model_dir, gguf_path, device, dtype, max_model_len
         )
         self.window_everywhere, self.sinks = self.spec.window_everywhere, 0
+        # Gemma 2's capped attention scores: the torch path's unfused attention only (layers/softcap.py)
+        self.softcapped = any(m.softcap for m in self.model.modules() if isinstance(m, PagedAttention))
         if config.attention_sinks:
             self._use_sinks(config.attention_sinks, context or max_model_len)
         self.attention_backend = self._choose_attention_backend()
@@ -86,7 +88,8 @@ class ModelRunner:
         if compiling:
             head_dim = self.spec.head_dim
             self.native_decode = (
-                use_native_kernels(config.cpu_kernels)
+                not self.softcapped
+                and use_native_kernels(config.cpu_kernels)
                 and self.kv_caches[0][0].dtype == dtype == torch.float32
                 and head_dim % 16 == 0
                 and head_dim <= 256
@@ -106,6 +109,8 @@ class ModelRunner:
     def _use_sinks(self, sinks: int, context: int) -> None:
         """StreamingLLM: each layer keeps ``sinks`` first positions and a window that fits the rest
         of the context (or its own window, if smaller): ``layers/sinks.py``."""
+        if self.softcapped:
+            raise ValueError("attention_sinks cannot run a model that soft-caps attention scores (Gemma 2)")
         if sinks >= context:
             raise ValueError(f"attention_sinks={sinks} leaves no window in a context of {context}")
         windows = []
@@ -122,7 +127,9 @@ class ModelRunner:
         """ "triton" on CUDA when the kernels pass a self-check against the torch path, else "torch"."""
         use = False
         # Attention sinks and an int8 KV cache: torch path only.
-        if self.device.type == "cuda" and not self.sinks and self.kv_format.kind != "int8":
+        if self.device.type == "cuda" and self.softcapped:
+            log.warning("the Triton kernels cannot soft-cap attention scores: torch path, no CUDA graphs")
+        elif self.device.type == "cuda" and not self.sinks and self.kv_format.kind != "int8":
             from cachegw.backend.executor.layers.kernel_check import self_check
             from cachegw.backend.executor.layers.triton_attention import triton_available
 

@@ -24,6 +24,7 @@ from cachegw.backend.executor.gguf_weights import GgufFile
 from cachegw.backend.executor.layers.rotary import RotaryEmbedding
 from cachegw.backend.executor.model_loader import iter_safetensors
 from cachegw.backend.executor.models.llama import LlamaAttention, LlamaForCausalLM, ModelSpec
+from cachegw.backend.executor.models.registry import family
 from cachegw.backend.executor.quantization import (
     apply_quantization,
     chosen_mode,
@@ -52,21 +53,22 @@ def build_model(
 ) -> tuple[LlamaForCausalLM, str]:
     """The loaded model in eval mode and what its projections run ("none", "int4", "int8", "mixed")."""
     placeholder = RotaryEmbedding(hf_config, spec.head_dim, 1)  # replaced below
+    kind = family(hf_config)
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = LlamaForCausalLM(spec, placeholder)
+            model = kind.model.from_config(spec, placeholder, hf_config)
     finally:
         torch.set_default_dtype(torch.float32)
     gguf = gguf if config.load_format != "dummy" else None
-    direct = gguf is not None and resolve_mode(config.quantization, device, gguf) != "none"
+    quantized = gguf is not None and resolve_mode(config.quantization, device, gguf) != "none"
+    direct = quantized and kind.gguf_direct
     if not direct:
         model.to_empty(device=device)
         model.tie_weights()
-    rotary = RotaryEmbedding(hf_config, spec.head_dim, max(max_model_len, 1)).to(device)
-    for module in model.modules():
-        if isinstance(module, LlamaAttention):
-            module.rotary = rotary
+    attention = [m for m in model.modules() if isinstance(m, LlamaAttention)]
+    for module, rotary in zip(attention, model.rotaries(hf_config, max(max_model_len, 1)), strict=True):
+        module.rotary = rotary.to(device)
     if direct:
         assert gguf is not None
         formats = load_gguf_quantized(model, gguf, config.quantization, config.cpu_kernels)
