@@ -125,6 +125,7 @@ class GgufFile:
 
     def __init__(self, path: Path, num_heads: int, num_kv_heads: int) -> None:
         arch, tensors = read_table(path)
+        self.architecture = arch  # general.architecture: "llama", "qwen3", ...
         self._tensors = {n: t for t in tensors if (n := hf_name(t.name)) is not None}
         # llama.cpp's converter permuted Llama's Q/K rows; other architectures keep Hugging Face's
         self._rotary_heads = {"q_proj": num_heads, "k_proj": num_kv_heads} if arch == "llama" else {}

@@ -24,7 +24,7 @@ from cachegw.backend.executor.gguf_weights import GgufFile
 from cachegw.backend.executor.layers.rotary import RotaryEmbedding
 from cachegw.backend.executor.model_loader import iter_safetensors
 from cachegw.backend.executor.models.llama import LlamaAttention, LlamaForCausalLM, ModelSpec
-from cachegw.backend.executor.models.registry import family
+from cachegw.backend.executor.models.registry import FAMILIES, check_gguf, family
 from cachegw.backend.executor.quantization import (
     apply_quantization,
     chosen_mode,
@@ -96,6 +96,7 @@ def load_gguf_quantized(model: LlamaForCausalLM, gguf: Path, mode: str, kernels:
     projection (and the LM head) straight into its quantized layer. Returns the formats made."""
     spec = model.spec
     file = GgufFile(gguf, spec.num_heads, spec.num_kv_heads)
+    check_gguf(FAMILIES[spec.architecture], file.architecture, gguf.name)
     try:
         for name, param in list(model.named_parameters()):
             parts = name.split(".")

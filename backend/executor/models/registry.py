@@ -14,20 +14,22 @@ from cachegw.backend.executor.models.qwen3 import Qwen3ForCausalLM
 @dataclass(frozen=True)
 class Family:
     model: type[LlamaForCausalLM]
-    gguf_architecture: str
-    # a GGUF's projections load straight into the quantized layers (``model_weights.py``): the file
-    # names each of them as Llama's do; Phi-3's fused ones are dequantized through transformers
+    gguf_architectures: tuple[str, ...]  # the names llama.cpp's converter gives this family's files
+    # a GGUF's float tensors and projections load straight into the model (``model_weights.py``):
+    # its names map one to one onto Llama's. Gemma's norms (stored as 1 + w, post-norms under other
+    # names) and Phi-3's fused projections are read through transformers' dequantizing converter
+    # instead; their projections are still taken from the file's blocks where named as Llama's.
     gguf_direct: bool = True
 
 
 FAMILIES: dict[str, Family] = {
-    "LlamaForCausalLM": Family(LlamaForCausalLM, "llama"),
-    "MistralForCausalLM": Family(LlamaForCausalLM, "llama"),
-    "Qwen2ForCausalLM": Family(LlamaForCausalLM, "qwen2"),
-    "Qwen3ForCausalLM": Family(Qwen3ForCausalLM, "qwen3"),
-    "Gemma2ForCausalLM": Family(GemmaForCausalLM, "gemma2"),
-    "Gemma3ForCausalLM": Family(GemmaForCausalLM, "gemma3"),
-    "Phi3ForCausalLM": Family(Phi3ForCausalLM, "phi3", gguf_direct=False),
+    "LlamaForCausalLM": Family(LlamaForCausalLM, ("llama",)),
+    "MistralForCausalLM": Family(LlamaForCausalLM, ("llama", "mistral")),
+    "Qwen2ForCausalLM": Family(LlamaForCausalLM, ("qwen2",)),
+    "Qwen3ForCausalLM": Family(Qwen3ForCausalLM, ("qwen3",)),
+    "Gemma2ForCausalLM": Family(GemmaForCausalLM, ("gemma2",), gguf_direct=False),
+    "Gemma3ForCausalLM": Family(GemmaForCausalLM, ("gemma3",), gguf_direct=False),
+    "Phi3ForCausalLM": Family(Phi3ForCausalLM, ("phi3",), gguf_direct=False),
 }
 
 
@@ -38,6 +40,13 @@ def family(hf_config) -> Family:
         hint = " (load the text model: Gemma3ForCausalLM)" if arch == "Gemma3ForConditionalGeneration" else ""
         raise ValueError(f"unsupported architecture {arch}{hint}; supported: {', '.join(FAMILIES)}")
     return FAMILIES[arch]
+
+
+def check_gguf(kind: Family, architecture: str, path: str) -> None:
+    """A GGUF of another family than its converted config says is refused (a mixed-up cache)."""
+    if architecture not in kind.gguf_architectures:
+        expected = " or ".join(kind.gguf_architectures)
+        raise ValueError(f"{path} is a {architecture!r} GGUF; this model's config wants {expected}")
 
 
 def model_spec(hf_config) -> ModelSpec:
