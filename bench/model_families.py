@@ -15,10 +15,11 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
-SHAPE = dict(
+SHAPE: dict[str, Any] = dict(
     vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
     num_key_value_heads=4, head_dim=64, max_position_embeddings=1024, rms_norm_eps=1e-6,
 )  # fmt: skip

@@ -24,7 +24,7 @@ def _tokenizer(vocab: int) -> tuple[list[str], list[str]]:
     """``vocab`` tokens: the 256 bytes, then pairs of letters, each with its merge."""
     tokens = _byte_symbols()
     letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
-    merges = []
+    merges: list[str] = []
     for a in letters:
         for b in letters:
             if len(tokens) == vocab:
