@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-_ARCHS = {"qwen3": "QWEN3", "qwen2": "QWEN2"}
+_ARCHS = {"qwen3": "QWEN3", "qwen2": "QWEN2", "gemma2": "GEMMA2", "gemma3": "GEMMA3"}
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -35,8 +35,10 @@ def _tokenizer(vocab: int) -> tuple[list[str], list[str]]:
 
 
 def write_tiny_gguf(model, path: Path, arch: str = "qwen3") -> Path:
-    """``model``: a transformers causal LM of ``arch`` with a vocabulary of 256-932 tokens, and
-    dimensions that are multiples of 32 (Q8_0 blocks)."""
+    """``model``: a transformers causal LM of ``arch`` (qwen2/3, gemma2/3) with a vocabulary of
+    256-932 tokens, and dimensions that are multiples of 32 (Q8_0 blocks). Gemma's settings that
+    transformers' GGUF reader does not take (soft-caps, query scale, local rope base) are its
+    config defaults, so the model should keep them."""
     import gguf
     import numpy as np
     from gguf.quants import quantize
@@ -52,7 +54,11 @@ def write_tiny_gguf(model, path: Path, arch: str = "qwen3") -> Path:
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    rope = config.rope_parameters
+    writer.add_rope_freq_base((rope.get("full_attention") or rope)["rope_theta"])
+    gemma = arch.startswith("gemma")
+    if gemma:
+        writer.add_sliding_window(config.sliding_window)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
     tokens, merges = _tokenizer(config.vocab_size)
     writer.add_tokenizer_model("gpt2")
@@ -64,11 +70,15 @@ def write_tiny_gguf(model, path: Path, arch: str = "qwen3") -> Path:
     writer.add_eos_token_id(2)
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, _ARCHS[arch]), config.num_hidden_layers)
     for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # llama.cpp's files hold a tied head once, as the embedding
         base, suffix = name.rsplit(".", 1)
         target = names.get_name(base)
         if target is None:
             raise KeyError(f"no GGUF name for {name}")
         data = tensor.detach().float().numpy()
+        if gemma and base.endswith("norm"):
+            data = data + 1.0  # llama.cpp stores Gemma's zero-centred norm weights as 1 + w
         if base.split(".")[-1] in _PROJECTIONS:
             blocks = quantize(data, gguf.GGMLQuantizationType.Q8_0)
             writer.add_tensor(f"{target}.{suffix}", blocks, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
