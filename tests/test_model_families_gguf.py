@@ -2,8 +2,9 @@
 and Gemma's 1 + w norms, Q8_0 projections, a byte-level BPE tokenizer) load both ways the engine reads
 a GGUF: dequantized through transformers (``quantization = "none"``: exactly transformers' own
 reading of the file) and with the projections from the file's int8 blocks (the default ``auto``:
-logprobs within int8 activation rounding, greedy but for near ties). Qwen3's float tensors come
-straight from the file too; Gemma's through transformers' converter (``models/registry.py``)."""
+logprobs within int8 activation rounding, greedy but for near ties), the float tensors (embeddings,
+norms) then straight from the file too (``model_weights.py``), Gemma's norms back from llama.cpp's
+1 + w."""
 
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ def test_gguf_matches_transformers(gguf_model, monkeypatch, mode, runs, toleranc
     monkeypatch.setenv("CACHEGW_CACHE_DIR", str(path.parent / "cache"))
     llm = LLM(model=str(path), dtype="float32", quantization=mode, kv_cache_tokens=512, compile="off")
     assert llm.engine.runner.quantization == runs
+    linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert (not linears) == (mode == "auto")  # auto: every projection and the head from the blocks
     assert llm.engine.tokenizer.encode("aab", add_special_tokens=False) == [256, 98]  # the file's merges
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
     out = llm.generate([PROMPT], params)[0].outputs[0]

@@ -15,10 +15,9 @@ from cachegw.backend.executor.models.qwen3 import Qwen3ForCausalLM
 class Family:
     model: type[LlamaForCausalLM]
     gguf_architectures: tuple[str, ...]  # the names llama.cpp's converter gives this family's files
-    # a GGUF's float tensors and projections load straight into the model (``model_weights.py``):
-    # its names map one to one onto Llama's. Gemma's norms (stored as 1 + w, post-norms under other
-    # names) and Phi-3's fused projections are read through transformers' dequantizing converter
-    # instead; their projections are still taken from the file's blocks where named as Llama's.
+    # a GGUF's float tensors and projections load straight into the model (``model_weights.py``,
+    # names by ``gguf_weights.hf_name``). Phi-3's fused projections are read through transformers'
+    # dequantizing converter instead.
     gguf_direct: bool = True
 
 
@@ -27,8 +26,8 @@ FAMILIES: dict[str, Family] = {
     "MistralForCausalLM": Family(LlamaForCausalLM, ("llama", "mistral")),
     "Qwen2ForCausalLM": Family(LlamaForCausalLM, ("qwen2",)),
     "Qwen3ForCausalLM": Family(Qwen3ForCausalLM, ("qwen3",)),
-    "Gemma2ForCausalLM": Family(GemmaForCausalLM, ("gemma2",), gguf_direct=False),
-    "Gemma3ForCausalLM": Family(GemmaForCausalLM, ("gemma3",), gguf_direct=False),
+    "Gemma2ForCausalLM": Family(GemmaForCausalLM, ("gemma2",)),
+    "Gemma3ForCausalLM": Family(GemmaForCausalLM, ("gemma3",)),
     "Phi3ForCausalLM": Family(Phi3ForCausalLM, ("phi3",), gguf_direct=False),
 }
 
