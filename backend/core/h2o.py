@@ -90,9 +90,13 @@ class H2OEviction:
         self.dropped_tokens += dropped
 
 
-def check_h2o(config: EngineConfig, windows: tuple[int | None, ...]) -> None:
+def check_h2o(config: EngineConfig, windows: tuple[int | None, ...], softcapped: bool = False) -> None:
     """Refuse, at start, what H2O cannot honour on this model rather than ignore the setting (what
     the settings alone rule out, ``EngineConfig`` refuses)."""
+    if config.kv_eviction == "h2o" and softcapped:
+        raise ValueError(
+            'kv_eviction = "h2o" with soft-capped attention (Gemma 2): its scored path does not cap'
+        )
     if config.kv_eviction == "h2o" and any(w is not None for w in windows):
         raise ValueError(
             'kv_eviction = "h2o" with a sliding-window model: the window counts positions, which '

@@ -32,7 +32,18 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3
+    "attn_k_norm": "self_attn.k_norm",
 }
+# Gemma's files name its four norms a layer otherwise (its ``ffn_norm`` is the one before the MLP),
+# and store each norm's weight as 1 + w (llama.cpp's Gemma norm multiplies by the weight alone).
+_GEMMA_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_GEMMA = ("gemma2", "gemma3")
 _TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -106,15 +117,16 @@ def _rotary_row_order(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).view(heads, half, 2).transpose(1, 2).reshape(rows)
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """The Hugging Face name of a GGUF tensor (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.
-    q_proj.weight``), or None for one the Llama family does not use."""
+    q_proj.weight``), or None for one the model does not use."""
     if gguf_name in _TOP_NAMES:
         return _TOP_NAMES[gguf_name]
+    names = _GEMMA_NAMES if arch in _GEMMA else _LAYER_NAMES
     parts = gguf_name.split(".")
-    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _LAYER_NAMES:
+    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in names:
         return None
-    return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
 
 
 class GgufFile:
@@ -123,7 +135,9 @@ class GgufFile:
 
     def __init__(self, path: Path, num_heads: int, num_kv_heads: int) -> None:
         arch, tensors = read_table(path)
-        self._tensors = {n: t for t in tensors if (n := hf_name(t.name)) is not None}
+        self.architecture = arch  # general.architecture: "llama", "qwen3", ...
+        self._tensors = {n: t for t in tensors if (n := hf_name(t.name, arch)) is not None}
+        self._norm_offset = -1.0 if arch in _GEMMA else 0.0
         # llama.cpp's converter permuted Llama's Q/K rows; other architectures keep Hugging Face's
         self._rotary_heads = {"q_proj": num_heads, "k_proj": num_kv_heads} if arch == "llama" else {}
 
@@ -162,6 +176,8 @@ class GgufFile:
                 out[start : start + chunk] = decode_blocks(kind, t.data[start : start + chunk]).dequantize()
         else:
             out = torch.from_numpy(np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).copy())
+            if self._norm_offset and name.endswith("norm.weight"):
+                out += self._norm_offset  # in float32, before any rounding to ``dtype``
             out = out.to(dtype)
         order = self._order(name, out.shape[0])
         return out if order is None else out[order]

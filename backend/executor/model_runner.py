@@ -76,7 +76,9 @@ class ModelRunner:
             config, self.spec, hf_config, model_dir, gguf_path, device, dtype, max_model_len
         )
         self.window_everywhere, self.sinks = self.spec.window_everywhere, 0
-        check_h2o(config, self.spec.sliding_windows)
+        # Gemma 2's capped attention scores: the torch path's unfused attention only (layers/softcap.py)
+        self.softcapped = any(m.softcap for m in self.model.modules() if isinstance(m, PagedAttention))
+        check_h2o(config, self.spec.sliding_windows, self.softcapped)
         # H2O: attention on the scored torch path (no fused kernel forms the weights); its sinks are
         # tokens it never drops, not StreamingLLM's window
         self.scores_keys = config.kv_eviction == "h2o"
@@ -103,6 +105,7 @@ class ModelRunner:
             head_dim = self.spec.head_dim
             fits = (
                 self.spec.kv_parts == 2  # cachegw's kernel reads per-head K and V
+                and not self.softcapped
                 and self.kv_caches[0][0].dtype == dtype == torch.float32
                 and head_dim % 16 == 0
                 and head_dim <= 256
@@ -123,6 +126,8 @@ class ModelRunner:
     def _use_sinks(self, sinks: int, context: int) -> None:
         """StreamingLLM: each layer keeps ``sinks`` first positions and a window that fits the rest
         of the context (or its own window, if smaller): ``layers/sinks.py``."""
+        if self.softcapped:
+            raise ValueError("attention_sinks cannot run a model that soft-caps attention scores (Gemma 2)")
         if sinks >= context:
             raise ValueError(f"attention_sinks={sinks} leaves no window in a context of {context}")
         windows = []
@@ -140,7 +145,9 @@ class ModelRunner:
         use = False
         # Attention sinks, H2O's scores, an int8 KV cache and latent attention (one part per layer): torch
         # path only.
-        if (
+        if self.device.type == "cuda" and self.softcapped:
+            log.warning("the Triton kernels cannot soft-cap attention scores: torch path, no CUDA graphs")
+        elif (
             self.device.type == "cuda"
             and not (self.sinks or self.scores_keys)
             and self.kv_format.kind != "int8"

@@ -24,7 +24,7 @@ from cachegw.backend.executor.gguf_weights import GgufFile
 from cachegw.backend.executor.layers.rotary import RotaryEmbedding
 from cachegw.backend.executor.model_loader import iter_safetensors
 from cachegw.backend.executor.models.llama import LlamaForCausalLM, ModelSpec
-from cachegw.backend.executor.models.registry import model_class
+from cachegw.backend.executor.models.registry import FAMILIES, check_gguf, family
 from cachegw.backend.executor.quantization import (
     apply_quantization,
     chosen_mode,
@@ -53,21 +53,23 @@ def build_model(
 ) -> tuple[LlamaForCausalLM, str]:
     """The loaded model in eval mode and what its projections run ("none", "int4", "int8", "mixed")."""
     placeholder = RotaryEmbedding(hf_config, spec.rotary_dim, 1)  # replaced below
+    kind = family(hf_config)
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = model_class(spec)(spec, placeholder)
+            model = kind.model.from_config(spec, placeholder, hf_config)
     finally:
         torch.set_default_dtype(torch.float32)
     gguf = gguf if config.load_format != "dummy" else None
-    direct = gguf is not None and resolve_mode(config.quantization, device, gguf) != "none"
+    quantized = gguf is not None and resolve_mode(config.quantization, device, gguf) != "none"
+    direct = quantized and kind.gguf_direct
     if not direct:
         model.to_empty(device=device)
         model.tie_weights()
-    rotary = RotaryEmbedding(hf_config, spec.rotary_dim, max(max_model_len, 1)).to(device)
-    for module in model.modules():
-        if isinstance(getattr(module, "rotary", None), RotaryEmbedding):
-            module.rotary = rotary
+    # each attention module's rotary table (Gemma 3: one per layer kind; DeepSeek: the rotary part)
+    attention = [m for m in model.modules() if isinstance(getattr(m, "rotary", None), RotaryEmbedding)]
+    for module, rotary in zip(attention, model.rotaries(hf_config, max(max_model_len, 1)), strict=True):
+        module.rotary = rotary.to(device)
     if direct:
         assert gguf is not None
         formats = load_gguf_quantized(model, gguf, config.quantization, config.cpu_kernels)
@@ -95,6 +97,7 @@ def load_gguf_quantized(model: LlamaForCausalLM, gguf: Path, mode: str, kernels:
     projection (and the LM head) straight into its quantized layer. Returns the formats made."""
     spec = model.spec
     file = GgufFile(gguf, spec.num_heads, spec.num_kv_heads)
+    check_gguf(FAMILIES[spec.architecture], file.architecture, gguf.name)
     try:
         for name, param in list(model.named_parameters()):
             parts = name.split(".")

@@ -17,9 +17,9 @@ import threading
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from cachegw.backend.executor.layers import kv_quant
+from cachegw.backend.executor.layers.softcap import attend
 
 
 @dataclass
@@ -160,6 +160,7 @@ def paged_attention_torch(
     new_k: torch.Tensor | None = None,
     new_v: torch.Tensor | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention for every query token of the step; q is [T, H, D], returns [T, H, D].
 
@@ -170,7 +171,6 @@ def paged_attention_torch(
     """
     num_tokens, num_heads, head_dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // kv_heads
     out = torch.empty_like(q)
     nd = meta.num_decodes
     for lo, hi in meta.groups():
@@ -186,7 +186,9 @@ def paged_attention_torch(
             _gather_blocks(v_cache, tables, "v", q.dtype).view(n, length, kv_heads, head_dim).transpose(1, 2)
         )
         positions = torch.arange(first * block_size, max_blocks * block_size, device=q.device)
-        out[lo:hi] = _attend_decodes(q[lo:hi], keys, values, positions, meta.seq_lens[lo:hi], scale, window)
+        out[lo:hi] = _attend_decodes(
+            q[lo:hi], keys, values, positions, meta.seq_lens[lo:hi], scale, window, softcap
+        )
     starts = meta.query_start_loc.tolist() if len(meta.query_lens_cpu) > nd else []
     for s in range(nd, len(meta.query_lens_cpu)):
         q_len, ctx = meta.query_lens_cpu[s], meta.seq_lens_cpu[s]
@@ -220,9 +222,7 @@ def paged_attention_torch(
         if window is not None and ctx > window:
             near = k_pos[None, :] > q_pos[:, None] - window
             mask = near & (k_pos[None, :] <= q_pos[:, None]) if mask is None else mask & near
-        res = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=group > 1
-        )
+        res = attend(queries, keys, values, mask, scale, softcap, is_causal=mask is None)
         out[lo : lo + q_len] = res[0].transpose(0, 1)
     return out
 
@@ -245,6 +245,7 @@ def _attend_decodes(
     seq_lens: torch.Tensor,
     scale: float,
     window: int | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query token per sequence over its gathered keys [n, KVH, L, D] at ``positions`` [L];
     returns [n, H, D]."""
@@ -253,8 +254,7 @@ def _attend_decodes(
     # The query heads of one KV group act as that group's query rows: no K/V repeat needed.
     queries = q.view(n, kv_heads, num_heads // kv_heads, head_dim)
     mask = _visible(positions, seq_lens, window).view(n, 1, 1, positions.shape[0])
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
-    return out.reshape(n, num_heads, head_dim)
+    return attend(queries, keys, values, mask, scale, softcap).reshape(n, num_heads, head_dim)
 
 
 def decode_attention_torch(
@@ -264,6 +264,7 @@ def decode_attention_torch(
     meta: DecodeMetadata,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Decodes as one padded group over every block of their tables, in tensor ops alone.
 
@@ -279,6 +280,8 @@ def decode_attention_torch(
     seen = _visible(torch.arange(length, device=q.device), meta.seq_lens, window)
     queries = q.view(n, kv_heads, num_heads // kv_heads, head_dim)
     scores = torch.matmul(queries, keys.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~seen.view(n, 1, 1, length), float("-inf"))
     return torch.matmul(scores.softmax(-1), values).reshape(n, num_heads, head_dim)
 
@@ -313,6 +316,7 @@ class PagedAttention(torch.nn.Module):
             scale,
         )
         self.sliding_window = sliding_window
+        self.softcap: float | None = None  # Gemma 2's score cap: torch path only (layers/softcap.py)
         self.sinks = 0  # StreamingLLM: the first ``sinks`` positions stay visible (torch path only)
         # the op namespace of cachegw's CPU kernel for the compiled decode step's attention (None:
         # torch's); the runner sets it where ``[engine] cpu_kernels``, the CPU, the head size and
@@ -347,7 +351,9 @@ class PagedAttention(torch.nn.Module):
                     self.scale,
                     window or 0,
                 )
-            return decode_attention_torch(q, self.k_cache, self.v_cache, meta, self.scale, window)
+            return decode_attention_torch(
+                q, self.k_cache, self.v_cache, meta, self.scale, window, self.softcap
+            )
         if meta.key_mass is not None:  # H2O: weights spelled out, each key's share summed
             from cachegw.backend.executor.layers.scored_attention import scored_attention
 
@@ -369,5 +375,5 @@ class PagedAttention(torch.nn.Module):
             )
         store_kv_torch(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         return paged_attention_torch(
-            q, self.k_cache, self.v_cache, meta, self.scale, new_k=k, new_v=v, window=self.sliding_window
+            q, self.k_cache, self.v_cache, meta, self.scale, k, v, self.sliding_window, self.softcap
         )

@@ -10,9 +10,15 @@ import torch
 from torch import nn
 
 
-def inverse_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
-    """(inv_freq [head_dim / 2], attention scaling) for the config's rope type."""
+def inverse_frequencies(config, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim / 2], attention scaling) for the config's rope type. ``layer_type``: the
+    settings of one kind of layer where the config has one per kind (Gemma 3's local and global
+    layers; the global ones when not given)."""
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    per_type = isinstance(params.get("full_attention"), dict)
+    if per_type:
+        layer_type = layer_type or "full_attention"
+        params = params[layer_type]
     rope_type = params.get("rope_type", params.get("type", "default"))
     theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     if rope_type == "default":
@@ -22,16 +28,17 @@ def inverse_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
         raise ValueError("dynamic NTK rope scaling depends on the sequence length and is not supported")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    extra = {"layer_type": layer_type} if per_type else {}
+    inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **extra)
     return inv.float(), float(scaling)
 
 
 class RotaryEmbedding(nn.Module):
     """Rotates q and k by position (the rotate-half layout of Hugging Face checkpoints)."""
 
-    def __init__(self, config, head_dim: int, max_positions: int) -> None:
+    def __init__(self, config, head_dim: int, max_positions: int, layer_type: str | None = None) -> None:
         super().__init__()
-        inv_freq, scaling = inverse_frequencies(config, head_dim)
+        inv_freq, scaling = inverse_frequencies(config, head_dim, layer_type)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         self.register_buffer("cos", freqs.cos() * scaling, persistent=False)
         self.register_buffer("sin", freqs.sin() * scaling, persistent=False)

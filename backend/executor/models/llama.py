@@ -1,4 +1,5 @@
-"""The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5) as plain torch modules.
+"""The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5) as plain torch modules; the other
+families (``qwen3.py``, ``gemma.py``, ``phi3.py``) are these modules with a few parts swapped.
 
 The model runs on a flat batch of tokens from many sequences at once (no padding): ``input_ids``
 and ``positions`` are [T]; attention reads and writes the paged KV cache through the step's
@@ -9,7 +10,7 @@ overhead.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,8 @@ from cachegw.backend.executor.layers.attention import PagedAttention, StepMetada
 from cachegw.backend.executor.layers.kv_quant import KVCacheFormat
 from cachegw.backend.executor.layers.rotary import RotaryEmbedding
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# Architectures whose sliding window (when set) applies to every layer, as transformers' own models do.
+WINDOW_EVERY_LAYER = ("MistralForCausalLM", "Phi3ForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -52,11 +54,8 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, config) -> ModelSpec:
-        arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {arch}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        """The shape every family shares; which architectures load is ``models/registry.py``'s call."""
+        arch = architecture(config)
         heads = config.num_attention_heads
         attention_bias = bool(getattr(config, "attention_bias", False))
         return cls(
@@ -99,18 +98,24 @@ class ModelSpec:
         return self.kv_parts * self.num_layers * self.num_kv_heads * row
 
 
+def architecture(config) -> str:
+    """The config's model class name (a config without one is Llama's)."""
+    return (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
+
+
 def layer_windows(config, arch: str) -> tuple[int | None, ...]:
     """Each layer's sliding window, as transformers' own model of ``arch`` applies it.
 
-    Llama ignores ``sliding_window``; Mistral applies it to every layer (its model ignores
-    ``layer_types``); Qwen2 follows ``layer_types``, which its config derives from
-    ``use_sliding_window`` and ``max_window_layers`` (layers from that index on slide).
+    Llama ignores ``sliding_window``; Mistral and Phi-3 apply it to every layer (their models ignore
+    ``layer_types``); Qwen2/3 and Gemma 2/3 follow ``layer_types``, which Qwen's config derives from
+    ``use_sliding_window`` and ``max_window_layers`` (layers from that index on slide) and Gemma's
+    from its local/global pattern.
     """
     layers = config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
     if arch == "LlamaForCausalLM" or not window:
         return (None,) * layers
-    if arch == "MistralForCausalLM":
+    if arch in WINDOW_EVERY_LAYER:
         return (int(window),) * layers
     if not getattr(config, "use_sliding_window", True):
         return (None,) * layers
@@ -151,6 +156,9 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
         self.rotary = rotary
+        # per-head norms of q and k before the rotation (Qwen3, Gemma 3): set by those families
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
         self.attn = PagedAttention(
             spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5, sliding_window=window
         )
@@ -160,6 +168,8 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         # Attention sinks see each query as if at the last position of a full cache: see layers/sinks.py.
         q_sink = self.rotary.rotate(positions.clamp(max=self.attn.span - 1), q) if self.attn.sinks else None
         q, k = self.rotary(positions, q, k)
@@ -172,19 +182,22 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        self.act: Callable[[torch.Tensor], torch.Tensor] = F.silu  # Gemma: GeLU (tanh)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
+    norm_class: type[RMSNorm] = RMSNorm  # every norm of the model (Gemma's scales by 1 + w)
+
     def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, window: int | None = None) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(spec, rotary, window)
         self.mlp = LlamaMLP(spec)
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.input_layernorm = self.norm_class(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = self.norm_class(spec.hidden_size, spec.rms_norm_eps)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: StepMetadata
@@ -200,6 +213,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    decoder_layer: type[LlamaDecoderLayer] = LlamaDecoderLayer
     # checkpoint name -> (our fused parameter, shard index)
     _FUSED = {
         "q_proj": ("qkv_proj", 0),
@@ -214,20 +228,33 @@ class LlamaForCausalLM(nn.Module):
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         windows = spec.sliding_windows or (None,) * spec.num_layers
-        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, rotary, w) for w in windows)
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.layers = nn.ModuleList(self.decoder_layer(spec, rotary, w) for w in windows)
+        self.norm = self.decoder_layer.norm_class(spec.hidden_size, spec.rms_norm_eps)
         # an nn.Linear, or a weight-only quantized layer (backend/executor/quantization.py)
         self.lm_head: nn.Module = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.tie_weights()
+
+    @classmethod
+    def from_config(cls, spec: ModelSpec, rotary: RotaryEmbedding, hf_config) -> LlamaForCausalLM:
+        """The model for ``hf_config`` (a family with settings beyond ``ModelSpec`` reads them here)."""
+        return cls(spec, rotary)
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head; again after ``to_empty``, which unties them."""
         if self.spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    def rotaries(self, hf_config, max_positions: int) -> list[RotaryEmbedding]:
+        """Each layer's rotary embedding: one shared table here (Gemma 3: one per layer type)."""
+        one = RotaryEmbedding(hf_config, self.spec.rotary_dim, max_positions)
+        return [one] * self.spec.num_layers
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)

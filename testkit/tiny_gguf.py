@@ -1,0 +1,91 @@
+"""A tiny GGUF written from a transformers model with gguf's own writer: tensor names from gguf's
+name map (llama.cpp's, so Q/K rows stay as they are for every architecture but Llama's), the
+projections as Q8_0 blocks and the rest float32, and a small byte-level BPE tokenizer, so that both
+transformers' GGUF reader and the engine's direct loader can read it. Tests of GGUF loading need no
+downloaded file this way."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+_ARCHS = {"qwen3": "QWEN3", "qwen2": "QWEN2", "gemma2": "GEMMA2", "gemma3": "GEMMA3"}
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _byte_symbols() -> list[str]:
+    """GPT-2's printable stand-ins for the 256 bytes (its byte-level BPE alphabet)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    table = {b: chr(b) if b in keep else chr(next(extra)) for b in range(256)}
+    return [table[b] for b in range(256)]
+
+
+def _tokenizer(vocab: int) -> tuple[list[str], list[str]]:
+    """``vocab`` tokens: the 256 bytes, then pairs of letters, each with its merge."""
+    tokens = _byte_symbols()
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    merges: list[str] = []
+    for a in letters:
+        for b in letters:
+            if len(tokens) == vocab:
+                return tokens, merges
+            tokens.append(a + b)
+            merges.append(f"{a} {b}")
+    raise ValueError(f"vocab {vocab} is more than this tokenizer makes")
+
+
+def write_tiny_gguf(model, path: Path, arch: str = "qwen3") -> Path:
+    """``model``: a transformers causal LM of ``arch`` (qwen2/3, gemma2/3) with a vocabulary of
+    256-932 tokens, and dimensions that are multiples of 32 (Q8_0 blocks). Gemma's settings that
+    transformers' GGUF reader does not take (soft-caps, query scale, local rope base) are its
+    config defaults, so the model should keep them."""
+    import gguf
+    import numpy as np
+    from gguf.quants import quantize
+
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    rope = config.rope_parameters
+    writer.add_rope_freq_base((rope.get("full_attention") or rope)["rope_theta"])
+    gemma = arch.startswith("gemma")
+    if gemma:
+        writer.add_sliding_window(config.sliding_window)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    tokens, merges = _tokenizer(config.vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.NORMAL] * len(tokens))
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, _ARCHS[arch]), config.num_hidden_layers)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # llama.cpp's files hold a tied head once, as the embedding
+        base, suffix = name.rsplit(".", 1)
+        target = names.get_name(base)
+        if target is None:
+            raise KeyError(f"no GGUF name for {name}")
+        data = tensor.detach().float().numpy()
+        if gemma and base.endswith("norm"):
+            data = data + 1.0  # llama.cpp stores Gemma's zero-centred norm weights as 1 + w
+        if base.split(".")[-1] in _PROJECTIONS:
+            blocks = quantize(data, gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(f"{target}.{suffix}", blocks, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(f"{target}.{suffix}", np.ascontiguousarray(data, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
