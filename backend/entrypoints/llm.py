@@ -52,6 +52,9 @@ class LLM:
         speculative: str | None = None,
         num_speculative_tokens: int | None = None,
         compile: str | None = None,
+        lora_modules: dict[str, str] | None = None,
+        max_loras: int | None = None,
+        max_lora_rank: int | None = None,
         config_path: str | None = None,
     ) -> None:
         overrides: dict[str, Any] = dict(
@@ -80,6 +83,9 @@ class LLM:
             kv_offload_disk_bytes=kv_offload_disk_bytes,
             speculative=speculative,
             num_speculative_tokens=num_speculative_tokens,
+            lora_modules=lora_modules,
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
         )
         self.engine = LLMEngine(load_engine_config(config_path, **overrides))
 

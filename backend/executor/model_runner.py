@@ -14,11 +14,13 @@ import torch
 
 from cachegw.backend.config import EngineConfig
 from cachegw.backend.core.block_manager import FREED, cdiv
+from cachegw.backend.core.lora_ref import LoRARef, UnknownModel
 from cachegw.backend.core.scheduler import ScheduledBatch
 from cachegw.backend.executor.compiled_decode import CompiledDecode, start_compiling, will_compile
 from cachegw.backend.executor.host_memory import zeros_on_demand
 from cachegw.backend.executor.layers import kv_quant
 from cachegw.backend.executor.layers.attention import AttentionMetadata, PagedAttention
+from cachegw.backend.executor.lora_slots import LoRASlots, lora_slots_for
 from cachegw.backend.executor.model_weights import build_model
 from cachegw.backend.executor.models.llama import ModelSpec
 from cachegw.backend.executor.quantization import use_native_kernels
@@ -70,6 +72,8 @@ class ModelRunner:
         self.model, self.quantization = build_model(
             config, self.spec, hf_config, model_dir, gguf_path, device, dtype, max_model_len
         )
+        # LoRA adapters' slots beside every projection ([engine] max_loras; None = off)
+        self.loras: LoRASlots | None = lora_slots_for(config, self.model, self.spec, Path(model_dir or "").name)
         self.window_everywhere, self.sinks = self.spec.window_everywhere, 0
         if config.attention_sinks:
             self._use_sinks(config.attention_sinks, context or max_model_len)
@@ -251,9 +255,12 @@ class ModelRunner:
         (requests asking for prompt logprobs only: the others pay nothing)."""
         inputs = self.prepare(batch)
         n = len(batch.seqs)
+        # A step with an adapter in it runs eagerly: the graphs were made without LoRA deltas.
+        lora = self.loras is not None and self.loras.set_batch(batch.seqs, batch.num_tokens)
         graph_size = next((size for size in sorted(self.graphs) if size >= n), None)
         if (
             graph_size is not None
+            and not lora
             and inputs.meta.max_query_len == 1
             and inputs.sample_seq_indices
             and not inputs.prompt_rows
@@ -262,6 +269,7 @@ class ModelRunner:
             return StepOutput(self.model.compute_logits(hidden), inputs.sample_seq_indices, {})
         if (
             self.compiled is not None
+            and not lora
             and inputs.meta.max_query_len == 1
             and inputs.sample_seq_indices
             and not inputs.prompt_rows
@@ -280,6 +288,13 @@ class ModelRunner:
             return StepOutput(torch.empty(0, self.spec.vocab_size), [], prompt)
         logits = self.model.compute_logits(flat[inputs.sample_indices])
         return StepOutput(logits, inputs.sample_seq_indices, prompt)
+
+    def check_lora(self, lora: LoRARef | None) -> None:
+        """A request's adapter (None: the base) must be loaded; UnknownModel (a 404) if not."""
+        if lora is not None:
+            if self.loras is None:
+                raise UnknownModel(lora.name)
+            self.loras.check(lora)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,158 @@
+"""LoRA adapters on the engine: the tokens and logprobs of PEFT's merged model, for two adapters and the
+base in one batch; prefix blocks never shared across adapters; adapters refused at start for what the
+engine cannot serve.
+
+The base is a tiny random Llama (testkit/random_llama.py) with SmolLM2's tokenizer beside it; the
+adapters are made here with PEFT, their B matrices random so that each changes the output.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from testkit.random_llama import LlamaShape, save_random_llama
+
+peft = pytest.importorskip("peft", reason="peft is not installed (the dev extra)")
+
+SHAPE = LlamaShape(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=49152)
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PROMPTS = [list(range(1000, 1040)), list(range(2000, 2023)), list(range(3000, 3050))]
+
+
+def save_adapter(base: Path, folder: Path, seed: int, **lora) -> Path:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    torch.manual_seed(seed)
+    # init_lora_weights=False: B random too (PEFT's default zeros it), so the adapter changes the output
+    peft_model = get_peft_model(model, LoraConfig(init_lora_weights=False, **lora))
+    with torch.no_grad():  # a delta of the size training makes, not of Linear's default init
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.mul_(0.3)
+    peft_model.save_pretrained(str(folder))
+    return folder
+
+
+def tiny_model(root: Path) -> Path:
+    """The random Llama with SmolLM2's tokenizer and chat template (so chat requests work)."""
+    from cachegw.backend.config import load_engine_config
+    from cachegw.backend.executor.model_loader import resolve_model_dir
+
+    folder = save_random_llama(root / "base", SHAPE, seed=3)
+    cfg = load_engine_config(None)
+    smol = resolve_model_dir(cfg.model, cfg.resolved_cache_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (smol / name).exists():
+            shutil.copy(smol / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("lora")
+    base = tiny_model(root)
+    return {
+        "base": base,
+        "alpha": save_adapter(base, root / "alpha", 1, r=8, lora_alpha=16, target_modules=ALL),
+        "beta": save_adapter(
+            base, root / "beta", 2, r=4, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "v_proj", "down_proj"]
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def llm(models: dict[str, Path]) -> Iterator:
+    from cachegw.backend import LLM
+
+    engine = LLM(
+        str(models["base"]), device="cpu", dtype="float32", quantization="none", kv_cache_tokens=4096,
+        max_num_seqs=8, max_loras=3, max_lora_rank=8,
+        lora_modules={"alpha": str(models["alpha"]), "beta": str(models["beta"])},
+    )  # fmt: skip
+    yield engine
+    del engine
+
+
+def reference(models: dict[str, Path], adapter: str | None, prompt: list[int], steps: int):
+    """Greedy tokens and their logprobs from transformers on the PEFT-merged model."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(models["base"]), dtype=torch.float32)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, str(models[adapter])).merge_and_unload()
+    out = model.eval().generate(
+        torch.tensor([prompt]), max_new_tokens=steps, do_sample=False, output_logits=True,
+        return_dict_in_generate=True, pad_token_id=0, eos_token_id=None,
+    )  # fmt: skip
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    logprobs = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.logits, tokens, strict=True)]
+    return tokens, logprobs
+
+
+def greedy(llm, adapter: str | None, steps: int = 6):
+    from cachegw.backend import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True, logprobs=0)
+    return replace(params, lora=None if adapter is None else llm.engine.runner.loras.ref(adapter))
+
+
+def test_one_mixed_batch_matches_the_peft_merged_models(llm, models) -> None:
+    adapters = [None, "alpha", "beta"]
+    outs = llm.generate(PROMPTS, [greedy(llm, a) for a in adapters])
+    tokens = [o.outputs[0].token_ids for o in outs]
+    assert len({tuple(t) for t in tokens[:1]} | {tuple(tokens[1]), tuple(tokens[2])}) == 3
+    for adapter, prompt, out in zip(adapters, PROMPTS, outs, strict=True):
+        want_tokens, want_logprobs = reference(models, adapter, prompt, 6)
+        got = out.outputs[0]
+        assert got.token_ids == want_tokens, adapter
+        got_logprobs = [lp["logprob"] for lp in got.logprobs]
+        assert got_logprobs == pytest.approx(want_logprobs, abs=2e-4), adapter
+    # the same prompt under each: three different answers (the adapters change the model)
+    same = llm.generate([PROMPTS[0]] * 3, [greedy(llm, a) for a in adapters])
+    assert len({tuple(o.outputs[0].token_ids) for o in same}) == 3
+
+
+def test_no_kv_block_is_shared_across_adapters(llm) -> None:
+    """The prompt was computed under the base above: an adapter's request finds none of its blocks
+    (a hash that ignored the adapter would hand it the base's K/V), and its own repeat finds them."""
+    prompt = list(range(5000, 5040))  # two full blocks of 16 and a tail
+    first = llm.generate([prompt], [greedy(llm, None)])[0]
+    assert first.num_cached_tokens == 0
+    base_blocks = set(llm.engine.block_manager.cached)
+    alpha = llm.generate([prompt], [greedy(llm, "alpha")])[0]
+    assert alpha.num_cached_tokens == 0
+    beta = llm.generate([prompt], [greedy(llm, "beta")])[0]
+    assert beta.num_cached_tokens == 0
+    assert llm.generate([prompt], [greedy(llm, "alpha")])[0].num_cached_tokens == 32
+    assert llm.generate([prompt], [greedy(llm, None)])[0].num_cached_tokens == 32
+    adapter_blocks = set(llm.engine.block_manager.cached) - base_blocks
+    assert len(adapter_blocks) >= 4  # alpha's and beta's own, beside the base's
+
+
+def test_unservable_adapters_are_refused_at_start(models, tmp_path: Path) -> None:
+    from cachegw.backend import LLM
+    from cachegw.backend.executor.lora_adapter import AdapterError
+
+    dora = save_adapter(models["base"], tmp_path / "dora", 4, r=4, use_dora=True, target_modules=ALL)
+    head = save_adapter(models["base"], tmp_path / "head", 4, r=4, target_modules=["q_proj", "lm_head"])
+    cases = [
+        ({"a": str(models["alpha"])}, 4, "max_lora_rank = 4"),  # alpha is rank 8
+        ({"a": str(dora)}, 8, "use_dora"),
+        ({"a": str(head)}, 8, "lm_head"),
+        ({"a": str(tmp_path / "nowhere")}, 8, "not a PEFT adapter folder"),
+    ]
+    for modules, rank, reason in cases:
+        with pytest.raises(AdapterError, match=reason):
+            LLM(
+                str(models["base"]), device="cpu", dtype="float32", quantization="none",
+                kv_cache_tokens=256, max_loras=1, max_lora_rank=rank, lora_modules=modules,
+            )  # fmt: skip
