@@ -63,7 +63,13 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "base": base,
         "alpha": save_adapter(base, root / "alpha", 1, r=8, lora_alpha=16, target_modules=ALL),
         "beta": save_adapter(
-            base, root / "beta", 2, r=4, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "v_proj", "down_proj"]
+            base,
+            root / "beta",
+            2,
+            r=4,
+            lora_alpha=8,
+            use_rslora=True,
+            target_modules=["q_proj", "v_proj", "down_proj"],
         ),
     }
 
@@ -94,7 +100,9 @@ def reference(models: dict[str, Path], adapter: str | None, prompt: list[int], s
         return_dict_in_generate=True, pad_token_id=0, eos_token_id=None,
     )  # fmt: skip
     tokens = out.sequences[0, len(prompt) :].tolist()
-    logprobs = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.logits, tokens, strict=True)]
+    logprobs = [
+        torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.logits, tokens, strict=True)
+    ]
     return tokens, logprobs
 
 

@@ -2,8 +2,8 @@
 
 Each full block gets a chained hash of (parent hash, its token ids), rooted in the request's
 cache salt and LoRA adapter, so a hash names a whole prefix: equal hashes mean equal tokens from
-position 0 under the same weights, and different tenants (salts) or adapters never share a block. sha256 makes a collision, and with it wrong
-K/V, practically impossible.
+position 0 under the same weights, and different tenants (salts) or adapters never share a block.
+sha256 makes a collision, and with it wrong K/V, practically impossible.
 
 Blocks nobody uses sit in one free queue, front first out. A freed block that holds a hash stays
 findable until it is taken from the front (evicted): freed blocks join the back, least recently

@@ -49,7 +49,12 @@ class LoRAWeights:
 
 def projection_shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
     """(in, out) of each target projection of the model."""
-    q, kv, h, i = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.hidden_size, spec.intermediate_size
+    q, kv, h, i = (
+        spec.num_heads * spec.head_dim,
+        spec.num_kv_heads * spec.head_dim,
+        spec.hidden_size,
+        spec.intermediate_size,
+    )
     return {
         "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
         "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
@@ -63,7 +68,9 @@ def read_adapter(path: str | Path, spec: ModelSpec, max_rank: int, base_name: st
     folder = Path(path).expanduser()
     config_file, weights_file = folder / "adapter_config.json", folder / "adapter_model.safetensors"
     if not config_file.is_file() or not weights_file.is_file():
-        raise AdapterError(f"{folder} is not a PEFT adapter folder (adapter_config.json + adapter_model.safetensors)")
+        raise AdapterError(
+            f"{folder} is not a PEFT adapter folder (adapter_config.json + adapter_model.safetensors)"
+        )
     raw_config = config_file.read_bytes()
     try:
         config = json.loads(raw_config)
@@ -103,7 +110,11 @@ def _check_config(config: dict, folder: Path) -> None:
 
 
 def _pair_up(
-    halves: dict[tuple[int, str, str], torch.Tensor], spec: ModelSpec, config: dict, folder: Path, max_rank: int
+    halves: dict[tuple[int, str, str], torch.Tensor],
+    spec: ModelSpec,
+    config: dict,
+    folder: Path,
+    max_rank: int,
 ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
     shapes = projection_shapes(spec)
     alpha = float(config.get("lora_alpha", 8))
@@ -115,7 +126,9 @@ def _pair_up(
         if a is None or b is None:
             raise AdapterError(f"{where} has lora_A or lora_B alone")
         if layer >= spec.num_layers:
-            raise AdapterError(f"{where}: the model has {spec.num_layers} layers; not an adapter of this base")
+            raise AdapterError(
+                f"{where}: the model has {spec.num_layers} layers; not an adapter of this base"
+            )
         rank = a.shape[0]
         if a.shape != (rank, shapes[target][0]) or b.shape != (shapes[target][1], rank):
             raise AdapterError(

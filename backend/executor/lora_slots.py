@@ -38,7 +38,9 @@ class SlotsFull(ValueError):
 
 
 class LoRASlots:
-    def __init__(self, model: LlamaForCausalLM, spec: ModelSpec, slots: int, rank: int, base_name: str) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, spec: ModelSpec, slots: int, rank: int, base_name: str
+    ) -> None:
         self.spec, self.num_slots, self.rank, self.base_name = spec, slots, rank, base_name
         self.batch = LoRABatch()
         self.loaded: dict[str, LoRARef] = {}
@@ -63,11 +65,7 @@ class LoRASlots:
 
     @property
     def bytes_per_slot(self) -> int:
-        return sum(
-            (lora.lora_a[0].numel() + sum(lora._b(i)[0].numel() for i in range(len(t)))) * 4
-            for layer in self.layers
-            for lora, t in layer
-        )
+        return 4 * sum(lora.slot_numel for layer in self.layers for lora, _ in layer)
 
     def ref(self, name: str) -> LoRARef | None:
         return self.loaded.get(name)
@@ -117,7 +115,7 @@ class LoRASlots:
             if lora is not None:
                 rows.setdefault(lora.slot, []).extend(range(start, start + n))
             start += n
-        device = self.layers[0][0][0].lora_a.device
+        device = self.layers[0][0][0].device
         self.batch.segments = [
             (slot, torch.tensor(r, dtype=torch.long, device=device)) for slot, r in sorted(rows.items())
         ]

@@ -73,7 +73,9 @@ class ModelRunner:
             config, self.spec, hf_config, model_dir, gguf_path, device, dtype, max_model_len
         )
         # LoRA adapters' slots beside every projection ([engine] max_loras; None = off)
-        self.loras: LoRASlots | None = lora_slots_for(config, self.model, self.spec, Path(model_dir or "").name)
+        self.loras: LoRASlots | None = lora_slots_for(
+            config, self.model, self.spec, Path(model_dir or "").name
+        )
         self.window_everywhere, self.sinks = self.spec.window_everywhere, 0
         if config.attention_sinks:
             self._use_sinks(config.attention_sinks, context or max_model_len)
@@ -253,10 +255,16 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         """Logits of the sequences that sample; hidden states of the prompt positions that are scored
         (requests asking for prompt logprobs only: the others pay nothing)."""
+        if self.loras is None:
+            return self._execute(batch, False)
+        try:  # a step with an adapter in it runs eagerly: the graphs were made without LoRA deltas
+            return self._execute(batch, self.loras.set_batch(batch.seqs, batch.num_tokens))
+        finally:
+            self.loras.set_batch([], [])  # other forwards (embeddings) run the base
+
+    def _execute(self, batch: ScheduledBatch, lora: bool) -> StepOutput:
         inputs = self.prepare(batch)
         n = len(batch.seqs)
-        # A step with an adapter in it runs eagerly: the graphs were made without LoRA deltas.
-        lora = self.loras is not None and self.loras.set_batch(batch.seqs, batch.num_tokens)
         graph_size = next((size for size in sorted(self.graphs) if size >= n), None)
         if (
             graph_size is not None

@@ -42,6 +42,19 @@ class LoRALinear(nn.Module):
         for i, size in enumerate(shards):
             self.register_buffer(f"lora_b{i}", torch.zeros(slots, rank, size, device=dev))
 
+    @property
+    def slot_numel(self) -> int:
+        """Numbers one slot holds in this layer (its A and every shard's B)."""
+        a = self.lora_a
+        assert isinstance(a, torch.Tensor)
+        return a[0].numel() + self.rank * self.out_features
+
+    @property
+    def device(self) -> torch.device:
+        a = self.lora_a
+        assert isinstance(a, torch.Tensor)
+        return a.device
+
     def _b(self, shard: int) -> torch.Tensor:
         b = getattr(self, f"lora_b{shard}")
         assert isinstance(b, torch.Tensor)
