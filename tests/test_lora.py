@@ -164,3 +164,34 @@ def test_unservable_adapters_are_refused_at_start(models, tmp_path: Path) -> Non
                 str(models["base"]), device="cpu", dtype="float32", quantization="none",
                 kv_cache_tokens=256, max_loras=1, max_lora_rank=rank, lora_modules=modules,
             )  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_the_delta_runs_in_float_beside_a_quantized_base(llm, models, mode: str) -> None:
+    """Under int8/int4 weights the adapter still moves the logprobs as it does in float: the quantized
+    engine's adapter-minus-base difference is the float engine's, up to the rounding of the base."""
+    from cachegw.backend import LLM
+
+    quantized = LLM(
+        str(models["base"]), device="cpu", dtype="float32", quantization=mode, kv_cache_tokens=1024,
+        max_loras=1, max_lora_rank=8, lora_modules={"alpha": str(models["alpha"])},
+    )  # fmt: skip
+    prompt = PROMPTS[2]
+
+    def first_logprobs(engine) -> torch.Tensor:
+        from cachegw.backend import SamplingParams
+
+        out = []
+        for adapter in (None, "alpha"):
+            ref = None if adapter is None else engine.engine.runner.loras.ref(adapter)
+            params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, lora=ref)
+            o = engine.generate([prompt], [params])[0]
+            out.append(torch.tensor([lp["logprob"] for lp in o.prompt_logprobs[1:]]))
+        return out[1] - out[0]
+
+    shift_float, shift_quantized = first_logprobs(llm), first_logprobs(quantized)
+    assert shift_float.abs().mean() > 0.05  # the adapter moves the prompt's logprobs...
+    error = (shift_quantized - shift_float).abs().mean() / shift_float.abs().mean()
+    # ...and moves them alike on the quantized base (int4 rounding of this random 64-wide model moves
+    # the hidden states the adapter reads: 0.22 measured; int8: 0.03)
+    assert error < 0.3, error
