@@ -195,3 +195,37 @@ def test_the_delta_runs_in_float_beside_a_quantized_base(llm, models, mode: str)
     # ...and moves them alike on the quantized base (int4 rounding of this random 64-wide model moves
     # the hidden states the adapter reads: 0.22 measured; int8: 0.03)
     assert error < 0.3, error
+
+
+def test_the_ram_tier_keeps_adapters_apart_too(models) -> None:
+    """Blocks evicted to the RAM tier keep their adapter-keyed hashes: an adapter's request loads none
+    of the base's from there, and each finds its own."""
+    from cachegw.backend import LLM
+
+    small = LLM(
+        str(models["base"]), device="cpu", dtype="float32", quantization="none", kv_cache_tokens=64,
+        kv_offload_bytes=1 << 22, max_num_seqs=1, max_loras=1, max_lora_rank=8,
+        lora_modules={"alpha": str(models["alpha"])},
+    )  # fmt: skip
+    prompt, other = list(range(6000, 6040)), list(range(7000, 7040))
+
+    def cached(adapter: str | None, ids: list[int]) -> int:
+        return small.generate([ids], [replace(greedy(small, adapter), max_tokens=2)])[0].num_cached_tokens
+
+    bm = small.engine.block_manager
+    steps = [
+        (None, prompt),
+        (None, other),
+        ("alpha", prompt),
+        (None, other),
+        (None, prompt),
+        ("alpha", prompt),
+    ]
+    seen = []
+    for adapter, ids in steps:
+        before = bm.hits_by_tier["ram"]
+        seen.append((cached(adapter, ids), bm.hits_by_tier["ram"] - before))
+    assert seen[1] == (0, 0)  # the 4-block pool evicted the base's prompt blocks into RAM
+    assert seen[2] == (0, 0)  # alpha's request loads none of them: its hashes are its own
+    assert seen[4] == (32, 32)  # the base finds its own blocks in RAM...
+    assert seen[5] == (32, 32)  # ...and alpha its own, evicted there meanwhile

@@ -54,7 +54,7 @@ def adapter_cards(slots: LoRASlots | None, base: str, created: int) -> list[dict
             "parent": base,
             "root": base,
         }
-        for name in slots.loaded
+        for name in list(slots.loaded)  # the engine thread may load one meanwhile
     ]
 
 
