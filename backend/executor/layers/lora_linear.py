@@ -79,12 +79,20 @@ class LoRALinear(nn.Module):
         y = self.base(x)
         if not self.batch.segments:
             return y
-        flat = x.reshape(-1, x.shape[-1])
-        delta = torch.zeros(flat.shape[0], self.out_features, dtype=torch.float32, device=x.device)
+        flat, out = x.reshape(-1, x.shape[-1]), y.view(-1, self.out_features)
+        whole = len(self.batch.segments) == 1 and self.batch.segments[0][1].numel() == flat.shape[0]
         a_all, r = self.lora_a, self.rank
         assert isinstance(a_all, torch.Tensor)
         for slot, rows in self.batch.segments:
-            h = flat.index_select(0, rows).float() @ a_all[slot]  # [rows, shards * rank]
-            parts = [h[:, i * r : (i + 1) * r] @ self._b(i)[slot] for i in range(len(self.shards))]
-            delta.index_copy_(0, rows, parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))
-        return y + delta.to(y.dtype).view(y.shape)
+            h = (flat if whole else flat.index_select(0, rows)).float() @ a_all[slot]  # [rows, shards * rank]
+            if len(self.shards) == 1:
+                d = h @ self._b(0)[slot]
+            else:
+                d = torch.cat(
+                    [h[:, i * r : (i + 1) * r] @ self._b(i)[slot] for i in range(len(self.shards))], -1
+                )
+            if whole:
+                out += d.to(out.dtype)
+            else:
+                out.index_add_(0, rows, d.to(out.dtype))
+        return y
