@@ -124,6 +124,10 @@ def test_one_mixed_batch_matches_the_peft_merged_models(llm, models) -> None:
         assert got.token_ids == want_tokens, adapter
         got_logprobs = [lp["logprob"] for lp in got.logprobs]
         assert got_logprobs == pytest.approx(want_logprobs, abs=2e-4), adapter
+    # one adapter beside the base (its rows gathered), and one alone (the whole step): the same tokens
+    pair = llm.generate(PROMPTS[:2], [greedy(llm, None), greedy(llm, "alpha")])
+    alone = llm.generate(PROMPTS[2:], [greedy(llm, "beta")])
+    assert [o.outputs[0].token_ids for o in pair + alone] == tokens
     # the same prompt under each: three different answers (the adapters change the model)
     same = llm.generate([PROMPTS[0]] * 3, [greedy(llm, a) for a in adapters])
     assert len({tuple(o.outputs[0].token_ids) for o in same}) == 3

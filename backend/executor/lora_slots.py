@@ -13,8 +13,6 @@ import logging
 from collections.abc import Iterable
 from pathlib import Path
 
-import torch
-
 from cachegw.backend.config import EngineConfig
 from cachegw.backend.core.lora_ref import LoRARef, UnknownModel
 from cachegw.backend.core.sequence import Sequence
@@ -42,7 +40,7 @@ class LoRASlots:
         self, model: LlamaForCausalLM, spec: ModelSpec, slots: int, rank: int, base_name: str
     ) -> None:
         self.spec, self.num_slots, self.rank, self.base_name = spec, slots, rank, base_name
-        self.batch = LoRABatch()
+        self.batch = LoRABatch(slots, rank)
         self.loaded: dict[str, LoRARef] = {}
         shapes = projection_shapes(spec)
         # per layer: (wrapped layer, its targets) for each projection
@@ -55,8 +53,6 @@ class LoRASlots:
                     getattr(owner, attr),
                     shapes[targets[0]][0],
                     [shapes[t][1] for t in targets],
-                    slots,
-                    rank,
                     self.batch,
                 )
                 setattr(owner, attr, lora)
@@ -108,18 +104,16 @@ class LoRASlots:
 
     def set_batch(self, seqs: list[Sequence], num_tokens: list[int]) -> bool:
         """Point the LoRA layers at this step's rows of each slot; True when any adapter is in it."""
-        rows: dict[int, list[int]] = {}
-        start = 0
+        slot_of_row: list[int] = []
         for seq, n in zip(seqs, num_tokens, strict=True):
-            lora = seq.params.lora
-            if lora is not None:
-                rows.setdefault(lora.slot, []).extend(range(start, start + n))
-            start += n
+            slot_of_row += [-1 if seq.params.lora is None else seq.params.lora.slot] * n
         device = self.layers[0][0][0].device
-        self.batch.segments = [
-            (slot, torch.tensor(r, dtype=torch.long, device=device)) for slot, r in sorted(rows.items())
-        ]
-        return bool(rows)
+        if all(s < 0 for s in slot_of_row):
+            if self.batch.segments:
+                self.batch.set([], device)
+            return False
+        self.batch.set(slot_of_row, device)
+        return True
 
 
 def lora_slots_for(

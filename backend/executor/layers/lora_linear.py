@@ -1,11 +1,12 @@
 """A projection with LoRA deltas beside it: the base layer (float, int8 or int4) runs on the whole
-batch once, and each adapter slot present in the step adds its low-rank delta to its own rows.
+batch once, and the adapters in the step add their low-rank deltas to their own rows.
 
-Each slot's matrices sit in stacked tensors, so a step mixing adapters and the base costs one base
-matmul plus, per adapter in it, two small float32 matmuls over that adapter's rows (gathered by
-index): never one adapter per step. A fused projection (q/k/v, gate/up) keeps its shards' A matrices
-side by side, so one matmul makes every shard's rank-r activations, and each shard's B writes its
-own columns.
+Every slot's matrices sit in two stacked float32 tensors: ``A`` [in, shards x slots x rank] and,
+per output shard, ``B`` [slots x rank, out]. A step with one adapter multiplies only that adapter's
+rows by its slot's columns. A step with several multiplies every row by all slots' A at once
+(one matmul), zeroes the columns of the slots a row does not run under (the step's mask), and one
+matmul per shard with the stacked B sums each row's own delta: a handful of operations per
+projection however many adapters the batch mixes, never one adapter per step.
 """
 
 from __future__ import annotations
@@ -15,84 +16,114 @@ from torch import nn
 
 
 class LoRABatch:
-    """This step's rows per adapter slot, set by the runner before the forward and read by every
-    LoRALinear; empty when no sequence of the step runs under an adapter (the base alone)."""
+    """This step's adapters, set by the runner before the forward and read by every LoRALinear.
 
-    def __init__(self) -> None:
+    ``segments``: (slot, rows) of each adapter in the step, empty for the base alone; ``whole``: one
+    adapter holds every row; ``masks[k]``: with several adapters, [rows, k x slots x rank] ones where
+    a row runs under the slot (k shards side by side)."""
+
+    def __init__(self, slots: int, rank: int) -> None:
+        self.slots, self.rank = slots, rank
         self.segments: list[tuple[int, torch.Tensor]] = []
+        self.whole = False
+        self.masks: dict[int, torch.Tensor] = {}
+
+    def set(self, slot_of_row: list[int], device: torch.device) -> None:
+        """``slot_of_row``: each flat row's slot, -1 for the base."""
+        rows: dict[int, list[int]] = {}
+        for i, slot in enumerate(slot_of_row):
+            if slot >= 0:
+                rows.setdefault(slot, []).append(i)
+        self.segments = [
+            (s, torch.tensor(r, dtype=torch.long, device=device)) for s, r in sorted(rows.items())
+        ]
+        self.whole = len(rows) == 1 and len(next(iter(rows.values()))) == len(slot_of_row)
+        self.masks = {}
+        if len(rows) > 1:
+            slots = torch.tensor(slot_of_row, device=device)
+            one_hot = (slots[:, None] == torch.arange(self.slots, device=device)).float()  # [rows, slots]
+            for k in (1, 2, 3):
+                self.masks[k] = (
+                    one_hot[:, None, :, None].expand(-1, k, -1, self.rank).reshape(len(slot_of_row), -1)
+                )
 
 
 class LoRALinear(nn.Module):
-    """``base(x)`` plus, for the rows of each slot in ``batch``, ``x @ A[slot] @ B[slot]``."""
+    """``base(x)`` plus, for each row under an adapter slot, ``x @ A[slot] @ B[slot]``."""
 
-    def __init__(
-        self, base: nn.Module, in_features: int, shards: list[int], slots: int, rank: int, batch: LoRABatch
-    ) -> None:
+    def __init__(self, base: nn.Module, in_features: int, shards: list[int], batch: LoRABatch) -> None:
         super().__init__()
         self.base = base
         self.batch = batch
-        self.shards, self.rank = shards, rank
+        self.shards, self.slots, self.rank = shards, batch.slots, batch.rank
         self.out_features = sum(shards)
-        device = next(iter(base.buffers()), None)
-        if device is None:
-            device = next(base.parameters())
-        dev = device.device
-        # A of every shard side by side: [slots, in, shards * rank]; B per shard: [slots, rank, out_i]
-        self.register_buffer("lora_a", torch.zeros(slots, in_features, len(shards) * rank, device=dev))
+        anchor = next(iter(base.buffers()), None)
+        dev = (anchor if anchor is not None else next(base.parameters())).device
+        width = self.slots * self.rank
+        self.register_buffer("lora_a", torch.zeros(in_features, len(shards) * width, device=dev))
         for i, size in enumerate(shards):
-            self.register_buffer(f"lora_b{i}", torch.zeros(slots, rank, size, device=dev))
+            self.register_buffer(f"lora_b{i}", torch.zeros(width, size, device=dev))
 
     @property
     def slot_numel(self) -> int:
         """Numbers one slot holds in this layer (its A and every shard's B)."""
-        a = self.lora_a
-        assert isinstance(a, torch.Tensor)
-        return a[0].numel() + self.rank * self.out_features
+        return self.rank * (self._a().shape[0] * len(self.shards) + self.out_features)
 
     @property
     def device(self) -> torch.device:
+        return self._a().device
+
+    def _a(self) -> torch.Tensor:
         a = self.lora_a
         assert isinstance(a, torch.Tensor)
-        return a.device
+        return a
 
     def _b(self, shard: int) -> torch.Tensor:
         b = getattr(self, f"lora_b{shard}")
         assert isinstance(b, torch.Tensor)
         return b
 
+    def _cols(self, shard: int, slot: int) -> slice:
+        start = (shard * self.slots + slot) * self.rank
+        return slice(start, start + self.rank)
+
     @torch.no_grad()
     def set_slot(self, slot: int, shard: int, pair: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Put one shard's (A [r, in], B [out, r]) into ``slot``, zero-padded to the slot's rank; None
         clears it (the adapter leaves this projection alone)."""
-        a_all = self.lora_a
-        assert isinstance(a_all, torch.Tensor)
-        cols = slice(shard * self.rank, (shard + 1) * self.rank)
-        a_all[slot, :, cols].zero_()
-        self._b(shard)[slot].zero_()
+        a_cols, b_rows = (
+            self._a()[:, self._cols(shard, slot)],
+            self._b(shard)[slot * self.rank : (slot + 1) * self.rank],
+        )
+        a_cols.zero_()
+        b_rows.zero_()
         if pair is not None:
             a, b = pair
             r = a.shape[0]
-            a_all[slot, :, shard * self.rank : shard * self.rank + r] = a.t().to(a_all.device)
-            self._b(shard)[slot, :r] = b.t().to(a_all.device)
+            a_cols[:, :r] = a.t().to(a_cols.device)
+            b_rows[:r] = b.t().to(b_rows.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        if not self.batch.segments:
+        batch = self.batch
+        if not batch.segments:
             return y
-        flat, out = x.reshape(-1, x.shape[-1]), y.view(-1, self.out_features)
-        whole = len(self.batch.segments) == 1 and self.batch.segments[0][1].numel() == flat.shape[0]
-        a_all, r = self.lora_a, self.rank
-        assert isinstance(a_all, torch.Tensor)
-        for slot, rows in self.batch.segments:
-            h = (flat if whole else flat.index_select(0, rows)).float() @ a_all[slot]  # [rows, shards * rank]
-            if len(self.shards) == 1:
-                d = h @ self._b(0)[slot]
-            else:
-                d = torch.cat(
-                    [h[:, i * r : (i + 1) * r] @ self._b(i)[slot] for i in range(len(self.shards))], -1
-                )
-            if whole:
-                out += d.to(out.dtype)
-            else:
-                out.index_add_(0, rows, d.to(out.dtype))
+        flat, out = x.reshape(-1, x.shape[-1]).float(), y.view(-1, self.out_features)
+        a, k = self._a(), len(self.shards)
+        if len(batch.segments) == 1:  # one adapter: its rows by its slot's columns only
+            slot, rows = batch.segments[0]
+            xs = flat if batch.whole else flat.index_select(0, rows)
+            r = self.rank
+            parts = [
+                (xs @ a[:, self._cols(i, slot)]) @ self._b(i)[slot * r : (slot + 1) * r] for i in range(k)
+            ]
+        else:  # several: every slot at once, each row's own slot kept by the mask
+            h = (flat @ a) * batch.masks[k]
+            width = self.slots * self.rank
+            parts = [h[:, i * width : (i + 1) * width] @ self._b(i) for i in range(k)]
+        d = (parts[0] if k == 1 else torch.cat(parts, dim=-1)).to(out.dtype)
+        if len(batch.segments) == 1 and not batch.whole:
+            out.index_add_(0, batch.segments[0][1], d)
+        else:
+            out += d
         return y
