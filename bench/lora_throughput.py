@@ -4,7 +4,7 @@ requests, and the prefix-cache hit rate of each adapter.
 SmolLM2-135M (the embedded GGUF, the default int4 weights) in one engine with ``max_loras = 4``; the
 four adapters are made here with PEFT at rank 16 on every projection, their matrices random (small,
 so the output stays the model's kind of text; speed does not depend on the values). Each round sends
-16 requests at once, each a 256-token shared prefix (a system prompt) plus 32 tokens of its own, 64
+16 requests at once, each a 256-token shared prefix (a system prompt) plus 32 tokens of its own, 32
 output tokens (``ignore_eos``). The modes, interleaved round by round so that the shared machine's
 load falls on all alike:
 
@@ -34,7 +34,7 @@ from bench.common import save, say
 
 ADAPTERS = ("a0", "a1", "a2", "a3")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-PREFIX, OWN, OUT, CONCURRENCY = 256, 32, 64, 16
+PREFIX, OWN, OUT, CONCURRENCY = 256, 32, 32, 16
 
 
 def make_adapters(model_dir: Path, folder: Path, rank: int) -> dict[str, str]:
