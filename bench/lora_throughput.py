@@ -67,7 +67,7 @@ def run_round(llm, mode: str, prompts: list[list[int]]) -> dict:
     runner = llm.engine.runner
     params = SamplingParams(temperature=0.0, max_tokens=OUT, ignore_eos=True)
     names = [None] * len(prompts) if mode != "lora" else [ADAPTERS[i % 4] for i in range(len(prompts))]
-    plist = [replace(params, lora=runner.loras.ref(n) if n else None) for n in names]
+    plist = [replace(params, lora=llm.lora(n) if n else None) for n in names]
     compiled = runner.compiled
     if mode == "base-eager":
         runner.compiled = None

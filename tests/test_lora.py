@@ -110,7 +110,7 @@ def greedy(llm, adapter: str | None, steps: int = 6):
     from cachegw.backend import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True, logprobs=0)
-    return replace(params, lora=None if adapter is None else llm.engine.runner.loras.ref(adapter))
+    return replace(params, lora=None if adapter is None else llm.lora(adapter))
 
 
 def test_one_mixed_batch_matches_the_peft_merged_models(llm, models) -> None:

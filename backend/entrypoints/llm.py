@@ -9,6 +9,7 @@ from typing import Any
 
 from cachegw.backend.config import load_engine_config
 from cachegw.backend.core.engine import LLMEngine
+from cachegw.backend.core.lora_ref import LoRARef, UnknownModel
 from cachegw.backend.core.outputs import RequestOutput
 from cachegw.backend.core.sampling_params import SamplingParams
 
@@ -92,6 +93,14 @@ class LLM:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    def lora(self, name: str) -> LoRARef:
+        """The loaded LoRA adapter ``name``, for ``SamplingParams(lora=...)`` (UnknownModel if none)."""
+        loras = self.engine.runner.loras
+        ref = loras.ref(name) if loras is not None else None
+        if ref is None:
+            raise UnknownModel(name)
+        return ref
 
     def generate(
         self,
