@@ -13,6 +13,8 @@ import logging
 from collections.abc import Iterable
 from pathlib import Path
 
+import torch
+
 from cachegw.backend.config import EngineConfig
 from cachegw.backend.core.lora_ref import LoRARef, UnknownModel
 from cachegw.backend.core.sequence import Sequence
@@ -48,7 +50,11 @@ class LoRASlots:
         for layer in model.layers:
             wrapped = []
             for (part, attr), targets in _WRAPPED.items():
-                owner = getattr(layer, part)
+                owner = getattr(layer, part, None)
+                if not isinstance(getattr(owner, attr, None), torch.nn.Module):
+                    raise AdapterError(
+                        f"LoRA adapters are not served on {spec.architecture} models ([engine] max_loras)"
+                    )
                 lora = LoRALinear(
                     getattr(owner, attr),
                     shapes[targets[0]][0],
