@@ -125,6 +125,11 @@ class EngineConfig(Strict):
     compile: Literal["background", "startup", "off"] = Field(
         description="decode steps through torch.compile: in a thread after start-up | before serving | off"
     )
+    lora_modules: dict[str, str] = Field(
+        description="LoRA adapters served from start: name -> PEFT folder (adapter_config.json + safetensors)"
+    )
+    max_loras: int = Field(ge=0, description="adapter slots (loaded at start or at run time); 0 = LoRA off")
+    max_lora_rank: int = Field(ge=1, description="largest adapter rank a slot holds")
 
     @field_validator("device")
     @classmethod
@@ -174,6 +179,15 @@ class EngineConfig(Strict):
             )
         return self
 
+    @model_validator(mode="after")
+    def _lora_slots(self) -> EngineConfig:
+        if len(self.lora_modules) > self.max_loras:
+            raise ValueError(
+                f"lora_modules names {len(self.lora_modules)} adapters but max_loras = {self.max_loras}: "
+                "raise max_loras (each slot costs memory: docs/engine.md, LoRA adapters)"
+            )
+        return self
+
     @property
     def resolved_cache_dir(self) -> Path:
         return Path(os.environ.get("CACHEGW_CACHE_DIR") or self.cache_dir).expanduser()
@@ -200,6 +214,10 @@ class BackendServerConfig(Strict):
         description='"" = derived from the model ("SmolLM2-135M-Instruct" for the default)'
     )
     max_request_bytes: int = Field(gt=0, description="larger bodies get 413 (above the gateway's own limit)")
+    admin_token: str = Field(
+        description='the engine\'s admin endpoints (LoRA load/unload): "" = loopback clients only; '
+        "else `Authorization: Bearer <token>` from anywhere"
+    )
 
 
 def load_engine_config(path: str | os.PathLike[str] | None = None, **overrides: Any) -> EngineConfig:

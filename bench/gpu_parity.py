@@ -74,7 +74,7 @@ def ours(model_dir: Path, device: str, dtype: str, prompts: list[list[int]], new
         tokens=[list(o.token_ids) for o in outs],
         logprobs=[[dict(e["top"]) | {e["token_id"]: e["logprob"]} for e in o.logprobs or []] for o in outs],
         attention=runner.attention_backend,
-        graphs=len(runner.graphs),
+        graphs=len(runner.graphs or ()),
     )
     del llm, runner
     free_memory()

@@ -1,9 +1,9 @@
 """KV blocks: allocation, reference counts, and automatic prefix caching.
 
 Each full block gets a chained hash of (parent hash, its token ids), rooted in the request's
-cache salt, so a hash names a whole prefix: equal hashes mean equal tokens from position 0, and
-different tenants (salts) never share a block. sha256 makes a collision, and with it wrong
-K/V, practically impossible.
+cache salt and LoRA adapter, so a hash names a whole prefix: equal hashes mean equal tokens from
+position 0 under the same weights, and different tenants (salts) or adapters never share a block.
+sha256 makes a collision, and with it wrong K/V, practically impossible.
 
 Blocks nobody uses sit in one free queue, front first out. A freed block that holds a hash stays
 findable until it is taken from the front (evicted): freed blocks join the back, least recently
@@ -39,6 +39,14 @@ FREED = -1  # a block-table entry whose block was given back (before the window)
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def root_hash(seq: Sequence) -> bytes:
+    """The chain's root: the request's cache salt and, under a LoRA adapter, the digest of its files
+    (the base model's roots stay as they were, so its disk-tier blocks keep their names)."""
+    root = b"cachegw:" + (seq.cache_salt or "").encode()
+    lora = seq.params.lora
+    return hashlib.sha256(root if lora is None else root + b"\x00lora:" + lora.digest.encode()).digest()
 
 
 class Block:
@@ -95,9 +103,7 @@ class BlockManager:
         hashes, bs = seq.block_hashes, self.block_size
         while len(hashes) <= index:
             i = len(hashes)
-            parent = (
-                hashes[-1] if i else hashlib.sha256(b"cachegw:" + (seq.cache_salt or "").encode()).digest()
-            )
+            parent = hashes[-1] if i else root_hash(seq)
             tokens = seq.token_ids[i * bs : (i + 1) * bs]
             if len(tokens) != bs:
                 raise ValueError("only full blocks are hashed")

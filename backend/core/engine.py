@@ -173,6 +173,7 @@ class LLMEngine:
                 f"{self.kv_cache_tokens}. Please reduce the prompt or max_tokens.",
             )
         self._check_samples(params, vocab)
+        self.runner.check_lora(params.lora)
         grammar = self.grammars.grammar(params.structured) if params.structured else None
         seq = Sequence(
             request_id, ids, params, cache_salt, arrival_time, prompt if isinstance(prompt, str) else None

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from cachegw.backend.core.pins import PinRequest
+
+if TYPE_CHECKING:
+    from cachegw.backend.core.lora_ref import LoRARef
 
 
 class InvalidParameter(ValueError):
@@ -84,6 +87,8 @@ class SamplingParams:
     draft: str | None = None
     # Prompt prefixes to keep in the KV cache after this request (``backend/core/pins.py``).
     pins: tuple[PinRequest, ...] = ()
+    # The LoRA adapter the request runs under (``backend/core/lora_ref.py``), None for the base model.
+    lora: LoRARef | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -9,6 +9,7 @@ from typing import Any
 
 from cachegw.backend.config import load_engine_config
 from cachegw.backend.core.engine import LLMEngine
+from cachegw.backend.core.lora_ref import LoRARef, UnknownModel
 from cachegw.backend.core.outputs import RequestOutput
 from cachegw.backend.core.sampling_params import SamplingParams
 
@@ -59,6 +60,9 @@ class LLM:
         kv_eviction: str | None = None,
         kv_budget_tokens: int | None = None,
         kv_recent_tokens: int | None = None,
+        lora_modules: dict[str, str] | None = None,
+        max_loras: int | None = None,
+        max_lora_rank: int | None = None,
         config_path: str | None = None,
     ) -> None:
         overrides: dict[str, Any] = dict(
@@ -94,12 +98,23 @@ class LLM:
             kv_eviction=kv_eviction,
             kv_budget_tokens=kv_budget_tokens,
             kv_recent_tokens=kv_recent_tokens,
+            lora_modules=lora_modules,
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
         )
         self.engine = LLMEngine(load_engine_config(config_path, **overrides))
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    def lora(self, name: str) -> LoRARef:
+        """The loaded LoRA adapter ``name``, for ``SamplingParams(lora=...)`` (UnknownModel if none)."""
+        loras = self.engine.runner.loras
+        ref = loras.ref(name) if loras is not None else None
+        if ref is None:
+            raise UnknownModel(name)
+        return ref
 
     def generate(
         self,

@@ -19,7 +19,7 @@ from cachegw.protocol.requests import GenerationRequest, ResponseFormat
 
 
 def invalid_parameter(exc: InvalidParameter) -> ApiError:
-    return ApiError(400, str(exc), param=exc.param, code=getattr(exc, "code", None))
+    return ApiError(getattr(exc, "status", 400), str(exc), param=exc.param, code=getattr(exc, "code", None))
 
 
 def sampling_params(req: GenerationRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:

@@ -27,12 +27,14 @@ from starlette.types import Receive, Scope, Send
 
 from cachegw.backend.config import EngineConfig, load_backend_server_config
 from cachegw.backend.core.async_engine import AsyncEngine, EngineDeadError, EngineError, RequestStream
+from cachegw.backend.core.lora_ref import LoRARef
 from cachegw.backend.core.outputs import RequestOutput
 from cachegw.backend.core.sampling_params import InvalidParameter, SamplingParams
 from cachegw.backend.entrypoints.chat_shaper import ChatShaper
 from cachegw.backend.entrypoints.choices import CompletionShaper, Echo
 from cachegw.backend.entrypoints.embeddings import EmbeddingsEndpoint
 from cachegw.backend.entrypoints.health_routes import add_health_routes
+from cachegw.backend.entrypoints.lora_routes import adapter_cards, add_lora_routes
 from cachegw.backend.entrypoints.metrics import ServerMetrics
 from cachegw.backend.entrypoints.openai_mapping import (
     TokenTexts,
@@ -135,11 +137,22 @@ class _Server:
         return await read_limited_body(request, self.max_request_bytes)
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        """The base model (embeddings): an adapter's name is a 400, any other a 404."""
+        if self.generation_model(model) is not None:
+            raise ApiError(
+                400, f"`{model}` is a LoRA adapter; embeddings come from `{self.model_name}`.", param="model"
+            )
+
+    def generation_model(self, model: str | None) -> LoRARef | None:
+        """The adapter a completion runs under (None: the base); 404 for a model not served."""
+        loras = self.engine.engine.runner.loras
+        ref = loras.ref(model) if loras is not None and model is not None else None
+        if ref is None and model is not None and model != self.model_name:
             raise ApiError(
                 404, f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
                 param="model", code="model_not_found",
             )  # fmt: skip
+        return ref
 
     async def in_tokenizer_thread(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
@@ -210,17 +223,22 @@ class _Server:
 
     async def completions(self, request: Request) -> Response:
         req = parse_request(EngineCompletionRequest, await self.read_body(request))
-        self.check_model(req.model)
+        lora = self.generation_model(req.model)
         check_fields(req)
         prompt = req.prompt_input()
         ids = await self.in_tokenizer_thread(self.encode, prompt) if isinstance(prompt, str) else prompt
         params = self.sampling_params(req, req.resolved_max_tokens(), req.logprobs)
+        params.lora = lora
         echo = None
         if req.echo:
             text = prompt if isinstance(prompt, str) else await self.in_tokenizer_thread(self.decode, prompt)
             echo = Echo(text, req.logprobs is not None)
         shaper = CompletionShaper(
-            completion_id("cmpl", request), self.model_name, self.texts, req.include_usage, echo
+            completion_id("cmpl", request),
+            lora.name if lora else self.model_name,
+            self.texts,
+            req.include_usage,
+            echo,
         )
         stream = await self.start(shaper.id, ids, params, req.cache_salt)
         if req.stream:
@@ -229,7 +247,7 @@ class _Server:
 
     async def chat_completions(self, request: Request) -> Response:
         req = parse_request(EngineChatRequest, await self.read_body(request))
-        self.check_model(req.model)
+        lora = self.generation_model(req.model)
         check_fields(req)
         top = req.logprobs_k()
         asks = requested_pins(req, self.engine.engine.config)
@@ -238,12 +256,13 @@ class _Server:
         room = self.engine.longest_request - len(ids)
         params = self.sampling_params(req, req.resolved_max_tokens(room), top)
         params.structured = answer_constraint(tools, params.structured)
+        params.lora = lora
         params.skip_special_tokens = not (tools and tools.calls_possible and tools.special)
         if asks:
             params.pins = await self.in_tokenizer_thread(pin_requests, self.tokenizer, req, tools, ids, asks)
         shaper = ChatShaper(
             completion_id("chatcmpl", request),
-            self.model_name,
+            lora.name if lora else self.model_name,
             self.texts,
             req.include_usage,
             top,
@@ -261,11 +280,13 @@ class _Server:
         }  # fmt: skip
 
     async def list_models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [self.model_card()]}
+        adapters = adapter_cards(self.engine.engine.runner.loras, self.model_name, self.created)
+        return {"object": "list", "data": [self.model_card(), *adapters]}
 
     async def get_model(self, model: str) -> dict[str, Any]:
-        self.check_model(model)
-        return self.model_card()
+        if self.generation_model(model) is None:
+            return self.model_card()
+        return next(c for c in (await self.list_models())["data"] if c["id"] == model)
 
     async def health(self) -> Response:
         if not self.engine.is_alive:
@@ -280,7 +301,9 @@ class _Server:
 # --- app -------------------------------------------------------------------------------------
 
 
-def build_app(engine: AsyncEngine, served_model_name: str, max_request_bytes: int) -> FastAPI:
+def build_app(
+    engine: AsyncEngine, served_model_name: str, max_request_bytes: int, admin_token: str = ""
+) -> FastAPI:
     """The HTTP app over a running AsyncEngine (the caller owns the engine and shuts it down)."""
     app = FastAPI(title="cachegw backend", docs_url=None, redoc_url=None, openapi_url=None)
     server = _Server(engine, served_model_name, max_request_bytes)
@@ -294,6 +317,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, max_request_bytes: in
     app.add_api_route("/health", server.health, methods=["GET"])
     add_health_routes(app, lambda: engine.is_alive)
     app.add_api_route("/metrics", server.metrics_text, methods=["GET"])
+    add_lora_routes(app, engine, admin_token, max_request_bytes)
     return app
 
 
@@ -324,7 +348,7 @@ def run_backend(
         set_threads(threads)
     engine = AsyncEngine(LLMEngine(engine_cfg))
     name = server_cfg.served_model_name or default_served_name(engine_cfg.model)
-    app = build_app(engine, name, server_cfg.max_request_bytes)
+    app = build_app(engine, name, server_cfg.max_request_bytes, server_cfg.admin_token)
     host = host or server_cfg.host
     port = server_cfg.port if port is None else port
     log.info("serving %s at %s/v1 (health %s/health, metrics %s/metrics)", name, *[_url(host, port)] * 3)

@@ -15,11 +15,14 @@ import torch
 from cachegw.backend.config import EngineConfig
 from cachegw.backend.core.block_manager import FREED, cdiv
 from cachegw.backend.core.h2o import check_h2o
+from cachegw.backend.core.lora_ref import LoRARef, UnknownModel
 from cachegw.backend.core.scheduler import ScheduledBatch
 from cachegw.backend.executor.compiled_decode import CompiledDecode, start_compiling, will_compile
+from cachegw.backend.executor.cuda_graphs import DecodeGraphs
 from cachegw.backend.executor.host_memory import zeros_on_demand
 from cachegw.backend.executor.layers import kv_quant
 from cachegw.backend.executor.layers.attention import AttentionMetadata, PagedAttention
+from cachegw.backend.executor.lora_slots import LoRASlots, lora_slots_for
 from cachegw.backend.executor.model_weights import build_model
 from cachegw.backend.executor.models.registry import model_spec
 from cachegw.backend.executor.quantization import use_native_kernels
@@ -75,6 +78,10 @@ class ModelRunner:
         self.model, self.quantization = build_model(
             config, self.spec, hf_config, model_dir, gguf_path, device, dtype, max_model_len
         )
+        # LoRA adapters' slots beside every projection ([engine] max_loras; None = off)
+        self.loras: LoRASlots | None = lora_slots_for(
+            config, self.model, self.spec, Path(model_dir or "").name
+        )
         self.window_everywhere, self.sinks = self.spec.window_everywhere, 0
         # Gemma 2's capped attention scores: the torch path's unfused attention only (layers/softcap.py)
         self.softcapped = any(m.softcap for m in self.model.modules() if isinstance(m, PagedAttention))
@@ -115,13 +122,20 @@ class ModelRunner:
                 if isinstance(module, PagedAttention):
                     module.native_decode = self.native_decode
             self.compiled = start_compiling(self.model, self.block_size, self.num_blocks, config.compile)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: DecodeGraphs | None = None
         if self.attention_backend == "triton" and not config.enforce_eager:
             try:
-                self._capture_decode_graphs()
+                self.graphs = DecodeGraphs(
+                    self.model,
+                    config.max_num_seqs,
+                    self.max_blocks_per_seq,
+                    max_model_len,
+                    self.spec.hidden_size,
+                    dtype,
+                    device,
+                )
             except Exception:  # a driver or capture problem must not keep the engine from serving
                 log.exception("CUDA graph capture failed: running decode eagerly")
-                self.graphs = {}
 
     def _use_sinks(self, sinks: int, context: int) -> None:
         """StreamingLLM: each layer keeps ``sinks`` first positions and a window that fits the rest
@@ -279,19 +293,30 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         """Logits of the sequences that sample; hidden states of the prompt positions that are scored
         (requests asking for prompt logprobs only: the others pay nothing)."""
+        if self.loras is None:
+            return self._execute(batch, False)
+        try:  # a step with an adapter in it runs eagerly: the graphs were made without LoRA deltas
+            return self._execute(batch, self.loras.set_batch(batch.seqs, batch.num_tokens))
+        finally:
+            self.loras.set_batch([], [])  # other forwards (embeddings) run the base
+
+    def _execute(self, batch: ScheduledBatch, lora: bool) -> StepOutput:
         inputs = self.prepare(batch)
         n = len(batch.seqs)
-        graph_size = next((size for size in sorted(self.graphs) if size >= n), None)
+        graph_size = self.graphs.size_for(n) if self.graphs is not None else None
         if (
             graph_size is not None
+            and not lora
             and inputs.meta.max_query_len == 1
             and inputs.sample_seq_indices
             and not inputs.prompt_rows
         ):
-            hidden = self._replay_graph(graph_size, inputs)
+            assert self.graphs is not None
+            hidden = self.graphs.replay(graph_size, inputs)
             return StepOutput(self.model.compute_logits(hidden), inputs.sample_seq_indices, {})
         if (
             self.compiled is not None
+            and not lora
             and inputs.meta.max_query_len == 1
             and inputs.sample_seq_indices
             and not inputs.prompt_rows
@@ -310,6 +335,13 @@ class ModelRunner:
             return StepOutput(torch.empty(0, self.spec.vocab_size), [], prompt, inputs.meta.key_mass)
         logits = self.model.compute_logits(flat[inputs.sample_indices])
         return StepOutput(logits, inputs.sample_seq_indices, prompt, inputs.meta.key_mass)
+
+    def check_lora(self, lora: LoRARef | None) -> None:
+        """A request's adapter (None: the base) must be loaded; UnknownModel (a 404) if not."""
+        if lora is not None:
+            if self.loras is None:
+                raise UnknownModel(lora.name)
+            self.loras.check(lora)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -345,63 +377,3 @@ class ModelRunner:
         for parts, layer in zip(self.kv_caches, data, strict=True):
             for cache, stored in zip(parts, layer, strict=True):
                 cache[block_id].copy_(stored)
-
-    # CUDA graphs: decode steps are captured once per batch size and replayed with new inputs.
-
-    def _graph_sizes(self) -> list[int]:
-        limit = self.config.max_num_seqs
-        return sorted({s for s in [1, 2, 4, 8, *range(16, 513, 16)] if s <= limit} | {limit})
-
-    def _capture_decode_graphs(self) -> None:
-        sizes = self._graph_sizes()
-        top = max(sizes)
-        dev = self.device
-        self._static = {
-            "ids": torch.zeros(top, dtype=torch.long, device=dev),
-            "pos": torch.zeros(top, dtype=torch.long, device=dev),
-            "slots": torch.full((top,), -1, dtype=torch.long, device=dev),
-            "starts": torch.arange(top + 1, dtype=torch.int32, device=dev),
-            "lens": torch.ones(top, dtype=torch.int32, device=dev),
-            "tables": torch.zeros(top, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
-            "out": torch.zeros(top, self.spec.hidden_size, dtype=self.dtype, device=dev),
-        }
-        pool = None
-        with torch.inference_mode():
-            for size in reversed(sizes):
-                meta = self._graph_meta(size)
-                st = self._static
-                self.model(st["ids"][:size], st["pos"][:size], meta)  # warm up kernels before capture
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    st["out"][:size] = self.model(st["ids"][:size], st["pos"][:size], meta)
-                pool = graph.pool()
-                self.graphs[size] = graph
-        torch.cuda.synchronize(dev)
-        log.info("captured CUDA graphs for decode batch sizes %s", sizes)
-
-    def _graph_meta(self, size: int) -> AttentionMetadata:
-        st = self._static
-        return AttentionMetadata(
-            slot_mapping=st["slots"][:size],
-            query_start_loc=st["starts"][: size + 1],
-            seq_lens=st["lens"][:size],
-            block_tables=st["tables"][:size],
-            max_query_len=1,
-            max_seq_len=self.max_model_len,
-            num_decodes=size,
-            query_lens_cpu=[1] * size,
-            seq_lens_cpu=[self.max_model_len] * size,
-        )
-
-    def _replay_graph(self, size: int, inputs: StepInputs) -> torch.Tensor:
-        st, n, meta = self._static, inputs.input_ids.shape[0], inputs.meta
-        st["ids"][:n] = inputs.input_ids
-        st["pos"][:n] = inputs.positions
-        st["slots"][:size].fill_(-1)
-        st["slots"][:n] = meta.slot_mapping
-        st["lens"][:size].fill_(1)
-        st["lens"][:n] = meta.seq_lens
-        st["tables"][:size].zero_()
-        st["tables"][:n, : meta.block_tables.shape[1]] = meta.block_tables
-        self.graphs[size].replay()
-        return st["out"][:n][inputs.sample_indices]
