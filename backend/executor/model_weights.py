@@ -40,6 +40,17 @@ _UNFUSED = {
 _PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
+def reads_gguf_blocks(config: EngineConfig, gguf: Path | None, device: torch.device) -> bool:
+    """The weights come straight from the GGUF's blocks (a quantized mode over a GGUF), so no float
+    copy of them is ever converted or read."""
+    return config.load_format != "dummy" and gguf is not None and resolve_mode(config.quantization, device, gguf) != "none"
+
+
+def needs_weight_files(config: EngineConfig, gguf: Path | None, device: torch.device) -> bool:
+    """Whether the engine reads float weights from a (converted) safetensors folder."""
+    return config.load_format != "dummy" and not reads_gguf_blocks(config, gguf, device)
+
+
 def build_model(
     config: EngineConfig,
     spec: ModelSpec,
@@ -58,8 +69,8 @@ def build_model(
             model = LlamaForCausalLM(spec, placeholder)
     finally:
         torch.set_default_dtype(torch.float32)
+    direct = reads_gguf_blocks(config, gguf, device)
     gguf = gguf if config.load_format != "dummy" else None
-    direct = gguf is not None and resolve_mode(config.quantization, device, gguf) != "none"
     if not direct:
         model.to_empty(device=device)
         model.tie_weights()
