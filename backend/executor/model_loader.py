@@ -103,7 +103,8 @@ def gguf_model_files(gguf_path: Path, cache_dir: Path) -> Path:
         tmp.rename(target)
     except OSError:  # another process got there first (its folder is as good as ours)
         shutil.rmtree(tmp, ignore_errors=True)
-    log.info("read %s's config and tokenizer in %.1f s -> %s", gguf_path.name, time.perf_counter() - start, target)
+    seconds = time.perf_counter() - start
+    log.info("read %s's config and tokenizer in %.1f s -> %s", gguf_path.name, seconds, target)
     return target
 
 
