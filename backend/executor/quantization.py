@@ -179,7 +179,7 @@ def tied_head_from_blocks(model: LlamaForCausalLM, gguf: GgufFile, kernels: str)
         return None
     if gguf.kind(name) not in ("Q4_0", "Q4_1", "Q8_0"):
         return None
-    return BlockLinear.from_blocks(gguf.blocks(name), None)
+    return BlockLinear.from_block_rows(gguf.block_rows(name), gguf.rows(name))
 
 
 def _format(layer: nn.Module) -> str:
