@@ -11,16 +11,21 @@ peak memory never holds that parse, and no float32 copy of the weights is ever w
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 from pathlib import Path
 
+from cachegw.backend.executor.gguf_table import string_field
 
-def _pre_tokenizer(path: Path) -> str | None:
-    from gguf import GGUFReader
 
-    field = GGUFReader(str(path)).fields.get("tokenizer.ggml.pre")
-    return None if field is None else bytes(field.parts[field.data[0]]).decode()
+def _read_metadata_once() -> None:
+    """transformers parses the whole GGUF (every field as numpy arrays: tens of seconds on a busy
+    machine) for the config, and again to choose the tokenizer's class: keep the first parse."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    if not hasattr(gguf_utils.load_gguf_checkpoint, "cache_info"):
+        gguf_utils.load_gguf_checkpoint = functools.lru_cache(maxsize=2)(gguf_utils.load_gguf_checkpoint)
 
 
 def fix_digit_splitting(tokenizer, pre: str | None) -> None:
@@ -41,7 +46,7 @@ def load_tokenizer(gguf_path: Path):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    fix_digit_splitting(tokenizer, _pre_tokenizer(gguf_path))
+    fix_digit_splitting(tokenizer, string_field(gguf_path, "tokenizer.ggml.pre"))
     return tokenizer
 
 
@@ -50,6 +55,7 @@ def write_model_files(gguf_path: Path, target: Path) -> None:
     from transformers import AutoConfig, GenerationConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    _read_metadata_once()
     config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the weights are read from the file's blocks, not by transformers

@@ -64,6 +64,22 @@ class _Cursor:
             self.pos += _SCALAR_SIZES[vtype]
 
 
+def string_field(path: Path, key: str) -> str | None:
+    """One string-valued metadata field (``tokenizer.ggml.pre``...), every other value skipped."""
+    mm = np.memmap(path, mode="r")
+    cur = _Cursor(mm.data)
+    if bytes(mm[:4]) != _MAGIC:
+        raise ValueError(f"{path} is not a GGUF file")
+    cur.pos = 8
+    _, n_fields = cur.take("Q"), cur.take("Q")
+    for _ in range(n_fields):
+        name, vtype = cur.string(), cur.take("I")
+        if name == key and vtype == _STRING:
+            return cur.string()
+        cur.skip(vtype)
+    return None
+
+
 def read_table(path: Path) -> tuple[str, list[TableTensor]]:
     """The file's architecture ("llama", "qwen2", ...) and its tensors, nothing read but the header."""
     mm = np.memmap(path, mode="r")
