@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cachegw.backend.executor.gguf_table import read_table
+from cachegw.backend.executor.gguf_table import read_table, release_pages
 
 BLOCK = 32
 EXACT_TYPES = ("Q4_0", "Q4_1", "Q8_0")
@@ -142,7 +142,8 @@ class GgufFile:
     def blocks(self, name: str) -> BlockWeights:
         """A Q4_0/Q4_1/Q8_0 tensor's integer blocks, in Hugging Face's row order."""
         t = self._tensors[name]
-        blocks = decode_blocks(t.tensor_type.name, t.data)
+        blocks = decode_blocks(t.tensor_type.name, t.data)  # copies: the file's pages may go
+        release_pages(t.data)
         order = self._order(name, blocks.q.shape[0])
         return blocks if order is None else blocks.rows(order)
 
@@ -157,6 +158,7 @@ class GgufFile:
             raise ValueError(f"{name}: its rows are reordered, read it with blocks()")
         for start in range(0, t.data.shape[0], chunk):
             yield decode_blocks(t.tensor_type.name, t.data[start : start + chunk])
+            release_pages(t.data[start : start + chunk])
 
     def dense(self, name: str, dtype: torch.dtype = torch.float32, chunk: int = 512) -> torch.Tensor:
         """Any tensor dequantized into ``dtype``; block types ``chunk`` rows at a time, so no float32
@@ -176,6 +178,7 @@ class GgufFile:
         else:
             out = torch.from_numpy(np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).copy())
             out = out.to(dtype)
+        release_pages(t.data)
         order = self._order(name, out.shape[0])
         return out if order is None else out[order]
 
