@@ -55,6 +55,13 @@ def _probe(url: str, model: str, tokens: int) -> float:
     return time.perf_counter() - start
 
 
+def _compiled_steps(url: str) -> int:
+    """The server's count of decode steps the compiled step ran (0 while it compiles)."""
+    text = httpx.get(url.removesuffix("/v1") + "/metrics", timeout=30).text
+    line = next((x for x in text.splitlines() if x.startswith("cachegw:compiled_decode_steps_total")), "")
+    return int(float(line.split()[-1])) if line else 0
+
+
 def ours(home: Path, budget: float, every: float) -> dict:
     """One start of `cachegw backend` with HOME=home: its milestones and decode probes."""
     env = {k: v for k, v in os.environ.items() if k not in _CLEARED} | {"HOME": str(home)}
@@ -76,11 +83,12 @@ def ours(home: Path, budget: float, every: float) -> dict:
         ready = time.monotonic() - launch
         one = _probe(url, model, 1)
         first_token = time.monotonic() - launch
-        probes: list[tuple[float, float]] = []
+        probes: list[tuple[float, float, bool]] = []  # (seconds since launch, tok/s, compiled)
         while time.monotonic() - launch < budget:
             seconds = _probe(url, model, _PROBE_TOKENS + 1) - _probe(url, model, 1)
-            probes.append((round(time.monotonic() - launch, 1), round(_PROBE_TOKENS / max(seconds, 1e-6), 1)))
-            say(f"  {probes[-1][0]:6.1f} s: decode {probes[-1][1]:.1f} tok/s")
+            speed = round(_PROBE_TOKENS / max(seconds, 1e-6), 1)
+            probes.append((round(time.monotonic() - launch, 1), speed, _compiled_steps(url) > 0))
+            say(f"  {probes[-1][0]:6.1f} s: decode {speed:.1f} tok/s, compiled step {probes[-1][2]}")
             time.sleep(every)
         milestones = {"ready_s": round(ready, 1), "first_token_s": round(first_token, 1)}
         return {**milestones, "one_token_s": round(one, 2), "probes": probes}
@@ -100,9 +108,9 @@ def llama(path: str, gguf: Path) -> dict | None:
     return {"loaded_s": round(loaded, 2), "first_token_s": round(first, 2)}
 
 
-def full_speed_at(probes: list[tuple[float, float]], best: float) -> float | None:
+def full_speed_at(probes: list[tuple[float, float, bool]], best: float) -> float | None:
     """When a probe first decoded within 10% of ``best`` tokens/s."""
-    return next((t for t, speed in probes if speed >= 0.9 * best), None)
+    return next((t for t, speed, _ in probes if speed >= 0.9 * best), None)
 
 
 def main() -> None:
@@ -126,9 +134,10 @@ def main() -> None:
         say("warm start")
         warm = Path(args.prepared_home) if args.prepared_home else home
         runs["warm start"] = ours(warm, args.warm_budget, args.every)
-    best = max(s for r in ("first start", "warm start") for _, s in runs[r]["probes"])  # type: ignore[index]
+    best = max(s for r in ("first start", "warm start") for _, s, _ in runs[r]["probes"])  # type: ignore[index]
     for r in ("first start", "warm start"):
         runs[r]["full_speed_s"] = full_speed_at(runs[r]["probes"], best)  # type: ignore[index]
+        runs[r]["compiled_from_s"] = next((t for t, _, c in runs[r]["probes"] if c), None)  # type: ignore[index]
         say(f"{r}: {runs[r]}")
     save(
         "engine_startup",
