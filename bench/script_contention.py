@@ -59,7 +59,8 @@ def main() -> None:
             stderr=subprocess.DEVNULL,
             text=True,
         )
-        assert workers[v].stdout is not None and workers[v].stdout.readline().strip() == "ready"
+        out = workers[v].stdout
+        assert out is not None and out.readline().strip() == "ready"
         say(f"{v} loaded")
     runs: dict[str, list[float]] = {f"{v} {c}": [] for v in VARIANTS for c in ("alone", "busy")}
     load = [os.getloadavg()[0]]

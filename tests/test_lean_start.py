@@ -76,9 +76,12 @@ def test_quantized_engine_reads_no_converted_weights(tmp_path: Path) -> None:
 
 def test_a_float_engine_still_converts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     called: list[Path] = []
-    monkeypatch.setattr(
-        "cachegw.backend.executor.model_loader.convert_gguf", lambda path, cache: called.append(path) or cache
-    )
+
+    def convert(path: Path, cache: Path) -> Path:
+        called.append(path)
+        return cache
+
+    monkeypatch.setattr("cachegw.backend.executor.model_loader.convert_gguf", convert)
     resolve_model_dir("", tmp_path, weights=True)
     assert called == [embedded_gguf_path()]
 
