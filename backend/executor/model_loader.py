@@ -84,6 +84,10 @@ def _content_key(path: Path, edge: int = 1 << 20) -> str:
     return digest.hexdigest()[:12]
 
 
+def _complete(folder: Path) -> bool:
+    return (folder / _DONE_MARKER).is_file() or (folder / _META_MARKER).is_file()
+
+
 def _folder(gguf_path: Path, cache_dir: Path) -> Path:
     return cache_dir / "models" / f"{gguf_path.stem}-{_content_key(gguf_path)}"
 
@@ -92,17 +96,21 @@ def gguf_model_files(gguf_path: Path, cache_dir: Path) -> Path:
     """The GGUF's folder with its config and tokenizer (weights too if a float engine converted it
     before): written once, without weights, in a child process."""
     target = _folder(gguf_path, cache_dir)
-    if (target / _DONE_MARKER).is_file() or (target / _META_MARKER).is_file():
+    if _complete(target):
         return target
     start = time.perf_counter()
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     write_in_child(gguf_path, tmp)
     (tmp / _META_MARKER).write_text(json.dumps({"source": str(gguf_path)}))
-    try:
-        tmp.rename(target)
-    except OSError:  # another process got there first (its folder is as good as ours)
-        shutil.rmtree(tmp, ignore_errors=True)
+    if not _complete(target):  # else another process got there first: its folder is as good as ours
+        shutil.rmtree(target, ignore_errors=True)  # an interrupted conversion's leftovers
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not _complete(target):
+                raise
+    shutil.rmtree(tmp, ignore_errors=True)
     seconds = time.perf_counter() - start
     log.info("read %s's config and tokenizer in %.1f s -> %s", gguf_path.name, seconds, target)
     return target
