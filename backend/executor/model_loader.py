@@ -140,7 +140,7 @@ def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
         bar.set_postfix_str(steps[2])
         # The tensors are plain float32 after dequantization; transformers only refuses to save
         # because the model still says it came from a quantized file.
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.save_pretrained(str(tmp))
