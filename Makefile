@@ -3,10 +3,11 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+PREPARED := $(VENV)/.prepared
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install serve backend test test-fast test-triton lint typecheck format bench clean migration config-docs
+.PHONY: install prepare serve backend test test-fast test-triton lint typecheck format bench clean migration config-docs
 
 install: $(STAMP)
 
@@ -23,10 +24,18 @@ $(STAMP): pyproject.toml constraints.txt
 		apt-get install -y -q redis-server >/dev/null; } || echo "no redis-server: its tests will be skipped"
 	touch $(STAMP)
 
-serve: install
+# The engine's caches filled ahead (CPU kernels, the model's config and tokenizer, the compiled decode
+# step): a few minutes once, so that a server's first start is a warm one (docs/benchmarks.md, "Start-up").
+prepare: $(PREPARED)
+
+$(PREPARED): $(STAMP)
+	$(BIN)/python -m cachegw.backend.entrypoints.prepare || echo "prepare failed: the first start builds its caches itself"
+	touch $(PREPARED)
+
+serve: install prepare
 	$(BIN)/cachegw serve
 
-backend: install
+backend: install prepare
 	$(BIN)/cachegw backend
 
 test: install

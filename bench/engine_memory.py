@@ -9,6 +9,7 @@ PYTHONPATH only; it is a bench peer, never a dependency), with ``--llama-ctx`` p
 Runs are interleaved (ours, llama.cpp, ours, ...), so the machine's state hits both alike.
 
     .venv/bin/python -m bench.engine_memory [--runs 3] [--llama-path /work/llama-peer] [--llama-ctx 2048]
+        [--out engine_memory]   (engine settings from CACHEGW_ENGINE__KEY=value, e.g. __COMPILE=off)
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--llama-path", default="/work/llama-peer")
     ap.add_argument("--llama-ctx", type=int, default=2048)
+    ap.add_argument("--out", default="engine_memory", help="bench/results/OUT.json")
     args = ap.parse_args()
     from cachegw.backend.executor.model_loader import embedded_gguf_path
 
@@ -122,12 +124,13 @@ def main() -> None:
     ratio = median["cachegw backend"] / median["llama.cpp"] if "llama.cpp" in median else None
     say(f"median peak RSS: {median}; ratio {ratio if ratio is None else round(ratio, 2)}")
     save(
-        "engine_memory",
+        args.out,
         {
             "model": gguf.name,
             "what": "peak RSS (VmHWM) until one chat request (16 tokens) is answered, MiB",
             "llama_cpp": {"package": "llama-cpp-python", "n_ctx": args.llama_ctx, "n_threads": 2},
-            "ours": "cachegw backend at its defaults",
+            "ours": "cachegw backend at its defaults"
+            + "".join(f", {k}={v}" for k, v in os.environ.items() if k.startswith("CACHEGW_ENGINE__")),
             "runs": runs,
             "median_mib": median,
             "ratio": None if ratio is None else round(ratio, 2),

@@ -57,7 +57,8 @@ def smol_tokenizer() -> Any:
     from cachegw.backend.executor.model_loader import resolve_model_dir
 
     cfg = load_engine_config(None)
-    return AutoTokenizer.from_pretrained(str(resolve_model_dir(cfg.model, cfg.resolved_cache_dir)))
+    folder = resolve_model_dir(cfg.model, cfg.resolved_cache_dir, weights=False)  # the tokenizer alone
+    return AutoTokenizer.from_pretrained(str(folder))
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,8 @@ TEXTS = ["Hello world, how are you?", "naïve café — 東京 🙂 done", "  le
 @pytest.fixture(scope="module")
 def tokenizer():
     cfg = load_engine_config()
-    return AutoTokenizer.from_pretrained(str(resolve_model_dir(cfg.model, cfg.resolved_cache_dir)))
+    folder = resolve_model_dir(cfg.model, cfg.resolved_cache_dir, weights=False)  # the tokenizer alone
+    return AutoTokenizer.from_pretrained(str(folder))
 
 
 def feed(tok, text: str, stop: list[str]) -> tuple[IncrementalDetokenizer, str | None, int]:

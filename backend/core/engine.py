@@ -31,6 +31,7 @@ from cachegw.backend.core.structured import GrammarCompiler
 from cachegw.backend.core.swap import SwapCounts, swap_space_for
 from cachegw.backend.executor.model_loader import gguf_source, resolve_model_dir
 from cachegw.backend.executor.model_runner import ModelRunner
+from cachegw.backend.executor.model_weights import needs_weight_files
 from cachegw.backend.executor.platform import resolve_device, resolve_dtype
 from cachegw.backend.executor.sampler import sample
 
@@ -51,7 +52,9 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.model_dir = resolve_model_dir(config.model, config.resolved_cache_dir)
+        gguf = gguf_source(config.model)
+        weights = needs_weight_files(config, gguf, self.device)
+        self.model_dir = resolve_model_dir(config.model, config.resolved_cache_dir, weights)
         hf_config = AutoConfig.from_pretrained(str(self.model_dir))
         limit = hf_config.max_position_embeddings
         context = min(config.max_model_len, limit) if config.max_model_len else limit
@@ -66,7 +69,7 @@ class LLMEngine:
             self.device,
             self.dtype,
             self.max_model_len,
-            gguf_path=gguf_source(config.model),
+            gguf_path=gguf,
             context=context,
         )
         self.kv_tier = offload_for(config, self.runner, self.model_dir, self.dtype)

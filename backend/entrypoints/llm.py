@@ -1,17 +1,23 @@
-"""The offline API, close to vLLM's: ``LLM(...).generate(prompts, params)``."""
+"""The offline API, close to vLLM's: ``LLM(...).generate(prompts, params)``.
+
+Torch-free until an ``LLM`` is built: the engine's threads are settled first, as `cachegw backend`
+settles them (``cpu_threads.settle_for_script``), and torch is imported after.
+"""
 
 from __future__ import annotations
 
 import itertools
 import sys
 from collections.abc import Sequence as Seq
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cachegw.backend.config import load_engine_config
-from cachegw.backend.core.engine import LLMEngine
 from cachegw.backend.core.lora_ref import LoRARef, UnknownModel
-from cachegw.backend.core.outputs import RequestOutput
 from cachegw.backend.core.sampling_params import SamplingParams
+from cachegw.backend.executor.cpu_threads import settle_for_script
+
+if TYPE_CHECKING:
+    from cachegw.backend.core.outputs import RequestOutput
 
 Prompt = str | list[int]
 
@@ -20,7 +26,11 @@ class LLM:
     """Runs the engine to completion over a list of prompts.
 
     ``model=None`` is the embedded SmolLM2-135M-Instruct. Keyword arguments left as None take
-    their value from config.toml [engine].
+    their value from config.toml [engine], but for ``compile``: a script's engine decodes eagerly
+    unless ``compile`` says otherwise (or ``config_path`` names a file that does), since a background
+    compile takes a core from the script for minutes on a first run (``"startup"`` compiles before
+    returning; a warm Inductor cache makes that seconds). Its threads follow [engine] cpus, threads
+    and omp_wait_policy, as under `cachegw backend`.
     """
 
     _ids = itertools.count()
@@ -102,7 +112,13 @@ class LLM:
             max_loras=max_loras,
             max_lora_rank=max_lora_rank,
         )
-        self.engine = LLMEngine(load_engine_config(config_path, **overrides))
+        if compile is None and config_path is None:
+            overrides["compile"] = "off"
+        config = load_engine_config(config_path, **overrides)
+        settle_for_script(config)
+        from cachegw.backend.core.engine import LLMEngine
+
+        self.engine = LLMEngine(config)
 
     @property
     def tokenizer(self):

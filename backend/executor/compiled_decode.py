@@ -31,9 +31,9 @@ from pathlib import Path
 _CACHE_DIR = Path.home() / ".cache" / "cachegw" / "inductor"
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_CACHE_DIR))
 
+import sys  # noqa: E402
+
 import torch  # noqa: E402
-import torch._inductor.config as inductor_config  # noqa: E402
-import torch.fx.experimental._config as fx_config  # noqa: E402
 
 from cachegw.backend.executor.layers.attention import AttentionMetadata, DecodeMetadata  # noqa: E402
 from cachegw.backend.executor.models.llama import LlamaForCausalLM  # noqa: E402
@@ -102,8 +102,11 @@ class CompiledDecode:
     def compile(self, block_size: int, scratch_block: int) -> None:
         """Traces and compiles with a two-sequence decode that writes only into ``scratch_block``."""
         start = time.perf_counter()
-        dev = self.model.embed_tokens.weight.device
+        dev = self.model.norm.weight.device
         try:
+            import torch._inductor.config as inductor_config
+            import torch.fx.experimental._config as fx_config
+
             # torch's config is per thread: whether to compile was decided by the thread that built
             # the engine (will_compile). Inside inference mode, as the engine's step inputs are made.
             with (
@@ -147,11 +150,21 @@ def _own_code(method):
     return types.MethodType(copy, method.__self__)
 
 
+def _compile_disabled() -> bool:
+    """torch's own switch, read without importing Dynamo (about 70 MiB and 1 s) when it is not loaded."""
+    if "torch._dynamo" in sys.modules:
+        return bool(torch._dynamo.config.disable)
+    return os.environ.get("TORCH_COMPILE_DISABLE", "0") == "1"
+
+
 def will_compile(when: str) -> bool:
     """``[engine] compile`` is on and torch.compile is not disabled (TORCH_COMPILE_DISABLE=1)."""
-    if when != "off" and torch._dynamo.config.disable:
+    if when == "off":
+        return False
+    if _compile_disabled():
         log.info("torch.compile is disabled (TORCH_COMPILE_DISABLE): decoding eagerly")
-    return when != "off" and not torch._dynamo.config.disable
+        return False
+    return True
 
 
 def start_compiling(model: LlamaForCausalLM, block_size: int, scratch: int, when: str) -> CompiledDecode:

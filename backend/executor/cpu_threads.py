@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from dataclasses import dataclass
 
 from cachegw.backend.config import EngineConfig
@@ -67,3 +68,23 @@ def set_threads(p: ThreadPlan) -> None:
     import torch
 
     torch.set_num_threads(p.threads)
+
+
+def settle_for_script(cfg: EngineConfig) -> ThreadPlan:
+    """The same settling for an engine built in a script (``LLM()``), where torch may be loaded already.
+
+    GNU OpenMP (torch's) reads OMP_WAIT_POLICY once, when torch is imported: a script that imported
+    torch before building its ``LLM`` keeps spinning threads, so it is told how to avoid that (the
+    cores and the thread count are still set)."""
+    p = plan(cfg, frozenset(os.sched_getaffinity(0)))
+    late = "torch" in sys.modules and os.environ.get("OMP_WAIT_POLICY", "").upper() != p.wait_policy
+    if late and p.wait_policy:
+        log.warning(
+            "torch was imported before LLM(): its OpenMP threads keep their default waiting (spinning, "
+            "which loses most of the engine's speed beside other busy processes). Set OMP_WAIT_POLICY=%s "
+            "in the environment, or build the LLM before importing torch.",
+            p.wait_policy,
+        )
+    apply(p)
+    set_threads(p)
+    return p

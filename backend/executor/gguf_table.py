@@ -3,11 +3,13 @@
 gguf's ``GGUFReader`` turns every metadata field into numpy arrays, the tokenizer's 49k tokens and
 merges included: about 160 MiB of passing memory for SmolLM2, more than its weights take. The
 engine needs only the architecture's name and where each tensor lies; this reader skips the rest
-(its lengths only) and hands out each tensor as a view of one read-only memory map.
+(its lengths only) and hands out each tensor as a view of one read-only memory map, whose pages a
+loader gives back once it has read a tensor (``release_pages``).
 """
 
 from __future__ import annotations
 
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +64,35 @@ class _Cursor:
                     self.skip(item)
         else:
             self.pos += _SCALAR_SIZES[vtype]
+
+
+def release_pages(data: np.ndarray) -> None:
+    """Drop the pages of a tensor read from the map out of this process (they stay in the page cache):
+    read one tensor at a time, the loader never holds the whole file beside the weights built from it.
+    A page shared with the next tensor is read again when that one is."""
+    region = getattr(data, "_mmap", None)
+    if region is None or data.nbytes == 0:
+        return
+    base = np.frombuffer(region, dtype=np.uint8).ctypes.data
+    start = data.ctypes.data - base
+    first = start // mmap.PAGESIZE * mmap.PAGESIZE
+    region.madvise(mmap.MADV_DONTNEED, first, start + data.nbytes - first)
+
+
+def string_field(path: Path, key: str) -> str | None:
+    """One string-valued metadata field (``tokenizer.ggml.pre``...), every other value skipped."""
+    mm = np.memmap(path, mode="r")
+    cur = _Cursor(mm.data)
+    if bytes(mm[:4]) != _MAGIC:
+        raise ValueError(f"{path} is not a GGUF file")
+    cur.pos = 8
+    _, n_fields = cur.take("Q"), cur.take("Q")
+    for _ in range(n_fields):
+        name, vtype = cur.string(), cur.take("I")
+        if name == key and vtype == _STRING:
+            return cur.string()
+        cur.skip(vtype)
+    return None
 
 
 def read_table(path: Path) -> tuple[str, list[TableTensor]]:

@@ -11,13 +11,14 @@ holds more than the layer it is building beside the finished ones.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from cachegw.backend.executor.gguf_table import read_table
+from cachegw.backend.executor.gguf_table import read_table, release_pages
 
 BLOCK = 32
 EXACT_TYPES = ("Q4_0", "Q4_1", "Q8_0")
@@ -155,9 +156,23 @@ class GgufFile:
     def blocks(self, name: str) -> BlockWeights:
         """A Q4_0/Q4_1/Q8_0 tensor's integer blocks, in Hugging Face's row order."""
         t = self._tensors[name]
-        blocks = decode_blocks(t.tensor_type.name, t.data)
+        blocks = decode_blocks(t.tensor_type.name, t.data)  # copies: the file's pages may go
+        release_pages(t.data)
         order = self._order(name, blocks.q.shape[0])
         return blocks if order is None else blocks.rows(order)
+
+    def rows(self, name: str) -> int:
+        return int(self._tensors[name].data.shape[0])
+
+    def block_rows(self, name: str, chunk: int = 4096) -> Iterator[BlockWeights]:
+        """A Q4_0/Q4_1/Q8_0 tensor's blocks ``chunk`` rows at a time (a tensor whose rows the file
+        keeps in Hugging Face's order: not Llama's Q/K projections)."""
+        t = self._tensors[name]
+        if self._order(name, 1) is not None:
+            raise ValueError(f"{name}: its rows are reordered, read it with blocks()")
+        for start in range(0, t.data.shape[0], chunk):
+            yield decode_blocks(t.tensor_type.name, t.data[start : start + chunk])
+            release_pages(t.data[start : start + chunk])
 
     def dense(self, name: str, dtype: torch.dtype = torch.float32, chunk: int = 512) -> torch.Tensor:
         """Any tensor dequantized into ``dtype``; block types ``chunk`` rows at a time, so no float32
@@ -179,6 +194,7 @@ class GgufFile:
             if self._norm_offset and name.endswith("norm.weight"):
                 out += self._norm_offset  # in float32, before any rounding to ``dtype``
             out = out.to(dtype)
+        release_pages(t.data)
         order = self._order(name, out.shape[0])
         return out if order is None else out[order]
 

@@ -1,8 +1,11 @@
 """Find the model's files: the embedded GGUF, any GGUF, or a local Hugging Face folder.
 
-Loading a GGUF through transformers dequantizes every tensor (about 11 s for SmolLM2 here), so a
-GGUF is converted once into a safetensors folder under the cache directory and loaded from there
-afterwards (about 1 s). Nothing is ever fetched from a model hub.
+A quantized engine reads a GGUF's weights from the file's own blocks, so for it the folder holds the
+config and tokenizer only (written once, in about 3 s, ``gguf_meta``). The float path (``quantization
+= "none"``) loads a safetensors folder: transformers dequantizes every tensor of the GGUF (about 11 s
+for SmolLM2 here, and a float32 copy of the model in memory), so that folder is converted once under
+the cache directory and loaded from there afterwards (about 1 s). Nothing is ever fetched from a
+model hub.
 """
 
 from __future__ import annotations
@@ -20,10 +23,13 @@ from pathlib import Path
 
 import torch
 
+from cachegw.backend.executor.gguf_meta import load_tokenizer, write_in_child
+
 log = logging.getLogger("cachegw.backend")
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DONE_MARKER = ".cachegw-complete"
+_META_MARKER = ".cachegw-meta-complete"  # config and tokenizer, no weights
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -42,13 +48,13 @@ def embedded_gguf_path() -> Path:
     return path
 
 
-def resolve_model_dir(model: str, cache_dir: Path) -> Path:
-    """A folder with config.json, safetensors weights and the tokenizer, converting a GGUF if needed."""
-    if not model:
-        return convert_gguf(embedded_gguf_path(), cache_dir)
+def resolve_model_dir(model: str, cache_dir: Path, weights: bool = True) -> Path:
+    """A folder with config.json and the tokenizer, and with safetensors weights unless ``weights`` is
+    False (a quantized engine reads a GGUF's blocks itself), converting a GGUF if needed."""
+    path = gguf_source(model)
+    if path is not None:
+        return convert_gguf(path, cache_dir) if weights else gguf_model_files(path, cache_dir)
     path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return convert_gguf(path, cache_dir)
     if path.is_dir() and (path / "config.json").is_file():
         return path
     raise FileNotFoundError(
@@ -65,26 +71,6 @@ def gguf_source(model: str) -> Path | None:
     return path if path.is_file() and path.suffix == ".gguf" else None
 
 
-def _gguf_pre_tokenizer(path: Path) -> str | None:
-    from gguf import GGUFReader
-
-    field = GGUFReader(str(path)).fields.get("tokenizer.ggml.pre")
-    return None if field is None else bytes(field.parts[field.data[0]]).decode()
-
-
-def _fix_digit_splitting(tokenizer, pre: str | None) -> None:
-    """transformers builds a plain ByteLevel pre-tokenizer from SmolLM's GGUF; SmolLM splits digits
-    one by one first. Without this fix numbers and long texts tokenize unlike llama.cpp/HF."""
-    if pre != "smollm":
-        return
-    from tokenizers import pre_tokenizers
-
-    backend = tokenizer.backend_tokenizer
-    backend.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), backend.pre_tokenizer]
-    )
-
-
 def _content_key(path: Path, edge: int = 1 << 20) -> str:
     """The file's identity by content, not by where it lies: its size, its first and last MiB (a GGUF's
     header holds its metadata and tensor table). The same model in another venv or clone is the same
@@ -98,14 +84,45 @@ def _content_key(path: Path, edge: int = 1 << 20) -> str:
     return digest.hexdigest()[:12]
 
 
+def _complete(folder: Path) -> bool:
+    return (folder / _DONE_MARKER).is_file() or (folder / _META_MARKER).is_file()
+
+
+def _folder(gguf_path: Path, cache_dir: Path) -> Path:
+    return cache_dir / "models" / f"{gguf_path.stem}-{_content_key(gguf_path)}"
+
+
+def gguf_model_files(gguf_path: Path, cache_dir: Path) -> Path:
+    """The GGUF's folder with its config and tokenizer (weights too if a float engine converted it
+    before): written once, without weights, in a child process."""
+    target = _folder(gguf_path, cache_dir)
+    if _complete(target):
+        return target
+    start = time.perf_counter()
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    write_in_child(gguf_path, tmp)
+    (tmp / _META_MARKER).write_text(json.dumps({"source": str(gguf_path)}))
+    if not _complete(target):  # else another process got there first: its folder is as good as ours
+        shutil.rmtree(target, ignore_errors=True)  # an interrupted conversion's leftovers
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not _complete(target):
+                raise
+    shutil.rmtree(tmp, ignore_errors=True)
+    seconds = time.perf_counter() - start
+    log.info("read %s's config and tokenizer in %.1f s -> %s", gguf_path.name, seconds, target)
+    return target
+
+
 def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
-    """Convert once to <cache_dir>/models/<name>-<key>/ and return that folder."""
-    key = _content_key(gguf_path)
-    target = cache_dir / "models" / f"{gguf_path.stem}-{key}"
+    """Convert once (weights included) to <cache_dir>/models/<name>-<key>/ and return that folder."""
+    target = _folder(gguf_path, cache_dir)
     if (target / _DONE_MARKER).is_file():
         return target
     from tqdm import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -113,8 +130,7 @@ def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
     steps = ["tokenizer", "dequantize weights", "write safetensors", "done"]
     with tqdm(total=len(steps) - 1, desc=f"converting {gguf_path.name}", file=sys.stderr, unit="step") as bar:
         bar.set_postfix_str(steps[0])
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-        _fix_digit_splitting(tokenizer, _gguf_pre_tokenizer(gguf_path))
+        tokenizer = load_tokenizer(gguf_path)
         bar.update()
         bar.set_postfix_str(steps[1])
         model = AutoModelForCausalLM.from_pretrained(
@@ -124,7 +140,7 @@ def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
         bar.set_postfix_str(steps[2])
         # The tensors are plain float32 after dequantization; transformers only refuses to save
         # because the model still says it came from a quantized file.
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.save_pretrained(str(tmp))

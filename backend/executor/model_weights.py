@@ -2,8 +2,9 @@
 
 The model is built on the meta device (shapes, no memory). Under a quantized mode over a GGUF
 (the default for the embedded model) each projection goes straight from the file's integer blocks
-into its int4/int8 layer, one layer at a time; only what stays float (embeddings, norms, biases) is
-allocated, in the model's dtype, and the tied LM head reads the embedding's blocks. No float copy
+into its int4/int8 layer, one layer at a time; only what stays float (norms, biases, an untied
+embedding) is allocated, in the model's dtype. A tied embedding in Q4_0/Q4_1/Q8_0 stays the file's
+blocks: the LM head runs them and the lookup dequantizes the rows it reads (``BlockEmbedding``). No float copy
 of the projections ever exists, and the memory-mapped file leaves the process once read. Otherwise
 (``quantization = "none"``, a safetensors folder, CUDA, random weights) every parameter is
 allocated in the model's dtype and filled from the converted safetensors folder, then quantized if
@@ -20,7 +21,9 @@ import torch
 from torch import nn
 
 from cachegw.backend.config import EngineConfig
+from cachegw.backend.executor.gguf_table import string_field
 from cachegw.backend.executor.gguf_weights import GgufFile
+from cachegw.backend.executor.layers.block_embedding import BlockEmbedding
 from cachegw.backend.executor.layers.rotary import RotaryEmbedding
 from cachegw.backend.executor.model_loader import iter_safetensors
 from cachegw.backend.executor.models.llama import LlamaForCausalLM, ModelSpec
@@ -31,6 +34,7 @@ from cachegw.backend.executor.quantization import (
     log_outcome,
     quantize_model,
     resolve_mode,
+    tied_head_from_blocks,
 )
 
 _BY_SHARD = sorted(LlamaForCausalLM._FUSED.items(), key=lambda kv: kv[1][1])
@@ -39,6 +43,21 @@ _UNFUSED = {
     fused: [part for part, (f, _) in _BY_SHARD if f == fused] for fused in ("qkv_proj", "gate_up_proj")
 }
 _PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def reads_gguf_blocks(config: EngineConfig, gguf: Path | None, device: torch.device) -> bool:
+    """The weights come straight from the GGUF's blocks (a quantized mode over a GGUF of a family
+    whose blocks load directly: all but Phi-3), so no float copy of them is ever converted or read."""
+    if config.load_format == "dummy" or gguf is None:
+        return False
+    arch = string_field(gguf, "general.architecture")
+    direct = {a for kind in FAMILIES.values() if kind.gguf_direct for a in kind.gguf_architectures}
+    return arch in direct and resolve_mode(config.quantization, device, gguf) != "none"
+
+
+def needs_weight_files(config: EngineConfig, gguf: Path | None, device: torch.device) -> bool:
+    """Whether the engine reads float weights from a (converted) safetensors folder."""
+    return config.load_format != "dummy" and not reads_gguf_blocks(config, gguf, device)
 
 
 def build_model(
@@ -60,9 +79,8 @@ def build_model(
             model = kind.model.from_config(spec, placeholder, hf_config)
     finally:
         torch.set_default_dtype(torch.float32)
+    direct = reads_gguf_blocks(config, gguf, device)
     gguf = gguf if config.load_format != "dummy" else None
-    quantized = gguf is not None and resolve_mode(config.quantization, device, gguf) != "none"
-    direct = quantized and kind.gguf_direct
     if not direct:
         model.to_empty(device=device)
         model.tie_weights()
@@ -99,6 +117,10 @@ def load_gguf_quantized(model: LlamaForCausalLM, gguf: Path, mode: str, kernels:
     file = GgufFile(gguf, spec.num_heads, spec.num_kv_heads)
     check_gguf(FAMILIES[spec.architecture], file.architecture, gguf.name)
     try:
+        head = tied_head_from_blocks(model, file, kernels) if mode != "none" else None
+        if head is not None:  # embedding and LM head: one table, the file's blocks
+            model.lm_head = head
+            model.embed_tokens = BlockEmbedding(head, model.norm.weight.dtype)  # type: ignore[assignment]
         for name, param in list(model.named_parameters()):
             parts = name.split(".")
             if parts[0] == "layers" and parts[-2] in _PROJECTIONS and parts[-1] == "weight":
@@ -113,7 +135,8 @@ def load_gguf_quantized(model: LlamaForCausalLM, gguf: Path, mode: str, kernels:
                 raise ValueError(f"{names[0]} in {gguf.name} is {shapes}")
             owner, attr = name.rsplit(".", 1)
             setattr(model.get_submodule(owner), attr, nn.Parameter(value, requires_grad=False))
-        model.tie_weights()
+        if head is None:
+            model.tie_weights()
         formats = quantize_model(model, mode, file, kernels=kernels)
     finally:
         file.close()

@@ -6,8 +6,10 @@
 - ``auto``: what the file holds where a fast kernel exists: Q4_0/Q4_1 as they are, other 2-4 bit
   types as int4, 5-8 bit types as int8, float tensors stay float; a safetensors model stays float.
 In every quantized mode the LM head is int8 while the embedding it is tied to stays float for the
-lookup. Norms, embeddings and rotary tables stay float. On CUDA the engine runs the dequantized float
-weights: these kernels are CPU ones.
+lookup, except where the tied embedding is Q4_0/Q4_1/Q8_0 on cachegw's kernels: the head then runs the
+file's own blocks and the lookup reads the same blocks (one table, the file's exact values). Norms,
+other embeddings and rotary tables stay float. On CUDA the engine runs the dequantized float weights:
+these kernels are CPU ones.
 
 Which kernels, ``[engine] cpu_kernels``: ``auto`` runs cachegw's own (``BlockLinear``: int8
 activations times the 4/8-bit blocks in integers; the AVX-512 VNNI, AVX-VNNI or AVX2 build, the best
@@ -147,7 +149,8 @@ def quantize_model(
             setattr(owner, attr, new)
             formats[_format(new)] += 1
     if mode != "none" and (mode != "auto" or set(formats) != {"none"}):
-        model.lm_head = _head(model, gguf, native, compute_dtype)
+        if not isinstance(model.lm_head, BlockLinear):  # else already built from the file's blocks
+            model.lm_head = _head(model, gguf, native, compute_dtype)
         formats["lm_head " + _format(model.lm_head)] += 1
     return formats
 
@@ -166,6 +169,20 @@ def _head(
             return BlockLinear.from_blocks(gguf.blocks(name), None, native)
         return BlockLinear.from_float(head.weight, None, 8, native)
     return Int8Linear.from_float(head.weight, None, compute_dtype)
+
+
+def tied_head_from_blocks(model: LlamaForCausalLM, gguf: GgufFile, kernels: str) -> BlockLinear | None:
+    """The tied LM head as the file's own Q4_0/Q4_1/Q8_0 blocks on cachegw's kernel (its embedding
+    is then looked up in the same blocks: ``BlockEmbedding``), or None where that does not apply."""
+    name = "model.embed_tokens.weight"
+    native = use_native_kernels(kernels)
+    if not (model.spec.tie_word_embeddings and native):
+        return None
+    if not BlockLinear.supports(model.spec.hidden_size) or name not in gguf:
+        return None
+    if gguf.kind(name) not in ("Q4_0", "Q4_1", "Q8_0"):
+        return None
+    return BlockLinear.from_block_rows(gguf.block_rows(name), gguf.rows(name), native)
 
 
 def _format(layer: nn.Module) -> str:

@@ -10,6 +10,8 @@ returns the input's dtype.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -132,15 +134,21 @@ class BlockLinear(nn.Module):
         self.bits = bits
         self.ops = ops or cpu_kernels.choose("auto").ops
         self.out_features, self.in_features = u.shape
-        n, k = u.shape
-        u = u.to(torch.uint8)
-        if bits == 4:  # per pair of blocks, byte j = weight j | weight 32 + j << 4
-            pairs = u.view(n, k // 64, 2, BLOCK)
-            u = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, k // 2)
-        self.register_buffer("w", u.contiguous())
+        self.register_buffer("w", self.pack(u, bits))
         self.register_buffer("d", d.to(torch.float16).contiguous())
         self.register_buffer("m", m.to(torch.float16).contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    @staticmethod
+    def pack(u: torch.Tensor, bits: int) -> torch.Tensor:
+        """The kernel's layout of ``u`` [out, in]: bytes as they are (8-bit), or per pair of blocks byte
+        j = weight j | weight 32 + j << 4 (4-bit)."""
+        n, k = u.shape
+        u = u.to(torch.uint8)
+        if bits == 4:
+            pairs = u.view(n, k // 64, 2, BLOCK)
+            u = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, k // 2)
+        return u.contiguous()
 
     @staticmethod
     def supports(in_features: int) -> bool:
@@ -151,10 +159,37 @@ class BlockLinear(nn.Module):
         cls, blocks: BlockWeights, bias: torch.Tensor | None, ops: str | None = None
     ) -> BlockLinear:
         """The file's own integers: Q4_0/Q4_1 as 4-bit (w = scale * q + offset), Q8_0 shifted by 128."""
+        return cls(*cls._unsigned(blocks), bias, ops)
+
+    @staticmethod
+    def _unsigned(blocks: BlockWeights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         if blocks.kind == "Q8_0":
             u = blocks.q.view(torch.uint8) ^ 0x80  # q + 128, without a 16-bit copy
-            return cls(u, blocks.scale, blocks.offset - 128 * blocks.scale, 8, bias, ops)
-        return cls(blocks.q, blocks.scale, blocks.offset, 4, bias, ops)
+            return u, blocks.scale, blocks.offset - 128 * blocks.scale, 8
+        return blocks.q, blocks.scale, blocks.offset, 4
+
+    @classmethod
+    def from_block_rows(cls, parts: Iterator[BlockWeights], rows: int, ops: str | None = None) -> BlockLinear:
+        """Like ``from_blocks`` over consecutive row ranges of one tensor, filled in place: a large
+        table (a 49k-row LM head) never exists twice, as integers and as the kernel's bytes."""
+        tables: list[torch.Tensor] = []  # w, d, m: allocated from the first range, filled in place
+        start, bits = 0, 8
+        for part in parts:
+            u, d, m, bits = cls._unsigned(part)
+            if not tables:
+                width = u.shape[1] // 2 if bits == 4 else u.shape[1]
+                tables = [torch.empty(rows, width, dtype=torch.uint8)]
+                tables += [torch.empty(rows, d.shape[1], dtype=torch.float16) for _ in "dm"]
+            end = start + u.shape[0]
+            for table, value in zip(tables, (cls.pack(u, bits), d, m), strict=True):
+                table[start:end] = value
+            start = end
+        assert tables and start == rows, f"{start} of {rows} rows"
+        w, d, m = tables
+        layer = cls(torch.zeros(1, d.shape[1] * BLOCK, dtype=torch.uint8), d[:1], m[:1], bits, None, ops)
+        layer.out_features = rows
+        layer.w, layer.d, layer.m = w, d, m
+        return layer
 
     @classmethod
     def from_float(

@@ -1,0 +1,155 @@
+"""Seconds from launch to first token and to full-speed decode: `cachegw backend` on a new machine
+(first start) and again (warm start), beside llama.cpp's load time on the same GGUF.
+
+A first start runs with HOME in an empty temporary folder, so ~/.cache/cachegw (the model's config
+and tokenizer, cachegw's CPU kernels, Inductor's compile cache) starts empty; the warm start reuses
+that folder, or ``--prepared-home``, a HOME that `make prepare` (``python -m
+cachegw.backend.entrypoints.prepare``) filled: what a first start after `make prepare` is.
+
+Each start: launch the command, poll until it serves, ask for one token (the first token), then
+decode 32 greedy tokens every few seconds (EOS ignored) and record each probe's tokens/s until
+``--budget`` seconds have passed. Full speed is reached at the first probe within 10%
+of the best probe of either start (the compiled step's speed). llama.cpp (llama-cpp-python in a
+process of its own, ``--llama-path`` on its PYTHONPATH only) is timed from launch to its model
+loaded and to the first token of the same prompt.
+
+    .venv/bin/python -m bench.engine_startup [--budget 420] [--warm-budget 150] [--llama-path DIR]
+        [--prepared-home DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.common import ROOT, save, say
+from bench.engine_memory import _stop
+from testkit.servers import free_port
+
+_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+_PROBE_TOKENS = 32
+_LLAMA = """
+import sys, time
+start = float(sys.argv[3])
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], n_ctx=2048, n_threads=2, verbose=False)
+loaded = time.time()
+llm.create_completion(sys.argv[2], max_tokens=1, temperature=0.0)
+print(loaded - start, time.time() - start, flush=True)
+"""
+_CLEARED = ("CACHEGW_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "CACHEGW_KERNEL_CACHE")
+
+
+def _probe(url: str, model: str, tokens: int) -> float:
+    """Seconds for a greedy completion of ``tokens`` tokens (EOS ignored)."""
+    body = {"model": model, "prompt": _PROMPT, "max_tokens": tokens, "temperature": 0.0, "ignore_eos": True}
+    start = time.perf_counter()
+    httpx.post(f"{url}/completions", json=body, timeout=600).raise_for_status()
+    return time.perf_counter() - start
+
+
+def _compiled_steps(url: str) -> int:
+    """The server's count of decode steps the compiled step ran (0 while it compiles)."""
+    text = httpx.get(url.removesuffix("/v1") + "/metrics", timeout=30).text
+    line = next((x for x in text.splitlines() if x.startswith("cachegw:compiled_decode_steps_total")), "")
+    return int(float(line.split()[-1])) if line else 0
+
+
+def ours(home: Path, budget: float, every: float) -> dict:
+    """One start of `cachegw backend` with HOME=home: its milestones and decode probes."""
+    env = {k: v for k, v in os.environ.items() if k not in _CLEARED} | {"HOME": str(home)}
+    port = free_port()
+    cmd = [sys.executable, "-m", "cachegw.gateway.cli", "backend", "--port", str(port)]
+    log = (home / f"backend-{time.time():.0f}.log").open("w")
+    launch = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"cachegw backend exited with {proc.returncode} (log: {log.name})")
+            try:
+                model = httpx.get(f"{url}/models", timeout=2).json()["data"][0]["id"]
+                break
+            except (httpx.HTTPError, KeyError, ValueError):
+                time.sleep(0.2)
+        ready = time.monotonic() - launch
+        one = _probe(url, model, 1)
+        first_token = time.monotonic() - launch
+        probes: list[tuple[float, float, bool]] = []  # (seconds since launch, tok/s, compiled)
+        while time.monotonic() - launch < budget:
+            seconds = _probe(url, model, _PROBE_TOKENS + 1) - _probe(url, model, 1)
+            speed = round(_PROBE_TOKENS / max(seconds, 1e-6), 1)
+            probes.append((round(time.monotonic() - launch, 1), speed, _compiled_steps(url) > 0))
+            say(f"  {probes[-1][0]:6.1f} s: decode {speed:.1f} tok/s, compiled step {probes[-1][2]}")
+            time.sleep(every)
+        milestones = {"ready_s": round(ready, 1), "first_token_s": round(first_token, 1)}
+        return {**milestones, "one_token_s": round(one, 2), "probes": probes}
+    finally:
+        _stop(proc)
+        log.close()
+
+
+def llama(path: str, gguf: Path) -> dict | None:
+    if not (Path(path) / "llama_cpp").is_dir():
+        say(f"llama-cpp-python is not in {path}: no llama.cpp row")
+        return None
+    env = {**os.environ, "PYTHONPATH": path}
+    cmd = [sys.executable, "-c", _LLAMA, str(gguf), _PROMPT, repr(time.time())]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout.split()
+    loaded, first = (float(x) for x in out)
+    return {"loaded_s": round(loaded, 2), "first_token_s": round(first, 2)}
+
+
+def full_speed_at(probes: list[tuple[float, float, bool]], best: float) -> float | None:
+    """When a probe first decoded within 10% of ``best`` tokens/s."""
+    return next((t for t, speed, _ in probes if speed >= 0.9 * best), None)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--budget", type=float, default=420, help="seconds each start is followed")
+    ap.add_argument("--warm-budget", type=float, default=150)
+    ap.add_argument("--every", type=float, default=5.0, help="seconds between decode probes")
+    ap.add_argument("--llama-path", default="/work/llama-peer")
+    ap.add_argument("--prepared-home", help="a HOME `make prepare` filled, for the warm start")
+    args = ap.parse_args()
+    from cachegw.backend.executor.model_loader import embedded_gguf_path
+
+    gguf = embedded_gguf_path()
+    runs: dict[str, dict | None] = {}
+    with tempfile.TemporaryDirectory(prefix="cachegw-home-") as tmp:
+        home = Path(tmp)
+        runs["llama.cpp"] = llama(args.llama_path, gguf)
+        say(f"llama.cpp: {runs['llama.cpp']}")
+        say("first start (empty caches)")
+        runs["first start"] = ours(home, args.budget, args.every)
+        say("warm start")
+        warm = Path(args.prepared_home) if args.prepared_home else home
+        runs["warm start"] = ours(warm, args.warm_budget, args.every)
+    best = max(s for r in ("first start", "warm start") for _, s, _ in runs[r]["probes"])  # type: ignore[index]
+    for r in ("first start", "warm start"):
+        runs[r]["full_speed_s"] = full_speed_at(runs[r]["probes"], best)  # type: ignore[index]
+        runs[r]["compiled_from_s"] = next((t for t, _, c in runs[r]["probes"] if c), None)  # type: ignore[index]
+        say(f"{r}: {runs[r]}")
+    save(
+        "engine_startup",
+        {
+            "model": gguf.name,
+            "what": "seconds from launch: serving, first token (1-token completion), full-speed decode "
+            f"(first {_PROBE_TOKENS}-token probe within 10% of the best); `cachegw backend` at its defaults",
+            "best_decode_tok_s": best,
+            "runs": runs,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
