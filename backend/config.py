@@ -75,6 +75,13 @@ class EngineConfig(Strict):
         description='disk tier directory ("" = none); engines of one machine may share it'
     )
     kv_offload_disk_bytes: int = Field(ge=0, description="disk tier budget in bytes, each engine trims to it")
+    kv_events_endpoint: str = Field(
+        description='ZeroMQ PUB address of the KV events (vLLM format), e.g. "tcp://*:5557"; "" = off'
+    )
+    kv_events_replay_endpoint: str = Field(
+        description='ZeroMQ ROUTER address that resends missed event batches; "" = no replay'
+    )
+    kv_events_buffer: int = Field(ge=1, description="event batches kept for replay")
     speculative: Literal["off", "ngram"] = Field(
         description="speculative decoding: off | ngram (prompt lookup)"
     )

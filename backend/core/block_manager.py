@@ -27,12 +27,12 @@ never left. Hits are counted per tier when a request is first admitted.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 
+from cachegw.backend.core.kv_events import KVEventPublisher
 from cachegw.backend.core.kv_tier import TIERS, KVOffload
 from cachegw.backend.core.sequence import Sequence
+from cachegw.protocol.kv_blocks import chain_hash, root_hash
 
 FREED = -1  # a block-table entry whose block was given back (before the window)
 
@@ -60,6 +60,7 @@ class BlockManager:
         window: int | None = None,
         sinks: int = 0,
         tier: KVOffload | None = None,
+        events: KVEventPublisher | None = None,
     ) -> None:
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
@@ -74,6 +75,7 @@ class BlockManager:
         self.prefix_hits = 0  # of those, tokens found in the cache
         self.tier = tier if enable_prefix_caching else None
         self.hits_by_tier = dict.fromkeys(TIERS, 0)  # tokens of prefix_hits, by where they were found
+        self.events = events  # KV events (stored, removed) for routers: backend/core/kv_events.py
 
     @property
     def num_blocks(self) -> int:
@@ -93,13 +95,10 @@ class BlockManager:
         hashes, bs = seq.block_hashes, self.block_size
         while len(hashes) <= index:
             i = len(hashes)
-            parent = (
-                hashes[-1] if i else hashlib.sha256(b"cachegw:" + (seq.cache_salt or "").encode()).digest()
-            )
             tokens = seq.token_ids[i * bs : (i + 1) * bs]
             if len(tokens) != bs:
                 raise ValueError("only full blocks are hashed")
-            hashes.append(hashlib.sha256(parent + array("q", tokens).tobytes()).digest())
+            hashes.append(chain_hash(hashes[-1] if i else root_hash(seq.cache_salt), tokens))
         return hashes[index]
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
@@ -226,6 +225,8 @@ class BlockManager:
             return
         if self.cached.get(block.hash) == block_id:
             del self.cached[block.hash]
+            if self.events is not None:
+                self.events.removed([block.hash])
             if self.tier is not None:
                 self.tier.save(block.hash, block_id)
         block.hash, block.origin = None, "pool"
@@ -294,6 +295,7 @@ class BlockManager:
         """Make every full block whose K/V are all computed findable, generated tokens included."""
         if not self.enable_prefix_caching:
             return
+        stored: list[int] = []  # indexes of the blocks made findable now, for the KV events
         for i in range(seq.num_computed_tokens // self.block_size):
             if seq.block_table[i] == FREED:  # hashed before it was freed (or not worth hashing)
                 continue
@@ -304,6 +306,26 @@ class BlockManager:
             if h not in self.cached:  # else an identical block computed elsewhere already holds it
                 block.hash = h
                 self.cached[h] = block.block_id
+                stored.append(i)
+        if stored and self.events is not None:
+            self._publish_stored(seq, stored)
+
+    def _publish_stored(self, seq: Sequence, indexes: list[int]) -> None:
+        """One BlockStored per run of consecutive blocks; a first block's parent is the salt's root
+        digest, so a consumer can check the chain (and which salt it belongs to) with protocol/kv_blocks."""
+        assert self.events is not None
+        bs, hashes = self.block_size, seq.block_hashes
+        runs: list[list[int]] = []
+        for i in indexes:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            first, last = run[0], run[-1]
+            parent = hashes[first - 1] if first else root_hash(seq.cache_salt)
+            tokens = list(seq.token_ids[first * bs : (last + 1) * bs])
+            self.events.stored(hashes[first : last + 1], parent, tokens, bs)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix not in use; returns how many blocks were dropped."""
@@ -311,7 +333,8 @@ class BlockManager:
         for block_id in self.free:
             block = self.blocks[block_id]
             if block.hash is not None:
-                self.cached.pop(block.hash, None)
+                if self.cached.pop(block.hash, None) is not None and self.events is not None:
+                    self.events.removed([block.hash])
                 block.hash = None
                 dropped += 1
         return dropped

@@ -16,6 +16,7 @@ import torch
 from cachegw.backend.config import EngineConfig
 from cachegw.backend.core.block_manager import BlockManager
 from cachegw.backend.core.detokenizer import IncrementalDetokenizer
+from cachegw.backend.core.kv_events import publisher_for
 from cachegw.backend.core.kv_tier import TierStats, offload_for
 from cachegw.backend.core.outputs import EngineStats, RequestOutput, request_output
 from cachegw.backend.core.pins import PinTable
@@ -74,6 +75,7 @@ class LLMEngine:
             window=self.runner.window_everywhere,
             sinks=self.runner.sinks,
             tier=self.kv_tier,
+            events=publisher_for(config),
         )
         self.pins = PinTable(self.block_manager, int(config.pinned_kv_share * self.runner.num_blocks))
         self.scheduler = Scheduler(
@@ -96,19 +98,15 @@ class LLMEngine:
         self.generation_tokens = 0
         log.info(
             "engine ready in %.1f s: %s on %s/%s, weights %s, %d KV blocks x %d tokens (%.0f MiB)",
-            time.perf_counter() - start,
-            self.model_dir.name,
-            self.device,
-            self.dtype,
-            self.runner.quantization,
-            self.runner.num_blocks,
-            config.block_size,
-            self.kv_cache_bytes / 2**20,
-        )
+            time.perf_counter() - start, self.model_dir.name, self.device, self.dtype,
+            self.runner.quantization, self.runner.num_blocks, config.block_size, self.kv_cache_bytes / 2**20,
+        )  # fmt: skip
 
     def close(self) -> None:
         """Write the pool's and the RAM tier's blocks to the disk tier (if any) and wait for the writes,
         so a restart finds them. A killed engine keeps only what had already left RAM."""
+        if self.block_manager.events is not None:
+            self.block_manager.events.close()
         if self.kv_tier is not None:
             self.kv_tier.persist(list(self.block_manager.cached.items()))
             self.kv_tier.close()
