@@ -24,6 +24,7 @@ from cachegw.protocol.kv_events import END_SEQ, decode_batch, seq_bytes, seq_of
 log = logging.getLogger("cachegw.gateway")
 
 REPLAY_TIMEOUT_S = 2.0
+POLL_MS = 100
 
 
 class EventFeed:
@@ -39,6 +40,7 @@ class EventFeed:
         self.rebuilds = 0  # gaps that dropped the backend's entries
         self._ctx = zmq.asyncio.Context.instance()
         self._sub: zmq.asyncio.Socket | None = None
+        self._stale: list[zmq.asyncio.Socket] = []  # dropped by ``disconnect``, closed by ``run``
         self._replayed = range(0)  # sequence numbers the last replay delivered (live copies are skipped)
 
     def _subscribe(self) -> zmq.asyncio.Socket:
@@ -48,31 +50,46 @@ class EventFeed:
         sub.connect(self.endpoint)
         return sub
 
-    def reconnect(self) -> None:
-        """Drop the connection and open a new one (what a network fault does; the next batch's
-        sequence number shows what was missed meanwhile)."""
+    def disconnect(self) -> None:
+        """Drop the connection, as a network fault does: what is published meanwhile is lost to us.
+        The socket itself is closed by ``run`` once its bounded wait on it ends (closing a socket under
+        a pending poll would cancel the task)."""
         if self._sub is not None:
-            self._sub.close(linger=0)
+            self._stale.append(self._sub)
+            self._sub = None
+
+    def connect(self) -> None:
+        """Subscribe again; the next batch's sequence number shows what was missed meanwhile."""
+        self.disconnect()
         self._sub = self._subscribe()
 
     async def run(self) -> None:
-        self._sub = self._subscribe()
+        self.connect()
         await self._catch_up(0)  # what the backend stored before we listened, if its buffer holds it
         try:
             while True:
+                for stale in self._stale:  # no wait is pending on them now
+                    stale.close(linger=0)  # what they received after the drop is lost, as on a network
+                self._stale.clear()
                 sub = self._sub
-                try:
+                if sub is None:
+                    await asyncio.sleep(0.05)
+                    continue
+                try:  # a bounded wait: ``disconnect`` may drop this socket meanwhile
+                    if not await sub.poll(POLL_MS) or sub is not self._sub:
+                        continue
                     frames = await sub.recv_multipart()
                 except zmq.ZMQError:
-                    if sub is self._sub:  # not a reconnect's close: back off a little
+                    if sub is self._sub:  # not closed by disconnect: back off a little
                         await asyncio.sleep(0.1)
                     continue
                 if len(frames) != 3:
                     continue
                 await self._receive(seq_of(frames[1]), frames[2])
         finally:
-            if self._sub is not None:
-                self._sub.close(linger=0)
+            self.disconnect()
+            for stale in self._stale:
+                stale.close(linger=0)
 
     async def _receive(self, seq: int, payload: bytes) -> None:
         if self.next_seq is not None and seq < self.next_seq:
