@@ -128,7 +128,8 @@ def test_replay_resends_every_batch_from_a_sequence_number(publisher, ports) -> 
         wait_sent(publisher, i + 1)  # one batch each
     got = replayed(ports[1], 2)
     assert [seq for seq, _ in got] == [2, 3, 4]
-    assert [decode_batch(p).events for _, p in got] == [[BlockRemoved([bytes([i]) * 32], "GPU")] for i in (2, 3, 4)]
+    want = [[BlockRemoved([bytes([i]) * 32], "GPU")] for i in (2, 3, 4)]
+    assert [decode_batch(p).events for _, p in got] == want
     assert replayed(ports[1], 9) == []  # nothing that new: only the end marker
 
 
@@ -168,7 +169,8 @@ async def _follow(ports: tuple[int, int], replay: bool) -> tuple[EventFeed, KvIn
     """A feed follows a publisher; its connection drops while blocks 3-5 are stored; blocks 6-7 follow."""
     pub = KVEventPublisher(f"tcp://*:{ports[0]}", f"tcp://*:{ports[1]}" if replay else "", buffer=100)
     index = KvIndex()
-    feed = EventFeed("b", f"tcp://127.0.0.1:{ports[0]}", f"tcp://127.0.0.1:{ports[1]}" if replay else "", index)
+    replay_at = f"tcp://127.0.0.1:{ports[1]}" if replay else ""
+    feed = EventFeed("b", f"tcp://127.0.0.1:{ports[0]}", replay_at, index)
     task = asyncio.create_task(feed.run())
     tokens = list(range(32))
     hashes = list(block_hashes(tokens, BS, None))
