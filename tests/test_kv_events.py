@@ -25,6 +25,7 @@ from cachegw.protocol.kv_blocks import block_hashes, root_hash
 from cachegw.protocol.kv_events import (
     END_SEQ,
     AllBlocksCleared,
+    BlockHash,
     BlockRemoved,
     BlockStored,
     KVEventBatch,
@@ -62,10 +63,10 @@ def publisher(ports: tuple[int, int]) -> Iterator[KVEventPublisher]:
 
 def replayed(port: int, first: int) -> list[tuple[int, bytes]]:
     """Every batch the replay socket resends from ``first`` (vLLM's replay protocol, over a DEALER)."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     sock.connect(f"tcp://127.0.0.1:{port}")
     sock.send_multipart((b"", seq_bytes(first)))
-    out = []
+    out: list[tuple[int, bytes]] = []
     try:
         while True:
             assert sock.poll(5000), "the replay socket did not answer"
@@ -89,7 +90,7 @@ def events_of(port: int) -> list:
 
 
 def test_stored_evicted_and_reset_blocks_are_published_in_vllms_format(publisher, ports) -> None:
-    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(f"tcp://127.0.0.1:{ports[0]}")
     while True:  # ZeroMQ's slow joiner: publish until the subscription is in place
@@ -136,7 +137,7 @@ def test_replay_resends_every_batch_from_a_sequence_number(publisher, ports) -> 
 def test_the_index_matches_a_request_only_under_its_own_salt() -> None:
     index = KvIndex()
     tokens = list(range(40))
-    hashes = list(block_hashes(tokens, BS, "s1"))
+    hashes: list[BlockHash] = list(block_hashes(tokens, BS, "s1"))
     index.apply("a", [BlockStored(hashes[:5], root_hash("s1"), tokens[:20], BS, None, "GPU")])
     assert index.cached_tokens("a", tokens, "s1") == 20
     assert index.cached_tokens("a", tokens, "s2") == 0  # another tenant's blocks never count
