@@ -217,3 +217,22 @@ def test_without_replay_a_gap_drops_the_backends_entries_and_they_are_rebuilt(po
     assert feed.rebuilds >= 1
     # what it held before the gap is forgotten (never wrongly believed); what came after is known
     assert {hashes[6], hashes[7]} <= index.blocks("b").held and hashes[4] not in index.blocks("b").held
+
+
+def test_the_score_weighs_the_cached_prefix_against_the_load() -> None:
+    from cachegw.gateway.upstream.backend_load import queued_sequences
+    from cachegw.policies.kv_routing import KvCandidate, choose
+
+    hashed, other = KvCandidate("h", True, 0, 0), KvCandidate("o", True, 128, 0)
+    assert choose([hashed, other], 64.0) == choose([hashed, other], 64.0)
+    assert (choose([hashed, other], 64.0).order, choose([hashed, other], 64.0).reason) == (
+        ["o", "h"],
+        "prefix",
+    )
+    busy = KvCandidate("o", True, 128, 3)  # 128 - 3 x 64 < 0: the hash's idle choice wins
+    assert choose([hashed, busy], 64.0).reason == "hash"
+    assert choose([KvCandidate("h", True, 0, 2), KvCandidate("o", True, 0, 0)], 64.0).reason == "load"
+    nobody = [KvCandidate("h", False, 0, 9), KvCandidate("o", False, 0, 0)]
+    assert choose(nobody, 64.0).order == ["h", "o"]  # no events anywhere: the hash's order stands
+    text = 'vllm:num_requests_running{model_name="m"} 2.0\ncachegw:num_requests_waiting 3.0\n# x 9\n'
+    assert queued_sequences(text) == 5
