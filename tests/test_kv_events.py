@@ -224,11 +224,8 @@ def test_the_score_weighs_the_cached_prefix_against_the_load() -> None:
     from cachegw.policies.kv_routing import KvCandidate, choose
 
     hashed, other = KvCandidate("h", True, 0, 0), KvCandidate("o", True, 128, 0)
-    assert choose([hashed, other], 64.0) == choose([hashed, other], 64.0)
-    assert (choose([hashed, other], 64.0).order, choose([hashed, other], 64.0).reason) == (
-        ["o", "h"],
-        "prefix",
-    )
+    won = choose([hashed, other], 64.0)
+    assert (won.order, won.reason, won.expected_cached_tokens) == (["o", "h"], "prefix", 128)
     busy = KvCandidate("o", True, 128, 3)  # 128 - 3 x 64 < 0: the hash's idle choice wins
     assert choose([hashed, busy], 64.0).reason == "hash"
     assert choose([KvCandidate("h", True, 0, 2), KvCandidate("o", True, 0, 0)], 64.0).reason == "load"
