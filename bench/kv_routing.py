@@ -10,6 +10,9 @@ and the streams: cached prompt tokens / prompt tokens, TTFT p50 (first content c
 gateway), where the requests went, and for ``kv`` why (prefix, load, hash) and the tokens it expected
 against those the engines reported cached. Modes are interleaved per round; each gateway has its own
 data directory, so its own salts: no mode reuses another's blocks.
+Then a slice of Mooncake's conversation trace (``--mooncake`` conversations of two turns or more, as
+completions: each 512-token hash id becomes ``--mooncake-words`` seeded words, id 0, which starts every
+request, eight times as many: the shared system prompt) under the same three modes.
 
     flock /tmp/cachegw-bench.lock .venv/bin/python -m bench.kv_routing [--rounds 1] [--tenants 3]
 """
@@ -33,7 +36,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import pct, save, say
+from bench.common import SHARED_DATA, pct, save, say
 from bench.gateway_latency import start, stop, wait_health
 from testkit.servers import free_port, serve_in_thread
 
@@ -121,36 +124,65 @@ def gateway(specs: list[dict], mode: str, data_dir: Path) -> Iterator[str]:
         yield url
 
 
-def replay(url: str, tenant: int, system: str, users: list[str], max_tokens: int) -> list[float]:
-    """One conversation turn by turn (streamed); the TTFT of each turn in ms."""
+def stream_once(http: httpx.Client, path: str, body: dict) -> tuple[float, str]:
+    """A streamed request: (ms to its first text chunk, the whole text)."""
+    t0, first, text = time.perf_counter(), None, []
+    with http.stream("POST", path, json={**body, "stream": True}) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choices = json.loads(line[6:]).get("choices") or []
+            piece = (
+                (choices[0].get("delta") or {}).get("content") or choices[0].get("text") if choices else None
+            )
+            if piece:
+                first = first or time.perf_counter()
+                text.append(piece)
+    return ((first or time.perf_counter()) - t0) * 1e3, "".join(text)
+
+
+def replay(url: str, tenant: int, system: str, turns: list[str], max_tokens: int) -> list[float]:
+    """One conversation turn by turn, streamed, replies sent back; the TTFT of each turn in ms. An empty
+    ``system`` means a completions trace: each turn is a whole prompt (Mooncake's requests)."""
     ttfts: list[float] = []
     history: list[dict] = []
-    with httpx.Client(
-        base_url=url, timeout=900, headers={"Authorization": f"Bearer tenant-{tenant}"}
-    ) as http:
-        for user in users:
-            messages = [{"role": "system", "content": system}, *history, {"role": "user", "content": user}]
-            body = {
-                "model": MODEL,
-                "messages": messages,
-                "max_tokens": max_tokens,
-                "temperature": 0,
-                "stream": True,
-            }
-            t0, first, text = time.perf_counter(), None, []
-            with http.stream("POST", "/v1/chat/completions", json=body) as r:
-                r.raise_for_status()
-                for line in r.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    choices = json.loads(line[6:]).get("choices") or []
-                    delta = (choices[0].get("delta") or {}).get("content") if choices else None
-                    if delta:
-                        first = first or time.perf_counter()
-                        text.append(delta)
-            ttfts.append(((first or time.perf_counter()) - t0) * 1e3)
-            history += [{"role": "user", "content": user}, {"role": "assistant", "content": "".join(text)}]
+    auth = {"Authorization": f"Bearer tenant-{tenant}"}
+    with httpx.Client(base_url=url, timeout=900, headers=auth) as http:
+        for turn in turns:
+            body: dict = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0}
+            if not system:
+                ttfts.append(stream_once(http, "/v1/completions", {**body, "prompt": turn})[0])
+                continue
+            messages = [{"role": "system", "content": system}, *history, {"role": "user", "content": turn}]
+            ttft, reply = stream_once(http, "/v1/chat/completions", {**body, "messages": messages})
+            ttfts.append(ttft)
+            history += [{"role": "user", "content": turn}, {"role": "assistant", "content": reply}]
     return ttfts
+
+
+def mooncake(
+    path: Path, conversations: int, tenants: int, words: int, max_ids: int
+) -> list[tuple[int, str, list[str]]]:
+    """A slice of Mooncake's trace as completions: conversations (requests sharing their first two hash
+    ids) of two turns or more, drawn at random (seed 0), each request's prompt the text of its hash ids
+    (``words`` seeded words per id; id 0, which every request starts with, is the shared system prompt),
+    its first ``max_ids`` ids only. Tenants are dealt round robin."""
+    with path.open() as f:
+        rows = sorted((json.loads(line) for line in f), key=lambda r: r["timestamp"])
+    turns: dict[tuple[int, ...], list[list[int]]] = {}
+    for row in rows:
+        turns.setdefault(tuple(row["hash_ids"][:2]), []).append(row["hash_ids"][:max_ids])
+    keys = sorted(k for k, v in turns.items() if len(v) > 1)
+    picked = random.Random(0).sample(keys, conversations)
+
+    def text(h: int) -> str:
+        rng = random.Random(h)
+        return " ".join(rng.choice(WORDS) for _ in range(words * (8 if h == 0 else 1))) + "\n"
+
+    return [
+        (i % tenants, "", ["".join(text(h) for h in ids) for ids in turns[k]]) for i, k in enumerate(picked)
+    ]
 
 
 def logged(data_dir: Path, n: int) -> list[tuple]:
@@ -195,42 +227,61 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=3, help="conversations in flight")
     ap.add_argument("--kv-tokens", type=int, default=3072, help="KV pool of each engine (tokens)")
     ap.add_argument("--rounds", type=int, default=1, help="rounds of all modes, interleaved")
+    ap.add_argument("--mooncake", type=int, default=12, help="Mooncake conversations (0 = none)")
+    ap.add_argument("--mooncake-words", type=int, default=12, help="words per Mooncake hash id")
+    ap.add_argument("--mooncake-ids", type=int, default=12, help="hash ids kept per Mooncake request")
     args = ap.parse_args()
-    convs = conversations(args.tenants, args.conversations, args.turns, args.system_words)
-    say(f"{len(convs)} conversations x {args.turns} turns, {args.tenants} tenants, modes {', '.join(MODES)}")
-    runs: dict[str, list[dict]] = {m: [] for m in MODES}
+    traces = {"synthetic": conversations(args.tenants, args.conversations, args.turns, args.system_words)}
+    if args.mooncake:
+        path = SHARED_DATA / "mooncake_conversation_trace.jsonl"
+        traces["mooncake"] = mooncake(
+            path, args.mooncake, args.tenants, args.mooncake_words, args.mooncake_ids
+        )
+    for name, convs in traces.items():
+        say(f"{name}: {len(convs)} conversations, {sum(len(c[2]) for c in convs)} requests")
+    runs: dict[str, dict[str, list[dict]]] = {t: {m: [] for m in MODES} for t in traces}
     with tempfile.TemporaryDirectory(prefix="cachegw-kvroute-") as tmp:
         work = Path(tmp)
         with engines(work, args.kv_tokens, args.concurrency + 1) as specs:
             urls = [s["url"] for s in specs]
             for rnd in range(args.rounds):
-                for mode in MODES:
-                    data_dir = work / f"gw-{mode}-{rnd}"
-                    say(f"mode {mode}, round {rnd + 1}/{args.rounds}")
-                    t0 = time.perf_counter()
-                    with gateway(specs, mode, data_dir) as gw, ThreadPoolExecutor(args.concurrency) as pool:
-                        jobs = [pool.submit(replay, gw, t, s, u, args.max_tokens) for t, s, u in convs]
-                        ttfts = [x for j in jobs for x in j.result()]
-                        seconds = time.perf_counter() - t0
-                        rows = logged(data_dir, len(ttfts))
-                    run = summarize(rows, ttfts, urls, seconds)
-                    runs[mode].append(run)
-                    say(f"{mode}: {run}")
-    results = {
-        m: {k: statistics.median(r[k] for r in rs) for k in rs[0] if isinstance(rs[0][k], int | float)}
-        | {"rounds": rs}
-        for m, rs in runs.items()
-    }
-    base = results["round_robin"]
+                for trace, convs in traces.items():
+                    for mode in MODES:  # interleaved, so a drift of the shared machine hits all alike
+                        data_dir = work / f"gw-{trace}-{mode}-{rnd}"
+                        say(f"{trace}, mode {mode}, round {rnd + 1}/{args.rounds}")
+                        t0 = time.perf_counter()
+                        with (
+                            gateway(specs, mode, data_dir) as gw,
+                            ThreadPoolExecutor(args.concurrency) as pool,
+                        ):
+                            jobs = [pool.submit(replay, gw, t, s, u, args.max_tokens) for t, s, u in convs]
+                            ttfts = [x for j in jobs for x in j.result()]
+                            seconds = time.perf_counter() - t0
+                            rows = logged(data_dir, len(ttfts))
+                        run = summarize(rows, ttfts, urls, seconds)
+                        runs[trace][mode].append(run)
+                        say(f"{trace} {mode}: {run}")
+    results = {trace: {m: median(rs) for m, rs in by_mode.items()} for trace, by_mode in runs.items()}
     ratios = {
-        f"{m}_vs_round_robin": {
-            "cached_share": round(r["cached_over_prompt"] / max(base["cached_over_prompt"], 1e-9), 2),
-            "ttft_p50": round(r["ttft_p50_ms"] / base["ttft_p50_ms"], 2),
+        trace: {
+            f"{m}_vs_round_robin": {
+                "cached_share": round(
+                    r["cached_over_prompt"] / max(res["round_robin"]["cached_over_prompt"], 1e-9), 2
+                ),
+                "ttft_p50": round(r["ttft_p50_ms"] / res["round_robin"]["ttft_p50_ms"], 2),
+            }
+            for m, r in res.items()
+            if m != "round_robin"
         }
-        for m, r in results.items()
-        if m != "round_robin"
+        for trace, res in results.items()
     }
-    save("kv_routing", {"args": vars(args), "modes": results, "ratios": ratios})
+    save("kv_routing", {"args": vars(args), "traces": results, "ratios": ratios})
+
+
+def median(runs: list[dict]) -> dict:
+    """Each figure's median over the rounds, and the rounds themselves."""
+    keys = [k for k in runs[0] if isinstance(runs[0][k], int | float)]
+    return {k: statistics.median(r[k] for r in runs) for k in keys} | {"rounds": runs}
 
 
 if __name__ == "__main__":
