@@ -87,6 +87,13 @@ class EngineConfig(Strict):
     kv_shutdown_budget_s: float = Field(
         ge=0, description="on SIGTERM, seconds given to writing the pool's and RAM's blocks to the tier"
     )
+    kv_events_endpoint: str = Field(
+        description='ZeroMQ PUB address of the KV events (vLLM format), e.g. "tcp://*:5557"; "" = off'
+    )
+    kv_events_replay_endpoint: str = Field(
+        description='ZeroMQ ROUTER address that resends missed event batches; "" = no replay'
+    )
+    kv_events_buffer: int = Field(ge=1, description="event batches kept for replay")
     speculative: Literal["off", "ngram"] = Field(
         description="speculative decoding: off | ngram (prompt lookup)"
     )

@@ -103,7 +103,10 @@ async def started_gateway(
         specs = [BackendSpec(url=builtin.url, drafts=True, pins=True)]
     g = settings.gateway
     retry_after = max(1, math.ceil(g.probe_interval_s))  # a down backend is re-checked that soon
-    backends = Backends(specs, g.connect_timeout_s, g.backend_timeout_s, g.routing, retry_after)
+    backends = Backends(
+        specs, g.connect_timeout_s, g.backend_timeout_s, g.routing, retry_after,
+        kv_load_penalty=g.kv_load_penalty, kv_metrics_interval_s=g.kv_metrics_interval_s,
+    )  # fmt: skip
     probes = HealthProbes(backends, g.probe_interval_s, g.probe_timeout_s, g.probe_misses)
     auditor = Auditor(
         lines, backends, batcher, live.cache_settings, clock, builtin_backend=builtin is not None
@@ -114,6 +117,9 @@ async def started_gateway(
         index_entries=lambda: float(len(cache.index)),
         sync_age=(lambda: time.time() - cache.synced_at) if c.sync_interval_s else None,
     )
+    if (kv := backends.kv) is not None:  # routing = "kv": what each backend holds and its load, followed
+        kv.start()
+        metrics.watch_kv(kv.indexed_blocks, lambda: dict(kv.load.load), kv.lost)
     metrics.watch_audits(
         auditor.counts, lambda: auditor.backend_tokens, lambda: lines.view(live.current.cache)
     )

@@ -66,6 +66,13 @@ class BackendSpec(_Strict):
         default=False,
         description="a cachegw engine: prompt-cache pins (Anthropic `cache_control`) go as `cache_pins`",
     )
+    kv_events: str = Field(
+        default="",
+        description='routing = "kv": the ZeroMQ PUB address of its KV events (vLLM format); "" = none',
+    )
+    kv_events_replay: str = Field(
+        default="", description='the ZeroMQ ROUTER address resending missed event batches; "" = none'
+    )
     _key: str = PrivateAttr("")
 
     @field_validator("url")
@@ -118,7 +125,15 @@ class GatewayConfig(_Strict):
     backends: tuple[BackendSpec, ...] = Field(
         description="OpenAI-compatible backends: URLs or tables with credentials; [] = the built-in engine"
     )
-    routing: RoutingMode = Field(description="several backends of one model: prefix | round_robin | first")
+    routing: RoutingMode = Field(
+        description="several backends of one model: prefix | round_robin | first | kv"
+    )
+    kv_load_penalty: float = Field(
+        ge=0, description='routing = "kv": prompt tokens each running or waiting sequence costs a backend'
+    )
+    kv_metrics_interval_s: float = Field(
+        gt=0, description='routing = "kv": how often each backend\'s /metrics is read for its load'
+    )
     log_query_text: bool = Field(description="the request log keeps the last user message (first 500 chars)")
     probe_interval_s: float = Field(gt=0, description="how often each backend's /health is probed")
     probe_timeout_s: float = Field(gt=0, description="how long a probe may take")

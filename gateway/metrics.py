@@ -47,6 +47,33 @@ class BackendCounts(Collector):
             yield family
 
 
+class KvRoutingState(Collector):
+    """``routing = "kv"``: per backend, the blocks its events say it holds, its load (running + waiting
+    sequences) and the event gaps that dropped its entries; read at scrape time."""
+
+    def __init__(
+        self,
+        blocks: Callable[[], dict[str, int]],
+        load: Callable[[], dict[str, int]],
+        lost: Callable[[], dict[str, int]],
+    ) -> None:
+        self._blocks, self._load, self._lost = blocks, load, lost
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        for family, read in (
+            (GaugeMetricFamily("cachegw_gateway_kv_blocks", "KV blocks a backend's events say it holds",
+                               labels=["backend"]), self._blocks),
+            (GaugeMetricFamily("cachegw_gateway_kv_backend_load", "Sequences running + waiting on a backend",
+                               labels=["backend"]), self._load),
+            (CounterMetricFamily("cachegw_gateway_kv_event_losses",
+                                 "Gaps in a backend's KV events no replay filled (its entries rebuilt)",
+                                 labels=["backend"]), self._lost),
+        ):  # fmt: skip
+            for backend, n in sorted(read().items()):
+                family.add_metric([backend], n)
+            yield family
+
+
 class AuditCounts(Collector):
     """The false-hit audits' verdicts and cost, and each scope's estimated false-hit rate, read at
     scrape time from the auditor's plain counters and the threshold provider's view."""
@@ -132,6 +159,24 @@ class GatewayMetrics:
             "Prompt tokens the backends served from their prefix cache",
             registry=r,
         )
+        self.kv_routes = Counter(
+            "cachegw_gateway_kv_routes",
+            'routing = "kv": misses by why their backend was picked (prefix, load, hash)',
+            ["reason"],
+            registry=r,
+        )
+        self.kv_expected = Counter(
+            "cachegw_gateway_kv_expected_cached_tokens",
+            'routing = "kv": prompt tokens the picked backend was expected to hold, by reason',
+            ["reason"],
+            registry=r,
+        )
+        self.kv_cached = Counter(
+            "cachegw_gateway_kv_cached_tokens",
+            'routing = "kv": prompt tokens the picked backend then reported cached, by reason',
+            ["reason"],
+            registry=r,
+        )
         self.similarity = Histogram(
             "cachegw_gateway_nearest_similarity",
             "Similarity of the nearest cached query, for semantic hits and misses",
@@ -158,6 +203,14 @@ class GatewayMetrics:
             if fn is not None:
                 Gauge(name, doc, registry=r).set_function(fn)
 
+    def watch_kv(
+        self,
+        blocks: Callable[[], dict[str, int]],
+        load: Callable[[], dict[str, int]],
+        lost: Callable[[], dict[str, int]],
+    ) -> None:
+        self.registry.register(KvRoutingState(blocks, load, lost))
+
     def watch_audits(
         self, verdicts: Tally[str], tokens: Callable[[], int], rates: Callable[[], dict]
     ) -> None:
@@ -183,6 +236,10 @@ class GatewayMetrics:
         if r.cache_result in NOT_HITS:
             self.prompt_tokens.inc(r.prompt_tokens or 0)
             self.cached_tokens.inc(r.cached_tokens or 0)
+        if r.route is not None:
+            self.kv_routes.labels(r.route).inc()
+            self.kv_expected.labels(r.route).inc(r.expected_cached_tokens or 0)
+            self.kv_cached.labels(r.route).inc(r.cached_tokens or 0)
 
     def count_error(self, status: int, code: str) -> None:
         self.errors.labels(str(status), code).inc()

@@ -8,7 +8,8 @@ request with the same system prompt and opening question, goes to the same backe
 evenly, and adding or removing a backend moves only the keys it owned. A ``prompt_cache_key`` in the
 request replaces the conversation root as the key (``routing_key``). ``round_robin`` spreads requests
 with no affinity (for backends without a prefix cache); ``first`` sends everything to the first listed
-backend that serves the model and uses the others only when it is down.
+backend that serves the model and uses the others only when it is down. ``kv`` starts from the ``prefix``
+order and lets the backends' KV events and load reorder it (``policies/kv_routing.py``).
 
 The candidates are the backends up: one the health probes marked down (``gateway/upstream/health.py``)
 is left out before the policy orders them, so with ``prefix`` only the keys it owned move.
@@ -23,7 +24,7 @@ from typing import Any, Literal
 
 from cachegw.policies.canonicalize import without_volatile_note
 
-RoutingMode = Literal["prefix", "round_robin", "first"]
+RoutingMode = Literal["prefix", "round_robin", "first", "kv"]
 
 # Completions have no message structure: the first characters of the prompt stand for its shared prefix
 # (about 500 tokens: longer than a typical system preamble, short enough that different questions after a

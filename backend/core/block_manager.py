@@ -27,12 +27,12 @@ never left. Hits are counted per tier when a request is first admitted.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 
+from cachegw.backend.core.kv_events import KVEventPublisher
 from cachegw.backend.core.kv_tier import TIERS, KVOffload
 from cachegw.backend.core.sequence import Sequence
+from cachegw.protocol.kv_blocks import chain_hash, root_hash
 
 FREED = -1  # a block-table entry whose block was given back (before the window)
 
@@ -41,12 +41,10 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def root_hash(seq: Sequence) -> bytes:
-    """The chain's root: the request's cache salt and, under a LoRA adapter, the digest of its files
-    (the base model's roots stay as they were, so its disk-tier blocks keep their names)."""
-    root = b"cachegw:" + (seq.cache_salt or "").encode()
+def seq_root(seq: Sequence) -> bytes:
+    """The chain's root of a sequence: its cache salt and LoRA adapter (``protocol/kv_blocks.py``)."""
     lora = seq.params.lora
-    return hashlib.sha256(root if lora is None else root + b"\x00lora:" + lora.digest.encode()).digest()
+    return root_hash(seq.cache_salt, None if lora is None else lora.digest)
 
 
 class Block:
@@ -69,6 +67,7 @@ class BlockManager:
         sinks: int = 0,
         tier: KVOffload | None = None,
         kv_budget: int = 0,
+        events: KVEventPublisher | None = None,
     ) -> None:
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
@@ -84,6 +83,7 @@ class BlockManager:
         self.prefix_hits = 0  # of those, tokens found in the cache
         self.tier = tier if enable_prefix_caching else None
         self.hits_by_tier = dict.fromkeys(TIERS, 0)  # tokens of prefix_hits, by where they were found
+        self.events = events  # KV events (stored, removed) for routers: backend/core/kv_events.py
 
     @property
     def num_blocks(self) -> int:
@@ -103,11 +103,10 @@ class BlockManager:
         hashes, bs = seq.block_hashes, self.block_size
         while len(hashes) <= index:
             i = len(hashes)
-            parent = hashes[-1] if i else root_hash(seq)
             tokens = seq.token_ids[i * bs : (i + 1) * bs]
             if len(tokens) != bs:
                 raise ValueError("only full blocks are hashed")
-            hashes.append(hashlib.sha256(parent + array("q", tokens).tobytes()).digest())
+            hashes.append(chain_hash(hashes[-1] if i else seq_root(seq), tokens))
         return hashes[index]
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
@@ -242,6 +241,8 @@ class BlockManager:
             return
         if self.cached.get(block.hash) == block_id:
             del self.cached[block.hash]
+            if self.events is not None:
+                self.events.removed([block.hash])
             if self.tier is not None:
                 self.tier.save(block.hash, block_id)
         block.hash, block.origin = None, "pool"
@@ -311,6 +312,7 @@ class BlockManager:
         """Make every full block whose K/V are all computed findable, generated tokens included."""
         if not self.enable_prefix_caching or seq.kv_dropped:  # compacted blocks are not the prefix
             return
+        stored: list[int] = []  # indexes of the blocks made findable now, for the KV events
         for i in range(seq.num_computed_tokens // self.block_size):
             if seq.block_table[i] == FREED:  # hashed before it was freed (or not worth hashing)
                 continue
@@ -323,6 +325,26 @@ class BlockManager:
                 self.cached[h] = block.block_id
                 if self.tier is not None:
                     self.tier.filled(h, block.block_id)
+                stored.append(i)
+        if stored and self.events is not None:
+            self._publish_stored(seq, stored)
+
+    def _publish_stored(self, seq: Sequence, indexes: list[int]) -> None:
+        """One BlockStored per run of consecutive blocks; a first block's parent is the salt's root
+        digest, so a consumer can check the chain (and which salt it belongs to) with protocol/kv_blocks."""
+        assert self.events is not None
+        bs, hashes = self.block_size, seq.block_hashes
+        runs: list[list[int]] = []
+        for i in indexes:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            first, last = run[0], run[-1]
+            parent = hashes[first - 1] if first else seq_root(seq)
+            tokens = list(seq.token_ids[first * bs : (last + 1) * bs])
+            self.events.stored(hashes[first : last + 1], parent, tokens, bs)
 
     def hashed_by_recency(self) -> list[tuple[bytes, int]]:
         """``(hash, block id)`` of every findable block, most recently used first: those in use, then the
@@ -352,6 +374,8 @@ class BlockManager:
             elif block.hash is not None:
                 if self.cached.get(block.hash) == block_id:
                     del self.cached[block.hash]
+                    if self.events is not None:  # routers must stop counting on it
+                        self.events.removed([block.hash])
                 block.hash = None
             table.append(block_id)
         seq.block_table = table
@@ -363,7 +387,8 @@ class BlockManager:
         for block_id in self.free:
             block = self.blocks[block_id]
             if block.hash is not None:
-                self.cached.pop(block.hash, None)
+                if self.cached.pop(block.hash, None) is not None and self.events is not None:
+                    self.events.removed([block.hash])
                 block.hash = None
                 dropped += 1
         return dropped

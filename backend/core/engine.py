@@ -18,6 +18,7 @@ from cachegw.backend.core.block_manager import BlockManager
 from cachegw.backend.core.detokenizer import IncrementalDetokenizer
 from cachegw.backend.core.eos import eos_token_ids
 from cachegw.backend.core.h2o import h2o_for
+from cachegw.backend.core.kv_events import publisher_for
 from cachegw.backend.core.kv_tier import TierStats, offload_for
 from cachegw.backend.core.outputs import EngineStats, RequestOutput, request_output
 from cachegw.backend.core.pins import PinTable
@@ -81,6 +82,7 @@ class LLMEngine:
             sinks=self.runner.sinks,
             tier=self.kv_tier,
             kv_budget=config.kv_budget_tokens if config.kv_eviction == "h2o" else 0,
+            events=publisher_for(config),
         )
         self.h2o = h2o_for(config, self.block_manager, self.runner.move_rows)
         self.pins = PinTable(self.block_manager, int(config.pinned_kv_share * self.runner.num_blocks))
@@ -105,19 +107,15 @@ class LLMEngine:
         self.generation_tokens = 0
         log.info(
             "engine ready in %.1f s: %s on %s/%s, weights %s, %d KV blocks x %d tokens (%.0f MiB)",
-            time.perf_counter() - start,
-            self.model_dir.name,
-            self.device,
-            self.dtype,
-            self.runner.quantization,
-            self.runner.num_blocks,
-            config.block_size,
-            self.kv_cache_bytes / 2**20,
-        )
+            time.perf_counter() - start, self.model_dir.name, self.device, self.dtype,
+            self.runner.quantization, self.runner.num_blocks, config.block_size, self.kv_cache_bytes / 2**20,
+        )  # fmt: skip
 
     def close(self) -> None:
         """Write the pool's and RAM's blocks to the disk/Redis tier, most recent first, within
         ``kv_shutdown_budget_s``, so a restart finds them (a killed engine keeps what left before)."""
+        if self.block_manager.events is not None:
+            self.block_manager.events.close()
         if self.kv_tier is not None:
             self.kv_tier.persist(self.block_manager.hashed_by_recency(), self.config.kv_shutdown_budget_s)
             self.kv_tier.close()

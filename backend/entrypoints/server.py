@@ -47,6 +47,7 @@ from cachegw.backend.entrypoints.request_fields import (
     EngineCompletionRequest,
     check_fields,
 )
+from cachegw.backend.entrypoints.tokenize_route import tokenize_route
 from cachegw.backend.entrypoints.tool_prompt import answer_constraint, chat_prompt_ids, request_tools
 from cachegw.backend.entrypoints.tools import ToolRequest
 from cachegw.backend.executor.cpu_threads import ThreadPlan
@@ -318,6 +319,7 @@ def build_app(
     add_health_routes(app, lambda: engine.is_alive)
     app.add_api_route("/metrics", server.metrics_text, methods=["GET"])
     add_lora_routes(app, engine, admin_token, max_request_bytes)
+    app.add_api_route("/tokenize", tokenize_route(server), methods=["POST"])  # vLLM's; routing = "kv" asks it
     return app
 
 

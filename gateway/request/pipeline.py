@@ -177,13 +177,17 @@ class Gateway:
             record.cache_result = CacheResult.MISS
         store = use_cache and cacheable.may_store
         path = "/chat/completions" if endpoint == "chat" else "/completions"
-        try:  # the canonical prefix picks the backend; none up: a 503 at once
+        if settings.tenants.prefix_isolation:  # after the keys: the gateway's own cache is unchanged
+            flow.cache_salt = self._prefix_salt(flow)
+        try:  # the canonical prefix picks the backend (with routing = "kv", what each holds); none up: 503
             urls = self.backends.order(candidates, endpoint, body)
+            salt = flow.cache_salt if flow.cache_salt is not None else body.get("cache_salt")
+            urls, kv = await self.backends.kv_order(urls, endpoint, body, salt)
         except ApiError as exc:
             await self._record_failure(flow, exc, time.perf_counter())
             raise
-        if settings.tenants.prefix_isolation:  # after the keys: the gateway's own cache is unchanged
-            flow.cache_salt = self._prefix_salt(flow)
+        if kv is not None:
+            record.route, record.expected_cached_tokens = kv.reason, kv.expected_cached_tokens
         if record.stream:
             return await self._forward_stream(flow, urls, path, body, store, ttl)
         return await self._forward_json(flow, urls, path, body, store, ttl)

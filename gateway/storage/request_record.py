@@ -59,6 +59,8 @@ class RequestRecord:
     query_hash: str | None = None
     query: str | None = None  # the start of the last user message, if configured
     api: str | None = "chat"  # the route's API: chat, completions, responses, messages, embeddings
+    route: str | None = None  # routing = "kv": why the backend was picked (prefix, load, hash)
+    expected_cached_tokens: int | None = None  # routing = "kv": the prefix the picked backend held
 
     @property
     def is_hit(self) -> bool:

@@ -116,6 +116,10 @@ class RequestRow(Base):
     # the API the client called (chat, completions, responses, messages, embeddings); `endpoint` is the
     # cache's shape (chat or completions) the request was served through
     api: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    # routing = "kv": why the backend was picked (prefix, load, hash) and the prompt tokens its KV events
+    # said it held, beside cached_tokens (what it then reported)
+    route: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    expected_cached_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class Reply(Base):

@@ -17,7 +17,9 @@ from typing import Any
 import httpx
 
 from cachegw.gateway.config import BackendSpec
+from cachegw.gateway.upstream.kv_router import KvRouter
 from cachegw.gateway.upstream.streams import MarkedDown, unless_gone
+from cachegw.policies.kv_routing import KvChoice
 from cachegw.policies.routing import Router, RoutingMode
 from cachegw.protocol.errors import ApiError
 
@@ -64,6 +66,8 @@ class Backends:
         routing: RoutingMode = "prefix",
         retry_after_s: int = 5,
         clock: Callable[[], float] = time.monotonic,
+        kv_load_penalty: float = 64.0,
+        kv_metrics_interval_s: float = 0.5,
     ) -> None:
         self._clock = clock
         self._listed_at = -RELIST_AFTER_S  # when the model lists were last read (clock time)
@@ -79,6 +83,9 @@ class Backends:
         limits = httpx.Limits(max_connections=512, max_keepalive_connections=64, keepalive_expiry=KEEPALIVE_S)
         self.client = httpx.AsyncClient(timeout=timeout, limits=limits)
         self.router = Router(routing)
+        self.kv: KvRouter | None = None  # routing = "kv": started by the composition root
+        if routing == "kv":
+            self.kv = KvRouter(self.client, self.headers, specs, kv_load_penalty, kv_metrics_interval_s)
         self._models: dict[str, list[str]] = {}  # model id -> the backends serving it, in configured order
         self._down_until: dict[str, float] = {}
         self.answered: Counter[str] = Counter()  # per backend, read by the Prometheus collector
@@ -118,6 +125,8 @@ class Backends:
         )
 
     async def close(self) -> None:
+        if self.kv is not None:
+            await self.kv.close()
         await self.client.aclose()
 
     async def list_models(self) -> list[dict[str, Any]]:
@@ -177,8 +186,21 @@ class Backends:
         up = [u for u in urls if u not in self.down]
         if not up:
             raise self.unavailable()
+        return self._refusing_last(self.router.order(up, endpoint, body))
+
+    def _refusing_last(self, urls: list[str]) -> list[str]:
         refusing = set(self.refusing())
-        return sorted(self.router.order(up, endpoint, body), key=lambda u: u in refusing)  # stable sort
+        return sorted(urls, key=lambda u: u in refusing)  # stable sort
+
+    async def kv_order(
+        self, urls: list[str], endpoint: str, body: dict[str, Any], salt: str | None
+    ) -> tuple[list[str], KvChoice | None]:
+        """With ``routing = "kv"`` and a choice to make: ``order``'s backends ranked by the prefix each
+        holds net of its load (``gateway/upstream/kv_router.py``), and why the first won."""
+        if self.kv is None or len(urls) < 2:
+            return urls, None
+        choice = await self.kv.order(urls, endpoint, body, salt)
+        return self._refusing_last(choice.order), choice
 
     def _for_backend(self, url: str, body: dict[str, Any], draft: str | None) -> dict[str, Any]:
         """The body with ``cachegw_draft`` for a backend that takes drafts (the gateway's draft over
