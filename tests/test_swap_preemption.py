@@ -4,6 +4,8 @@ preemption at all, streamed ones included."""
 
 from __future__ import annotations
 
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -186,8 +188,24 @@ def test_streams_under_swap_match_and_metrics_count_the_swaps(engine: LLM, expec
                 )
                 return "".join(c.choices[0].text for c in chunks if c.choices)
 
+            # The engine thread is held until every request is queued, so all are admitted in one
+            # drain of its commands and the small pool must preempt (arriving one by one on a busy
+            # machine, each might finish before the next came).
+            held, gate = threading.Event(), threading.Event()
+
+            def hold() -> None:
+                held.set()
+                gate.wait(120)
+
+            server._submit(hold)
+            assert held.wait(60), "the engine thread took no command"
             with ThreadPoolExecutor(len(prompts)) as pool:
-                texts = list(pool.map(stream, prompts))
+                futures = [pool.submit(stream, p) for p in prompts]
+                deadline = time.monotonic() + 120
+                while server._commands.qsize() < len(prompts) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                gate.set()
+                texts = [f.result() for f in futures]
             metrics = httpx.get(f"{url}/metrics").text
     finally:
         server.shutdown()
