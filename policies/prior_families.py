@@ -32,7 +32,10 @@ def band(cell: int) -> int:
     return min(BANDS - 1, cell // 10)
 
 
-def band_counts(audits: tuple[float, ...] | list[float], wrong: tuple[float, ...] | list[float]) -> list[tuple[float, float]]:
+Counts = tuple[float, ...] | list[float]
+
+
+def band_counts(audits: Counts, wrong: Counts) -> list[tuple[float, float]]:
     """(audits, wrong) per band."""
     out = [(0.0, 0.0)] * BANDS
     for i in range(len(GRID)):

@@ -106,8 +106,9 @@ def test_live_wrong_audits_pull_the_line_off_and_fade_hands_over_to_live_evidenc
     sl = lines.line("m", "t", c)
     assert sl.line == 0.95 and sl.prior > 0  # one wrong in 10: not yet against a 1% prior
     lines.apply(rows(1, 0.95, False))
-    sl = lines.line("m", "t", c)  # two wrong in 11 would come 1 time in 150 at 1%: the prior is dropped
-    assert sl.line is None and sl.prior == 0.0 and sl.choice == choose_line(lines.evidence[("m", "t")], TARGET)
+    sl = lines.line("m", "t", c)  # two wrong in 11 would come under 1 time in 100 at 1%: prior dropped
+    assert sl.line is None and sl.prior == 0.0
+    assert sl.choice == choose_line(lines.evidence[("m", "t")], TARGET)
     lines.apply(rows(152, 0.95, True) + rows(37, 0.95, False))  # 200 live audits: the prior is gone
     sl = lines.line("m", "t", c)
     live = lines.evidence[("m", "t")]

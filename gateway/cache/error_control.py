@@ -22,7 +22,8 @@ of the score kind the scope is judged on (the verifier's probability, or the cos
 a weight that falls to none as the scope's live audits reach ``false_hit_prior_fade``; an entry's own
 line never counts it. The prior's calibration families (QQP questions, banking77 intents) are
 weighed per scope by its own audits (``policies/prior_families.py``), and the prior is dropped when
-the scope's live audits at the line contradict it (``bound_prior.contradicts``). A request may tighten its scope's target (``x-cache-max-false-hit-rate``).
+the scope's live audits at the line contradict it (``bound_prior.contradicts``). A request may
+tighten its scope's target (``x-cache-max-false-hit-rate``).
 """
 
 from __future__ import annotations
@@ -33,13 +34,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from cachegw.gateway.cache.links import EntryLinks
 from cachegw.gateway.cache.prior_loader import Priors
 from cachegw.gateway.config import CacheConfig
 from cachegw.gateway.storage.evidence_store import EvidenceRow, EvidenceStore
 from cachegw.policies.bound_prior import START_FACTOR, PriorWeight, contradicts, with_prior
-from cachegw.policies.prior_families import resembled
 from cachegw.policies.error_bound import Choice, Evidence, choose_line, interval, min_audits
 from cachegw.policies.evidence_window import Ageing, WindowedEvidence
+from cachegw.policies.prior_families import resembled
 
 SEEN_IDS = 200_000  # evidence ids counted here, remembered so a row the log names again is not recounted
 CHOICES = 4096  # cached line choices at most (requests' own targets could grow it without end)
@@ -125,6 +127,7 @@ class ThresholdProvider:
         self._scoped: dict[tuple[Scope, float, float, str, PriorWeight], ScopedChoice] = {}
         # ids counted here, oldest first: this replica's own rows come back through the change log
         self._seen: OrderedDict[int, None] = OrderedDict()
+        self.links = EntryLinks()  # near misses that became hits: read from the same rows
 
     @property
     def evidence(self) -> dict[Scope, Evidence]:
@@ -206,6 +209,7 @@ class ThresholdProvider:
                 self._seen[r.id] = None
                 if len(self._seen) > SEEN_IDS:
                     self._seen.popitem(last=False)
+            self.links.apply((r,))
             scope = (r.model, r.tenant)
             self.windows.setdefault(scope, WindowedEvidence(self.ageing)).add(r.ts, r.score, r.right)
             self._forget(scope)
@@ -240,6 +244,7 @@ class ThresholdProvider:
         self._seen.clear()
         self._choices.clear()
         self._scoped.clear()
+        self.links.clear()
         return await asyncio.to_thread(self.load)
 
     async def record(self, rows: list[EvidenceRow]) -> None:
