@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cachegw.gateway.cache.error_control import ThresholdProvider
+from cachegw.gateway.cache.error_control import ScopeLine, ThresholdProvider
 from cachegw.gateway.cache.prior_loader import load_priors
 from cachegw.gateway.config import load_settings
 from cachegw.gateway.storage.evidence_store import EvidenceRow, EvidenceStore
@@ -68,19 +68,24 @@ def rows(scope: str, stream: list[tuple[float, bool]]) -> list[EvidenceRow]:
     return [EvidenceRow("m", scope, s, r, "near-miss", 0.0) for s, r in stream]
 
 
+def line(lines: ThresholdProvider, tenant: str) -> ScopeLine:
+    c = load_settings(None).cache.updated({"max_false_hit_rate": 0.05, "false_hit_prior": "shipped"})
+    found = lines.line("m", tenant, c)
+    assert found is not None
+    return found
+
+
 def test_each_scope_is_pulled_to_its_own_traffic_within_the_stated_audits(tmp_path) -> None:
     lines = provider(tmp_path)
-    c = load_settings(None).cache.updated({"max_false_hit_rate": 0.05, "false_hit_prior": "shipped"})
-    assert lines.line("m", "desk", c).line is None  # no audit yet: the mixture allows no line
+    assert line(lines, "desk").line is None  # no audit yet: the mixture allows no line
     lines.apply(rows("desk", audits(20)) + rows("forum", audits(10, wrong_every=3)))
-    desk, forum = lines.line("m", "desk", c), lines.line("m", "forum", c)
+    desk, forum = line(lines, "desk"), line(lines, "forum")
     assert desk.line is not None and desk.line <= 0.9 and desk.prior > 1000  # served from 20 audits on
     assert desk.families["banking77"] > 0.98
     assert forum.line is None  # QQP-like: no line, as its own evidence says
     # a desk that turns bad: three wrong in its next ten, and its own audits overrule the prior
     lines.apply(rows("desk", audits(10, wrong_every=3)))
-    desk = lines.line("m", "desk", c)
-    assert desk.line is None
+    assert line(lines, "desk").line is None
 
 
 def prior_file(path: Path) -> str:
