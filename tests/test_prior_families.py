@@ -16,7 +16,7 @@ from cachegw.gateway.cache.prior_loader import load_priors
 from cachegw.gateway.config import load_settings
 from cachegw.gateway.storage.evidence_store import EvidenceRow, EvidenceStore
 from cachegw.gateway.storage.store import Store
-from cachegw.policies.bound_prior import PriorCounts
+from cachegw.policies.bound_prior import PriorCounts, contradicts
 from cachegw.policies.error_bound import GRID, Evidence
 from cachegw.policies.prior_families import resembled, weights
 from tests.test_error_bound_gateway import Q0, ask_and_audit, bound_settings, scope_view, upstream  # noqa: F401
@@ -117,3 +117,16 @@ def test_the_gateway_weighs_the_families_by_its_audits(upstream, tmp_path) -> No
         assert ask_and_audit(url, Q0, clock)["x-cache"] == "semantic-hit"
         view = scope_view(url)
         assert view["line"] == 1.0 and view["prior_families"]["clean"] > 0.75 and view["prior_audits"] > 0
+
+
+def test_live_audits_over_the_target_overrule_a_prior_they_do_not_reject() -> None:
+    """8% wrong in 25 audits at the line: a 3% prior would see that one time in six (no rejection), but
+    the scope's own audits say the target is missed, so the prior goes (``CHECK_AFTER`` = 20)."""
+    prior = PriorCounts(
+        tuple(1000.0 if g == 0.95 else 0.0 for g in GRID), tuple(30.0 if g == 0.95 else 0.0 for g in GRID)
+    )
+    live = evidence([(0.95, True)] * 23 + [(0.95, False)] * 2)
+    assert contradicts(live, prior, 0.95, target=0.05)
+    assert not contradicts(live, prior, 0.95, target=0.10)  # within that target, and no rejection
+    few = evidence([(0.95, True)] * 17 + [(0.95, False)])  # 1 in 18: too few to overrule by share
+    assert not contradicts(few, prior, 0.95, target=0.05)

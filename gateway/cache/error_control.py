@@ -172,7 +172,7 @@ class ThresholdProvider:
         choice = choose_line(ev, target, conf, start)
         if mix is None or prior == 0.0:
             return choice, 0.0, {}
-        if choice.line is not None and contradicts(live, mix.counts, choice.line, conf):
+        if choice.line is not None and contradicts(live, mix.counts, choice.line, target, conf):
             return choose_line(live, target, conf), 0.0, {}  # its own audits reject the prior
         return choice, prior, mix.weights
 
