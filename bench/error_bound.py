@@ -12,15 +12,14 @@ replay (bench/results/error_bound.json and .png).
     .venv/bin/python -m bench.error_bound [--pairs 400] [--texts 800] [--data DIR]
     .venv/bin/python -m bench.error_bound --prior [--pairs 1500] [--texts 800]
 
-``--prior``: the shipped prior (``policies/artifacts/bound_prior.json``) against none, target 5%, audits
-at 50%, no seeds; the replay draws from the held-out part only (``bench/prior_split.py``), never from
-the pairs the prior counted. Writes bench/results/error_bound_prior.json.
+``--prior``: the shipped prior (``policies/artifacts/bound_prior.json``: its families weighed per scope)
+against none and against the same counts as one mixed prior, target 5%, audits at 50%, no seeds; the
+replay draws from the held-out part only (``bench/prior_split.py``), never from the pairs the prior
+counted. Writes bench/results/error_bound_prior.json.
 
-Subsampled to stay under ~6 minutes on 2 cores: ``--pairs`` QQP test pairs (each replayed as question 1,
-then question 2) and ``--texts`` banking77 texts of ``INTENTS`` intents, drawn with a fixed seed, sent
-by ``CLIENTS`` clients at once. Each target run starts from evidence seeded as `cachegw calibrate
---seed-evidence` seeds it, from labelled pairs disjoint from the replay (``SEED_PAIRS`` other QQP test
-pairs; the other texts of the same intents, each with its nearest neighbour); audits add to it.
+Subsampled (``--pairs`` QQP pairs, question 1 then 2; ``--texts`` banking77 texts of ``INTENTS``
+intents; fixed seed; ``CLIENTS`` clients at once). Target runs start from evidence seeded as `cachegw
+calibrate --seed-evidence` seeds it, from labelled pairs disjoint from the replay; audits add to it.
 """
 
 from __future__ import annotations
@@ -56,7 +55,7 @@ SEED_PAIRS = 2000  # QQP test pairs that seed the evidence (`cachegw calibrate -
 INTENTS = 12  # banking77 intents of the replayed support desk
 CLIENTS = 4  # replay units (a QQP pair in order, or one banking77 text) sent by 4 clients at once
 SAMPLES = 40  # points of the plotted history per run
-KEYS = ("estimate", "interval", "line", "audits", "evidence")
+KEYS = ("estimate", "interval", "line", "audits", "evidence", "prior_audits", "prior_families")
 
 
 def labelled_backend(answer_of: dict[str, str] | Callable[[dict[str, Any]], str]) -> FastAPI:
@@ -180,6 +179,7 @@ def gateway(
     seeds: list[Any],
     prior: str = "none",
     audits: float = AUDIT_FRACTION,
+    over: dict[str, Any] | None = None,
 ) -> Iterator[str]:
     from cachegw.gateway.api.app import build_app
     from cachegw.gateway.compose import started_gateway
@@ -192,6 +192,7 @@ def gateway(
         "false_hit_prior": prior,
         "audit_max_per_second": 1000.0,
         "sync_interval_s": 0.0,
+        **(over or {}),
     }
     s = s.model_copy(
         update={
@@ -225,9 +226,12 @@ def run(
     seeds: list[Any],
     prior: str = "none",
     audits: float = AUDIT_FRACTION,
+    over: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One replay on a fresh gateway: per request, whether it hit and whether the hit was right."""
+    """One replay on a fresh gateway: per request, whether it hit and whether the hit was right.
+    ``over``: other [cache] settings of the gateway."""
     served: list[tuple[bool, bool]] = []  # (hit, right), in the order the answers came
+    linked: list[bool] = []  # whether each hit served by a near-miss link was right
     history: list[dict[str, Any]] = []
     total = sum(len(u) for u in units)
     every = max(1, total // SAMPLES)
@@ -235,7 +239,7 @@ def run(
     start = time.perf_counter()
     with (
         tempfile.TemporaryDirectory() as work,
-        gateway(backend, Path(work), target, seeds, prior, audits) as url,
+        gateway(backend, Path(work), target, seeds, prior, audits, over) as url,
         httpx.Client(timeout=120) as client,
     ):
 
@@ -253,8 +257,11 @@ def run(
                 body = {"model": MODEL, "messages": msgs, "temperature": 0, "max_tokens": 16}
                 r = client.post(f"{url}/v1/chat/completions", json=body, headers=CLIENT_KEY)
                 hit = r.headers["x-cache"] == "semantic-hit"
+                right = r.json()["choices"][0]["message"]["content"] == answer_of[q]
                 with lock:
-                    served.append((hit, r.json()["choices"][0]["message"]["content"] == answer_of[q]))
+                    served.append((hit, right))
+                    if r.headers.get("x-cache-reason") == "link":
+                        linked.append(right)
                     due = target and len(served) % every == 0
                 if due:
                     sample()
@@ -276,6 +283,7 @@ def run(
         "requests": len(served),
         "seconds": round(seconds, 1),
         "hit_rate": round(len(hits) / len(served), 4),
+        "false_hits": hits.count(False),
         "hit_rate_second_half": round(len(hits2) / len(second), 4),
         "false_hit_rate_realized_second_half": round(realized2, 4),
         "false_hits_second_half": hits2.count(False),
@@ -286,6 +294,10 @@ def run(
         "interval_contains_realized": (interval[0] <= realized2 <= interval[1]) if interval else None,
         "line": scope.get("line"),
         "prior_audits_at_end": scope.get("prior_audits"),
+        "prior_families_at_end": scope.get("prior_families"),
+        "link_hits": len(linked),
+        "link_hits_wrong": linked.count(False),
+        "first_hit_at": next((i + 1 for i, (h, _) in enumerate(served) if h), None),
         "evidence": scope.get("evidence"),
         "audits_by_verdict": verdicts,
         "audit_backend_tokens": view.get("audit_backend_tokens"),
@@ -328,6 +340,8 @@ def main() -> None:
     p.add_argument("--prior", action="store_true", help="the shipped prior against none, held-out pairs")
     args = p.parse_args()
     if args.prior:
+        from bench.prior_replay import prior_main
+
         return prior_main(args)
     sets = {
         "qqp_test": qqp_replay(args.data, args.pairs, args.seed),
@@ -352,29 +366,6 @@ def main() -> None:
                 results[name].append(r)
     plot(results, RESULTS / "error_bound.png")
     save("error_bound", {"args": {k: str(v) for k, v in vars(args).items()}, "results": results})
-
-
-def prior_main(args: argparse.Namespace) -> None:
-    """One scope, target 5%, audits at 50%, no seeds: without a prior, then with the shipped one."""
-    sets = {
-        "qqp_held_out": qqp_replay(args.data, args.pairs, args.seed, held_out=True),
-        "banking77_held_out": banking_replay(args.data, args.texts, args.seed, held_out=True),
-    }
-    results: dict[str, Any] = {}
-    for name, (units, answer_of, _) in sets.items():
-        with serve_in_thread(labelled_backend(answer_of)) as b:
-            results[name] = []
-            for prior in ("none", "shipped"):
-                r = run(units, answer_of, PRIOR_TARGET, f"{b}/v1", [], prior, PRIOR_AUDITS)
-                r["prior"] = prior
-                say(
-                    f"{name} prior {prior}: hits 2nd half {r['hits_second_half']} "
-                    f"({r['hit_rate_second_half']:.3f}), wrong {r['false_hits_second_half']} "
-                    f"({r['false_hit_rate_realized_second_half']:.3f}), line {r['line']}, "
-                    f"evidence {r['evidence']}, prior audits {r['prior_audits_at_end']} ({r['seconds']} s)"
-                )
-                results[name].append(r)
-    save("error_bound_prior", {"args": {k: str(v) for k, v in vars(args).items()}, "results": results})
 
 
 if __name__ == "__main__":

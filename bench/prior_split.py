@@ -12,6 +12,9 @@ stored in order as the replay stores them (each pair's question 1, then question
 judged against its nearest earlier stored questions (``stored_neighbours``), right when QQP's
 duplicate links join the two, as the replay's backend answers.
 
+The two are written as separate families (``families`` in the file): their false-hit rates differ
+tenfold, and the gateway weighs them per scope by its own audits (``policies/prior_families.py``).
+
     .venv/bin/python -m bench.prior_split [--data DIR] [--out policies/artifacts/bound_prior.json]
 """
 
@@ -183,12 +186,9 @@ def main() -> None:
                 },
             },
             "pairs": len(qqp) + len(bank),
-            "parts": {
-                name: {k: {"audits": list(c.audits), "wrong": list(c.wrong)} for k, c in kinds.items()}
-                for name, kinds in parts.items()
-            },
             "command": "python -m bench.prior_split --out policies/artifacts/bound_prior.json",
         },
+        parts,
     )
     write_prior(args.out, doc)
     say(f"wrote {args.out}: candidates {doc['provenance']['candidates']}")

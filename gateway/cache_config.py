@@ -180,6 +180,11 @@ class CacheConfig(Strict):
     feedback_margin: float = Field(
         ge=0, le=1, description="a semantic hit flagged bad raises its entry's threshold to similarity + this"
     )
+    near_miss_links: bool = Field(
+        description="near misses (refused by the verifier or the error-bound line) compared with their "
+        "fresh answer; equal answers link the two entries, and a request near both ends of a link is "
+        "served (static thresholds only)"
+    )
     sync_interval_s: float = Field(
         ge=0,
         description="replicas on one database: the fallback poll of the change log (PostgreSQL also "

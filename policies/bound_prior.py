@@ -10,7 +10,11 @@ continuous extension of its integer form (``policies/error_bound.py``).
 
 What the line then guarantees is conditional: the bound holds for the scope's hits only as far as its
 traffic resembles the calibration pairs, until its own audits outweigh them; after ``fade`` audits the
-prior no longer counts and the guarantee is the live one again.
+prior no longer counts and the guarantee is the live one again. Before that, ``contradicts`` drops the
+prior as soon as the scope's live audits at the line reject the prior's false-hit rate there (a
+one-sided binomial test at the bound's confidence), or, from ``CHECK_AFTER`` of them on, are wrong more
+often than the target: traffic worse than the calibration loses the prior's line within a handful of
+wrong audits, not after ``fade``.
 """
 
 from __future__ import annotations
@@ -18,13 +22,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from scipy.stats import binom
 
-from cachegw.policies.error_bound import GRID, Evidence, bucket
+from cachegw.policies.error_bound import CONFIDENCE, GRID, Evidence, bucket
 
 # With a prior the fixed sequence starts where this many times ``min_audits`` pairs are at or above the
 # line: tested on the fewest, a line passes only with none wrong, and calibration data holds a few
 # wrong pairs even at the top. A count, never a verdict, so the family-wise guarantee is unchanged.
 START_FACTOR = 3
+# Live audits at the line after which their own wrong share, over the target, drops the prior: early
+# traffic can look cleaner than later traffic (a small store meets fewer wrong neighbours), and the
+# prior's pseudo-audits would otherwise outvote what the scope's hits are showing.
+CHECK_AFTER = 20
 
 
 @dataclass(frozen=True)
@@ -81,3 +90,20 @@ def with_prior(live: Evidence, prior: PriorCounts | None, weight: PriorWeight) -
         [w + k * p for w, p in zip(live.wrong, prior.wrong, strict=True)],
     )
     return merged, k * prior.total
+
+
+def contradicts(
+    live: Evidence, prior: PriorCounts, line: float, target: float, confidence: float = CONFIDENCE
+) -> bool:
+    """Whether the scope's live audits at or above ``line`` overrule the prior there: at least
+    ``CHECK_AFTER`` of them wrong more often than ``target``, or (with any number) that many wrong or
+    more would come with probability under 1 - ``confidence`` at the prior's rate."""
+    wrong, n = live.at(line)
+    p_wrong, p_n = Evidence(list(prior.audits), list(prior.wrong)).at(line)
+    if wrong <= 0 or p_n <= 0:
+        return False
+    if n >= CHECK_AFTER and wrong / n > target:
+        return True
+    k, trials = round(wrong), round(n)
+    rate = (p_wrong + 0.5) / (p_n + 1.0)  # never 0: a prior of no wrong pairs claims a small rate, not none
+    return float(binom.sf(k - 1, trials, rate)) < 1 - confidence

@@ -48,7 +48,7 @@ def config(prior: str = "shipped", strength: float = 1000.0) -> CacheConfig:
 
 def provider(tmp_path: Path) -> ThresholdProvider:
     store = Store(f"sqlite:///{tmp_path / 'cachegw.db'}")
-    return ThresholdProvider(EvidenceStore(store.session), lambda: 0.0, None, {"verifier": PRIOR})
+    return ThresholdProvider(EvidenceStore(store.session), lambda: 0.0, None, {"verifier": {"all": PRIOR}})
 
 
 def rows(n: int, score: float, right: bool) -> list[EvidenceRow]:
@@ -58,7 +58,9 @@ def rows(n: int, score: float, right: bool) -> list[EvidenceRow]:
 def test_the_shipped_prior_loads_with_its_provenance() -> None:
     priors = load_priors("shipped")
     assert set(priors) == {"verifier", "cosine"}
-    assert all(p.total > 100 for p in priors.values())
+    # the families kept apart, each with its own candidates
+    assert all(set(f) == {"qqp", "banking77"} for f in priors.values())
+    assert all(p.total > 100 for f in priors.values() for p in f.values())
     prov = json.loads(SHIPPED.read_text())["provenance"]
     assert prov["verifier_sha256"] == sha256(ARTIFACT_PATH)  # counted with the verifier that ships
     assert {"date", "command", "encoder", "cross_encoder_sha256", "pairs"} <= set(prov)
@@ -100,12 +102,14 @@ def test_live_wrong_audits_pull_the_line_off_and_fade_hands_over_to_live_evidenc
     says 1%) loses its line within a few audits and has its live-only line after ``fade``."""
     lines = provider(tmp_path)
     c = config()
-    lines.apply(rows(8, 0.95, True) + rows(2, 0.95, False))
-    assert lines.line("m", "t", c).line == 0.95  # 10 live audits against ~760 pseudo-audits
-    lines.apply(rows(32, 0.95, True) + rows(8, 0.95, False))
+    lines.apply(rows(9, 0.95, True) + rows(1, 0.95, False))
     sl = lines.line("m", "t", c)
-    assert sl.line is None and sl.prior == pytest.approx(800 * (1 - 50 / FADE))  # pulled off at 50
-    lines.apply(rows(120, 0.95, True) + rows(30, 0.95, False))  # 200 live audits: the prior is gone
+    assert sl.line == 0.95 and sl.prior > 0  # one wrong in 10: not yet against a 1% prior
+    lines.apply(rows(1, 0.95, False))
+    sl = lines.line("m", "t", c)  # two wrong in 11 would come under 1 time in 100 at 1%: prior dropped
+    assert sl.line is None and sl.prior == 0.0
+    assert sl.choice == choose_line(lines.evidence[("m", "t")], TARGET)
+    lines.apply(rows(152, 0.95, True) + rows(37, 0.95, False))  # 200 live audits: the prior is gone
     sl = lines.line("m", "t", c)
     live = lines.evidence[("m", "t")]
     assert sl.prior == 0.0 and sl.choice == choose_line(live, TARGET)
@@ -191,7 +195,8 @@ def test_calibrate_writes_a_prior_the_gateway_loads(capsys, pairs_csv, tmp_path)
     res = _run_json(capsys, ["--pairs", str(pairs_csv), "--write-prior", str(out)])
     priors = load_priors(str(out))
     assert set(priors) == {"verifier", "cosine"}
-    assert res["prior"] == max(p.total for p in priors.values()) > 0
+    assert all(set(f) == {"all"} for f in priors.values())  # one family: the operator's pairs
+    assert res["prior"] == max(f["all"].total for f in priors.values()) > 0
     prov = json.loads(out.read_text())["provenance"]
     assert prov["data"][pairs_csv.name]["pairs"] == len(PAIRS) == prov["pairs"]
     assert prov["verifier_sha256"] == sha256(ARTIFACT_PATH)

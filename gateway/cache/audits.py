@@ -50,6 +50,7 @@ class AuditJob:
     body: dict[str, Any]  # canonical, as a miss would have been forwarded
     cache_salt: str | None = None
     fresh: dict[str, Any] | None = None  # the client's fresh answer (near miss)
+    stored_entry_id: int | None = None  # the near-miss request's own stored entry: linked when right
 
 
 class TokenBucket:
@@ -110,7 +111,9 @@ class Auditor:
             self._recent[job.request_id] = (job.model, job.tenant, job.score, job.entry.id)
             if len(self._recent) > RECENT:
                 self._recent.popitem(last=False)
-        if c.audits.fraction <= 0 or self.rng() >= c.audits.fraction:
+        # a near miss costs no backend request: with links on, every one is compared (within the budget)
+        fraction = 1.0 if job.kind == "near-miss" and c.near_miss_links else c.audits.fraction
+        if fraction <= 0 or self.rng() >= fraction:
             return "sampled-out"
         self.bucket.rate = c.audits.max_per_second  # live settings may change it
         if not self.bucket.take():
@@ -156,6 +159,7 @@ class Auditor:
             job.entry.id,
             job.request_id,
             tokens,
+            linked_entry_id=job.stored_entry_id if job.kind == "near-miss" else None,
         )
         await self.lines.record([row])
         return right

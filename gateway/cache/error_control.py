@@ -20,7 +20,10 @@ the same window applies to each scope and each entry.
 A prior (``false_hit_prior``, ``policies/bound_prior.py``) adds pseudo-audits to each scope's evidence,
 of the score kind the scope is judged on (the verifier's probability, or the cosine with it off), with
 a weight that falls to none as the scope's live audits reach ``false_hit_prior_fade``; an entry's own
-line never counts it. A request may tighten its scope's target (``x-cache-max-false-hit-rate``).
+line never counts it. The prior's calibration families (QQP questions, banking77 intents) are
+weighed per scope by its own audits (``policies/prior_families.py``), and the prior is dropped when
+the scope's live audits at the line contradict it (``bound_prior.contradicts``). A request may
+tighten its scope's target (``x-cache-max-false-hit-rate``).
 """
 
 from __future__ import annotations
@@ -31,17 +34,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from cachegw.gateway.cache.links import EntryLinks
 from cachegw.gateway.cache.prior_loader import Priors
 from cachegw.gateway.config import CacheConfig
 from cachegw.gateway.storage.evidence_store import EvidenceRow, EvidenceStore
-from cachegw.policies.bound_prior import START_FACTOR, with_prior
+from cachegw.policies.bound_prior import START_FACTOR, PriorWeight, contradicts, with_prior
 from cachegw.policies.error_bound import Choice, Evidence, choose_line, interval, min_audits
 from cachegw.policies.evidence_window import Ageing, WindowedEvidence
+from cachegw.policies.prior_families import resembled
 
 SEEN_IDS = 200_000  # evidence ids counted here, remembered so a row the log names again is not recounted
 CHOICES = 4096  # cached line choices at most (requests' own targets could grow it without end)
 ENTRIES = 20_000  # entries whose own evidence is kept (least recently audited dropped: the scope decides)
 Scope = tuple[str, str]  # (model, tenant name)
+ScopedChoice = tuple[Choice, float, dict[str, float]]  # the line, the prior's pseudo-audits, its families
 
 
 def _no_entry_line(entry_id: int | None) -> Choice | None:
@@ -57,6 +63,7 @@ class ScopeLine:
     # an entry's own choice when it has enough evidence of its own, else None (the scope's decides)
     own: Callable[[int | None], Choice | None] = field(default=_no_entry_line, compare=False)
     prior: float = 0.0  # pseudo-audits of the prior in the scope's evidence (0: live evidence alone)
+    families: dict[str, float] = field(default_factory=dict, compare=False)  # the prior's family weights
 
     @property
     def line(self) -> float | None:
@@ -115,9 +122,12 @@ class ThresholdProvider:
         self.windows: dict[Scope, WindowedEvidence] = {}
         self.entries: OrderedDict[int, WindowedEvidence] = OrderedDict()
         self.entry_scope: dict[int, Scope] = {}
-        self._choices: dict[tuple[Scope | int, float, float, float], Choice] = {}
+        self._choices: dict[tuple[int, float, float, float], Choice] = {}  # entries' own lines
+        # per (scope, target, confidence, score kind, prior weight): the choice, pseudo-audits, families
+        self._scoped: dict[tuple[Scope, float, float, str, PriorWeight], ScopedChoice] = {}
         # ids counted here, oldest first: this replica's own rows come back through the change log
         self._seen: OrderedDict[int, None] = OrderedDict()
+        self.links = EntryLinks()  # near misses that became hits: read from the same rows
 
     @property
     def evidence(self) -> dict[Scope, Evidence]:
@@ -140,22 +150,39 @@ class ThresholdProvider:
             self._forget(scope)
         live = window.evidence if window is not None else Evidence()
         kind = "verifier" if config.verifier.enabled else "cosine"
-        ev, prior = with_prior(live, self.priors.get(kind), config.error_bound.prior_weight)
+        k = (scope, target, conf, kind, config.error_bound.prior_weight)
+        if k not in self._scoped:
+            if len(self._scoped) >= CHOICES:
+                self._scoped.clear()
+            self._scoped[k] = self._scope_choice(live, kind, target, conf, k[4])
+        choice, prior, families = self._scoped[k]
 
         def own(entry_id: int | None) -> Choice | None:
             return self._entry_choice(entry_id, target, conf)
 
-        return ScopeLine(target, self._choice(scope, ev, target, conf, prior), own, prior)
+        return ScopeLine(target, choice, own, prior, families)
 
-    def _choice(
-        self, key: Scope | int, ev: Evidence, target: float, conf: float, prior: float = 0.0
-    ) -> Choice:
-        k = (key, target, conf, prior)
+    def _scope_choice(
+        self, live: Evidence, kind: str, target: float, conf: float, weight: PriorWeight
+    ) -> ScopedChoice:
+        """The line from live evidence plus the prior its audits point to, unless they contradict it."""
+        mix = resembled(live, self.priors.get(kind) or {})
+        ev, prior = with_prior(live, mix.counts if mix else None, weight)
+        start = START_FACTOR * min_audits(target, conf) if prior > 0 else 0.0
+        choice = choose_line(ev, target, conf, start)
+        if mix is None or prior == 0.0:
+            return choice, 0.0, {}
+        if choice.line is not None and contradicts(live, mix.counts, choice.line, target, conf):
+            return choose_line(live, target, conf), 0.0, {}  # its own audits reject the prior
+        return choice, prior, mix.weights
+
+    def _choice(self, key: int, ev: Evidence, target: float, conf: float) -> Choice:
+        """An entry's own line (its own evidence; no prior), cached until its evidence changes."""
+        k = (key, target, conf, 0.0)
         if k not in self._choices:
             if len(self._choices) >= CHOICES:
                 self._choices.clear()
-            start = START_FACTOR * min_audits(target, conf) if prior > 0 else 0.0
-            self._choices[k] = choose_line(ev, target, conf, start)
+            self._choices[k] = choose_line(ev, target, conf)
         return self._choices[k]
 
     def _entry_choice(self, entry_id: int | None, target: float, conf: float) -> Choice | None:
@@ -170,6 +197,7 @@ class ThresholdProvider:
 
     def _forget(self, key: Scope | int) -> None:
         self._choices = {k: v for k, v in self._choices.items() if k[0] != key}
+        self._scoped = {k: v for k, v in self._scoped.items() if k[0] != key}
 
     def apply(self, rows: list[EvidenceRow]) -> int:
         """Count rows not counted yet (by id); returns how many were new."""
@@ -181,6 +209,7 @@ class ThresholdProvider:
                 self._seen[r.id] = None
                 if len(self._seen) > SEEN_IDS:
                     self._seen.popitem(last=False)
+            self.links.apply((r,))
             scope = (r.model, r.tenant)
             self.windows.setdefault(scope, WindowedEvidence(self.ageing)).add(r.ts, r.score, r.right)
             self._forget(scope)
@@ -214,6 +243,8 @@ class ThresholdProvider:
         self.entry_scope.clear()
         self._seen.clear()
         self._choices.clear()
+        self._scoped.clear()
+        self.links.clear()
         return await asyncio.to_thread(self.load)
 
     async def record(self, rows: list[EvidenceRow]) -> None:
@@ -267,6 +298,7 @@ def rates(
         scopes[f"{model}|{tenant}"] = {
             **rate_view(target, line, wrong, n, ev.total, conf).as_dict(),
             "prior_audits": round(sl.prior, 1) if sl else 0.0,
+            "prior_families": {k: round(w, 3) for k, w in sl.families.items()} if sl else {},
         }
         wrong_all, audits_all, total_all = wrong_all + wrong, audits_all + n, total_all + ev.total
     overall = rate_view(config.error_bound.max_false_hit_rate, None, wrong_all, audits_all, total_all, conf)

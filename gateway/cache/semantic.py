@@ -4,7 +4,9 @@ The last user message is embedded (concurrent requests share one encoder call), 
 index gives the nearest stored queries, and a candidate serves only if it is close enough
 (``threshold_for``, and its own threshold learned from feedback), may serve this request
 (``policies.cacheability.unservable``), and every difference between the two queries is accounted
-for (``policies.pair_diff.align``, then the verifier on the differing part).
+for (``policies.pair_diff.align``, then the verifier on the differing part). With
+``near_miss_links`` (static thresholds only), two candidates refused only by the verifier that an
+audit linked serve the nearer (``gateway/cache/links.py``).
 """
 
 from __future__ import annotations
@@ -94,6 +96,8 @@ class SemanticTier:
         if not close:
             return result
         refused: list[str] = []  # why each candidate, nearest first, was not served
+        soft: list[tuple[CacheEntry, float, float]] = []  # refused only by the verifier or the line
+        links = c.near_miss_links and line is None and self.lines is not None
         entries = await self.memo.get([i for i, _ in close])
         for entry_id, sim in close:
             entry = entries.get(entry_id)
@@ -113,11 +117,27 @@ class SemanticTier:
                 result.result, result.entry, result.similarity = CacheResult.SEMANTIC_HIT, entry, sim
                 result.reason, result.score = "semantic", score
                 return result
-            if why == "error-bound" and result.near is None:
-                result.near, result.score = entry, score
+            if why == "error-bound" or (why == "verifier" and links):
+                soft.append((entry, sim, score))
+                if result.near is None:
+                    result.near, result.score = entry, score
             refused.append(why)
         result.reason = refused[0]
+        if links and (found := self._linked(soft)) is not None:
+            result.result, result.entry, result.similarity, result.score = CacheResult.SEMANTIC_HIT, *found
+            result.reason, result.near = "link", None
         return result
+
+    def _linked(self, soft: list[tuple[CacheEntry, float, float]]) -> tuple[CacheEntry, float, float] | None:
+        """The nearer end of the first link among the softly refused candidates (gateway/cache/links.py):
+        the request sits between two entries an audit found to share one answer."""
+        assert self.lines is not None
+        for i, (a, _, _) in enumerate(soft):
+            for b, _, _ in soft[i + 1 :]:
+                if a.id is not None and b.id is not None and a.scope == b.scope:
+                    if self.lines.links.linked(a.id, b.id):
+                        return soft[i]
+        return None
 
     async def _refusal(
         self,

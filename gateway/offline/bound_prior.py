@@ -73,15 +73,32 @@ def prior_counts(
     return out
 
 
-def prior_document(counts: dict[str, PriorCounts], settings: Any, provenance: dict[str, Any]) -> dict:
+def prior_document(
+    counts: dict[str, PriorCounts],
+    settings: Any,
+    provenance: dict[str, Any],
+    families: dict[str, dict[str, PriorCounts]] | None = None,
+) -> dict:
     """The file's content: the grid, the counts per kind, and their provenance (hashes of the
-    verifier and cross-encoder artifacts that scored them, the date, the command, the data)."""
+    verifier and cross-encoder artifacts that scored them, the date, the command, the data);
+    ``families``: the same counts kept apart per calibration family (the gateway weighs them per
+    scope: ``policies/prior_families.py``)."""
     v = settings.cache.verifier
     verifier_file = Path(v.path or VERIFIER_PATH)
     cross_file = Path(v.cross_verifier_path or CROSS_PATH)
     return {
         "grid": list(GRID),
         "kinds": {k: {"audits": list(p.audits), "wrong": list(p.wrong)} for k, p in counts.items()},
+        **(
+            {
+                "families": {
+                    name: {k: {"audits": list(p.audits), "wrong": list(p.wrong)} for k, p in kinds.items()}
+                    for name, kinds in families.items()
+                }
+            }
+            if families
+            else {}
+        ),
         "provenance": {
             "date": datetime.date.today().isoformat(),
             "command": " ".join(sys.argv),

@@ -290,21 +290,33 @@ class Gateway:
     ) -> None:
         """Hand a semantic hit (or a near miss and its fresh answer) to the auditor: never waits."""
         lk = flow.lookup
-        if self.auditor is None or lk is None or lk.score is None or lk.scope_line is None:
-            return  # audits feed the error bound: only scopes with a false-hit target are audited
+        if self.auditor is None or lk is None or lk.score is None:
+            return
+        links = self.settings.cache.near_miss_links and (kind == "near-miss" or lk.reason == "link")
+        if lk.scope_line is None and not links:
+            return  # audits feed the error bound and the links: other scopes are not audited
         salt = flow.cache_salt
         if salt is None and self.settings.tenants.prefix_isolation:  # a hit computed none
             salt = self._prefix_salt(flow)
         r = flow.record
         job = AuditJob(
-            kind, r.model, flow.tenant.name, lk.score, entry, r.id, r.endpoint, flow.body, salt, fresh
+            kind,
+            r.model,
+            flow.tenant.name,
+            lk.score,
+            entry,
+            r.id,
+            r.endpoint,
+            flow.body,
+            salt,
+            fresh,
+            r.stored_entry_id,
         )
         self.auditor.offer(job)
 
     async def _after_answer(self, flow: Flow, data: dict, store: bool, ttl: int) -> None:
-        """Remember the reply's exact bytes, and store the answer when policy and quality allow."""
-        if flow.lookup is not None and flow.lookup.near is not None:
-            self._offer_audit(flow, "near-miss", flow.lookup.near, data)
+        """Remember the reply's exact bytes, and store the answer when policy and quality allow; then
+        offer a near miss's audit (after the store: a right one links the entry just stored)."""
         record = flow.record
         choice = (data.get("choices") or [{}])[0]
         chat = record.endpoint == "chat"
@@ -331,6 +343,8 @@ class Gateway:
                 await asyncio.to_thread(self.store.remember_replies, replies)
         except Exception:  # a storage problem must not fail an answer the client already has
             log.exception("could not store the answer of %s", record.id)
+        if flow.lookup is not None and flow.lookup.near is not None:
+            self._offer_audit(flow, "near-miss", flow.lookup.near, data)
 
     def _count_backend_error(self, status: int, data: dict) -> None:
         """A backend's own error, passed through as it came (a sampling value it refuses, ...)."""

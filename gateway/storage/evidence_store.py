@@ -27,6 +27,7 @@ class EvidenceRow:
     request_id: str | None = None
     backend_tokens: int = 0
     id: int | None = None
+    linked_entry_id: int | None = None  # a right near miss's own stored entry (gateway/cache/links.py)
 
 
 class EvidenceStore:

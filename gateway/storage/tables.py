@@ -189,6 +189,8 @@ class HitAudit(Base):
     entry_id: Mapped[int | None] = mapped_column(BigId, nullable=True)
     request_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
     backend_tokens: Mapped[int] = mapped_column(Integer, default=0)  # what the audit's re-ask cost
+    # a right near miss: the near-miss request's own stored entry, linked to ``entry_id`` (same answer)
+    linked_entry_id: Mapped[int | None] = mapped_column(BigId, nullable=True)
 
 
 Index("ix_entries_lookup", CacheEntry.tenant, CacheEntry.model, CacheEntry.exact_key)
