@@ -120,7 +120,7 @@ async def started_gateway(
     )
     if (kv := backends.kv) is not None:  # routing = "kv": what each backend holds and its load, followed
         kv.start()
-        metrics.watch_kv(kv.indexed_blocks, lambda: dict(kv.load.load), kv.lost)
+        metrics.watch_kv(kv.indexed_blocks, lambda: dict(kv.load.load), kv.lost, kv.tiered_blocks)
     metrics.watch_audits(
         auditor.counts, lambda: auditor.backend_tokens, lambda: lines.view(live.current.cache)
     )

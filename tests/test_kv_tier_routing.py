@@ -76,6 +76,8 @@ def test_a_prompt_goes_to_the_engine_whose_tier_holds_it(tiny_llama: str, tmp_pa
             )
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
+            metrics = httpx.get(f"{gw}/metrics", timeout=10).text
+            assert f'cachegw_gateway_kv_tier_blocks{{backend="{tiered}"}}' in metrics
     query = "SELECT backend, route, expected_cached_tokens, cached_tokens FROM requests"
     deadline = time.monotonic() + 10
     while True:
