@@ -225,13 +225,15 @@ def run_phase(
     return ttfts, time.perf_counter() - t0
 
 
-def wait_known(kv: Any, url: str, timeout: float = 20) -> float:
-    """Seconds until the gateway's index holds tier blocks of the restarted ``url`` (-1: never)."""
+def wait_known(kv: Any, url: str, restarts: int, timeout: float = 20) -> float:
+    """Seconds from engine ``url`` being healthy again until the gateway saw its restart (its feed's
+    restart count passed ``restarts``) and indexed blocks of its tier (-1: not within ``timeout``)."""
+    feed = next(f for f in kv.feeds if f.url == url)
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < timeout:
-        if kv.tiered_blocks().get(url, 0) > 0:
+        if feed.restarts > restarts and kv.tiered_blocks().get(url, 0) > 0:
             return round(time.perf_counter() - t0, 2)
-        time.sleep(0.1)
+        time.sleep(0.05)
     return -1.0
 
 
@@ -249,9 +251,10 @@ def one_mode(
         rows = logged(data_dir, n_before)
         result = {"before": summarize(rows, before, urls, before_s)}
         result["before"]["hits_by_tier"] = dict(tier_hits(urls) - hits)
+        restarts = next(f.restarts for f in kv.feeds if f.url == urls[0]) if kv is not None else 0
         restart_s = engines.restart(0)
+        known_s = wait_known(kv, urls[0], restarts) if kv is not None else None
         time.sleep(1.0)  # the health probes see engine 0 up again
-        known_s = wait_known(kv, urls[0]) if kv is not None else None
         hits = tier_hits(urls)  # engine 0's counters started again at 0
         after, after_s = run_phase(gw, convs, histories, True, args)
         rows = logged(data_dir, n_before + len(after))[n_before:]
