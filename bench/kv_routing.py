@@ -1,7 +1,7 @@
 """Three engines behind one gateway: KV-event routing against the rendezvous hash and round robin, then
 the same after one engine restarts on the shared Redis tier.
 
-Three `cachegw backend` processes (the real engine, SmolLM2 float32, one compute thread each, small KV
+Three `cachegw backend` processes (the real engine, SmolLM2 unquantized, one compute thread each, small KV
 pools, each publishing its KV events, all three on one Redis KV tier with write-behind) sit behind the
 gateway (response cache off, so every request reaches a backend). Two traces (``bench/kv_traces.py``):
 a synthetic multi-tenant chat trace (tenants with their own API keys, so their own salts, each with a
