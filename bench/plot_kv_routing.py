@@ -36,6 +36,7 @@ def main() -> None:
             ax.annotate(
                 f"{r['ttft_p50_ms']:.0f} ms", (x, pool[x] + redis[x]), ha="center", va="bottom", fontsize=8
             )
+        ax.set_ylim(0, 1.15 * max(p + r for p, r in zip(pool, redis, strict=True)))
         ax.set_title(f"{trace}, {PHASES[phase]}", fontsize=9)
         ax.set_ylabel("cached prompt tokens (TTFT p50 above)" if col == 0 else "")
     axes[0].legend(fontsize=8, loc="lower left")
