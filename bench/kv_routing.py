@@ -1,20 +1,21 @@
-"""Two engines behind one gateway: KV-event routing against the rendezvous hash and round robin.
+"""Three engines behind one gateway: KV-event routing against the rendezvous hash and round robin, then
+the same after one engine restarts on the shared Redis tier.
 
-Two `cachegw backend` processes (the real engine, SmolLM2 float32, one compute thread each, small KV
-pools, each publishing its KV events) sit behind the gateway (response cache off, so every request
-reaches a backend). A synthetic multi-tenant trace is replayed under each routing mode: ``--tenants``
-tenants (their own API keys, so their own salts), each with its own long system prompt shared by its
-``--conversations`` conversations of ``--turns`` turns; conversations run ``--concurrency`` at a time,
-turn by turn, with the assistant's replies sent back. Reported per mode, from the gateway's request log
-and the streams: cached prompt tokens / prompt tokens, TTFT p50 (first content chunk, through the
-gateway), where the requests went, and for ``kv`` why (prefix, load, hash) and the tokens it expected
-against those the engines reported cached. Modes are interleaved per round; each gateway has its own
-data directory, so its own salts: no mode reuses another's blocks.
-Then a slice of Mooncake's conversation trace (``--mooncake`` conversations of two turns or more, as
-completions: each 512-token hash id becomes ``--mooncake-words`` seeded words, id 0, which starts every
-request, eight times as many: the shared system prompt) under the same three modes.
+Three `cachegw backend` processes (the real engine, SmolLM2 unquantized, one compute thread each, small KV
+pools, each publishing its KV events, all three on one Redis KV tier with write-behind) sit behind the
+gateway (response cache off, so every request reaches a backend). Two traces (``bench/kv_traces.py``):
+a synthetic multi-tenant chat trace (tenants with their own API keys, so their own salts, each with a
+long system prompt shared by its conversations; replies sent back) and a slice of Mooncake's
+conversation trace as completions. Under each routing mode every conversation's turns but its last run
+first; then engine 0 is stopped with SIGTERM (its pool written to Redis) and started again, and the last
+turns run: the returning turns, after a restart. Reported per mode and phase, from the gateway's request
+log and the streams: cached prompt tokens / prompt tokens, TTFT p50/p99 (first content chunk, through
+the gateway), throughput (requests and tokens per second of the phase's wall time), where the requests
+went, for ``kv`` why (prefix, load, hash), the tokens it expected against those reported, and the time
+the gateway spent deciding (the ``/tokenize`` round trip most of it). Each mode has its own gateway and
+data directory, so its own salts: no mode reuses another's blocks, in the pools or in Redis.
 
-    flock /tmp/cachegw-bench.lock .venv/bin/python -m bench.kv_routing [--rounds 1] [--tenants 3]
+    flock /tmp/cachegw-bench.lock .venv/bin/python -m bench.kv_routing [--tenants 3] [--mooncake 8]
 """
 
 from __future__ import annotations
@@ -23,9 +24,7 @@ import argparse
 import asyncio
 import contextlib
 import json
-import random
 import sqlite3
-import statistics
 import sys
 import tempfile
 import time
@@ -33,81 +32,77 @@ from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from bench.common import SHARED_DATA, pct, save, say
 from bench.gateway_latency import start, stop, wait_health
-from testkit.servers import free_port, serve_in_thread
+from bench.kv_traces import conversations, mooncake
+from testkit.servers import free_port, redis_server, serve_in_thread
 
 MODEL = "SmolLM2-135M-Instruct"
 MODES = ("round_robin", "prefix", "kv")
-TOPICS = ("a public library", "a bicycle repair shop", "a mountain hut", "a city museum", "a ferry line")
-WORDS = (
-    "opening hours members borrow renew reserve catalogue card fee children parents reading room quiet "
-    "printing colour computers network bookings weekends holidays tickets refunds lockers cafe garden "
-    "exhibition guided tours groups schools discounts accessibility lifts parking bicycles timetable"
-).split()
+ENGINES = 3
+Conversation = tuple[int, str, list[str]]  # tenant, system prompt ("" = completions), user turns
 
 
-def system_prompt(tenant: int, words: int) -> str:
-    rng = random.Random(tenant)
-    rules = " ".join(rng.choice(WORDS) for _ in range(words))
-    place = TOPICS[tenant % len(TOPICS)]
-    return f"You are the assistant of {place}. Answer in one short sentence. Notes: {rules}."
+class Engines:
+    """Three engine processes, one compute thread each, on one Redis tier, each publishing KV events."""
 
-
-def conversations(tenants: int, per_tenant: int, turns: int, words: int) -> list[tuple[int, str, list[str]]]:
-    """(tenant, system prompt, user turns) for every conversation, tenants interleaved."""
-    out = []
-    for c in range(per_tenant):
-        for t in range(tenants):
-            rng = random.Random(1000 * t + c)
-            users = [
-                f"Question {k + 1}: " + " ".join(rng.choice(WORDS) for _ in range(12)) + "?"
-                for k in range(turns)
-            ]
-            out.append((t, system_prompt(t, words), users))
-    return out
-
-
-@contextlib.contextmanager
-def engines(work: Path, kv_tokens: int, max_seqs: int) -> Iterator[list[dict]]:
-    """Two engine processes, one compute thread each, each publishing KV events with replay."""
-    procs, specs = [], []
-    try:
-        for i in range(2):
+    def __init__(self, work: Path, kv_tokens: int, max_seqs: int, redis_url: str) -> None:
+        self.work = work
+        self.cmds: list[list[str]] = []
+        self.procs: list[Any] = []
+        self.specs: list[dict] = []
+        self.restarts = 0
+        for i in range(ENGINES):
             port, events, replay = free_port(), free_port(), free_port()
             config = work / f"engine-{i}.toml"
             config.write_text(
                 f'[engine]\nquantization = "none"\nkv_cache_tokens = {kv_tokens}\nmax_num_seqs = {max_seqs}\n'
                 f'compile = "off"\nthreads = 1\ncpus = "all"\nkv_events_endpoint = "tcp://*:{events}"\n'
-                f'kv_events_replay_endpoint = "tcp://*:{replay}"\n'
+                f'kv_events_replay_endpoint = "tcp://*:{replay}"\nkv_offload_url = "{redis_url}"\n'
+                "kv_write_behind = true\n"
             )
-            cmd = [
-                sys.executable,
-                "-m",
-                "cachegw.gateway.cli",
-                "backend",
-                "--port",
-                str(port),
-                "--config",
-                str(config),
-            ]
-            procs.append(start(cmd, work / f"engine-{i}.log"))
-            url = f"http://127.0.0.1:{port}"
-            specs.append({"url": f"{url}/v1", "kv_events": f"tcp://127.0.0.1:{events}",
-                          "kv_events_replay": f"tcp://127.0.0.1:{replay}"})  # fmt: skip
-        for spec, proc in zip(specs, procs, strict=True):
-            asyncio.run(wait_health(spec["url"].removesuffix("/v1"), proc))
-        yield specs
-    finally:
-        for proc in procs:
+            self.cmds.append(
+                [
+                    sys.executable,
+                    "-m",
+                    "cachegw.gateway.cli",
+                    "backend",
+                    "--port",
+                    str(port),
+                    "--config",
+                    str(config),
+                ]
+            )
+            self.specs.append({"url": f"http://127.0.0.1:{port}/v1", "kv_events": f"tcp://127.0.0.1:{events}",
+                               "kv_events_replay": f"tcp://127.0.0.1:{replay}"})  # fmt: skip
+        self.procs = [start(cmd, work / f"engine-{i}.log") for i, cmd in enumerate(self.cmds)]
+        for i in range(ENGINES):
+            self._wait(i)
+
+    def _wait(self, i: int) -> None:
+        asyncio.run(wait_health(self.specs[i]["url"].removesuffix("/v1"), self.procs[i]))
+
+    def restart(self, i: int) -> float:
+        """SIGTERM engine ``i`` (its pool goes to Redis), start it again; seconds until it is healthy."""
+        t0 = time.perf_counter()
+        stop(self.procs[i])
+        self.restarts += 1
+        self.procs[i] = start(self.cmds[i], self.work / f"engine-{i}-restart{self.restarts}.log")
+        self._wait(i)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        for proc in self.procs:
             stop(proc)
 
 
 @contextlib.contextmanager
-def gateway(specs: list[dict], mode: str, data_dir: Path) -> Iterator[str]:
+def gateway(specs: list[dict], mode: str, data_dir: Path) -> Iterator[tuple[str, Any]]:
+    """The gateway's URL and its started parts (for its KV router)."""
     from cachegw.gateway.api.app import build_app
     from cachegw.gateway.compose import started_gateway
     from cachegw.gateway.config import BackendSpec, load_settings
@@ -116,12 +111,13 @@ def gateway(specs: list[dict], mode: str, data_dir: Path) -> Iterator[str]:
     s = s.model_copy(
         update={
             "cache": s.cache.model_copy(update={"enabled": False}),
-            "gateway": s.gateway.model_copy(update={"routing": mode}),
+            "gateway": s.gateway.model_copy(update={"routing": mode, "probe_interval_s": 0.5}),
         }
     )
-    with serve_in_thread(build_app(lambda: started_gateway(s, progress=False)), lifespan="on") as url:
+    app = build_app(lambda: started_gateway(s, progress=False))
+    with serve_in_thread(app, lifespan="on") as url:
         time.sleep(0.5)  # kv: subscribed and caught up by replay
-        yield url
+        yield url, app.state.parts()
 
 
 def stream_once(http: httpx.Client, path: str, body: dict) -> tuple[float, str]:
@@ -142,51 +138,35 @@ def stream_once(http: httpx.Client, path: str, body: dict) -> tuple[float, str]:
     return ((first or time.perf_counter()) - t0) * 1e3, "".join(text)
 
 
-def replay(url: str, tenant: int, system: str, turns: list[str], max_tokens: int) -> list[float]:
-    """One conversation turn by turn, streamed, replies sent back; the TTFT of each turn in ms. An empty
-    ``system`` means a completions trace: each turn is a whole prompt (Mooncake's requests)."""
+def replay(url: str, conv: Conversation, turns: range, history: list[dict], max_tokens: int) -> list[float]:
+    """Turns ``turns`` of one conversation, streamed, replies appended to ``history`` (kept between
+    phases); the TTFT of each turn in ms. An empty system prompt means completions (Mooncake's)."""
+    tenant, system, users = conv
     ttfts: list[float] = []
-    history: list[dict] = []
-    auth = {"Authorization": f"Bearer tenant-{tenant}"}
-    with httpx.Client(base_url=url, timeout=900, headers=auth) as http:
-        for turn in turns:
+    with httpx.Client(
+        base_url=url, timeout=900, headers={"Authorization": f"Bearer tenant-{tenant}"}
+    ) as http:
+        for k in turns:
             body: dict = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0}
             if not system:
-                ttfts.append(stream_once(http, "/v1/completions", {**body, "prompt": turn})[0])
+                ttfts.append(stream_once(http, "/v1/completions", {**body, "prompt": users[k]})[0])
                 continue
-            messages = [{"role": "system", "content": system}, *history, {"role": "user", "content": turn}]
+            messages = [
+                {"role": "system", "content": system},
+                *history,
+                {"role": "user", "content": users[k]},
+            ]
             ttft, reply = stream_once(http, "/v1/chat/completions", {**body, "messages": messages})
             ttfts.append(ttft)
-            history += [{"role": "user", "content": turn}, {"role": "assistant", "content": reply}]
+            history += [{"role": "user", "content": users[k]}, {"role": "assistant", "content": reply}]
     return ttfts
 
 
-def mooncake(
-    path: Path, conversations: int, tenants: int, words: int, max_ids: int
-) -> list[tuple[int, str, list[str]]]:
-    """A slice of Mooncake's trace as completions: conversations (requests sharing their first two hash
-    ids) of two turns or more, drawn at random (seed 0), each request's prompt the text of its hash ids
-    (``words`` seeded words per id; id 0, which every request starts with, is the shared system prompt),
-    its first ``max_ids`` ids only. Tenants are dealt round robin."""
-    with path.open() as f:
-        rows = sorted((json.loads(line) for line in f), key=lambda r: r["timestamp"])
-    turns: dict[tuple[int, ...], list[list[int]]] = {}
-    for row in rows:
-        turns.setdefault(tuple(row["hash_ids"][:2]), []).append(row["hash_ids"][:max_ids])
-    keys = sorted(k for k, v in turns.items() if len(v) > 1)
-    picked = random.Random(0).sample(keys, conversations)
-
-    def text(h: int) -> str:
-        rng = random.Random(h)
-        return " ".join(rng.choice(WORDS) for _ in range(words * (8 if h == 0 else 1))) + "\n"
-
-    return [
-        (i % tenants, "", ["".join(text(h) for h in ids) for ids in turns[k]]) for i, k in enumerate(picked)
-    ]
-
-
 def logged(data_dir: Path, n: int) -> list[tuple]:
-    query = "SELECT backend, prompt_tokens, cached_tokens, route, expected_cached_tokens FROM requests"
+    query = (
+        "SELECT backend, prompt_tokens, cached_tokens, route, expected_cached_tokens, completion_tokens"
+        " FROM requests ORDER BY ts"
+    )
     deadline = time.monotonic() + 10
     while True:
         with sqlite3.connect(data_dir / "cachegw.db") as db:
@@ -198,16 +178,19 @@ def logged(data_dir: Path, n: int) -> list[tuple]:
 
 def summarize(rows: list[tuple], ttfts: list[float], urls: list[str], seconds: float) -> dict:
     prompt, cached = sum(r[1] or 0 for r in rows), sum(r[2] or 0 for r in rows)
+    completion = sum(r[5] or 0 for r in rows)
     used = Counter(r[0] for r in rows)
-    out = {
+    out: dict[str, Any] = {
         "requests": len(rows),
         "wall_s": round(seconds, 1),
         "cached_over_prompt": round(cached / max(prompt, 1), 4),
         "cached_tokens": cached,
         "prompt_tokens": prompt,
         "ttft_p50_ms": round(pct(ttfts, 50), 1),
-        "ttft_p90_ms": round(pct(ttfts, 90), 1),
-        "share_backend_0": round(used[urls[0]] / max(len(rows), 1), 3),
+        "ttft_p99_ms": round(pct(ttfts, 99), 1),
+        "requests_per_s": round(len(rows) / seconds, 3),
+        "tokens_per_s": round((prompt + completion) / seconds, 1),
+        "share_per_engine": [round(used[u] / max(len(rows), 1), 3) for u in urls],
     }
     routed = [r for r in rows if r[3] is not None]
     if routed:
@@ -217,17 +200,84 @@ def summarize(rows: list[tuple], ttfts: list[float], urls: list[str], seconds: f
     return out
 
 
+def tier_hits(urls: list[str]) -> Counter[str]:
+    """Prefix-cache hit tokens by where they came from (pool, redis...), summed over the engines."""
+    out: Counter[str] = Counter()
+    for url in urls:
+        for line in httpx.get(url.removesuffix("/v1") + "/metrics", timeout=30).text.splitlines():
+            if line.startswith('cachegw:prefix_cache_hits_total{tier="'):
+                out[line.split('"')[1]] += int(float(line.split()[-1]))
+    return out
+
+
+def run_phase(
+    url: str, convs: list[Conversation], histories: list[list[dict]], last: bool, args: Any
+) -> tuple:
+    """Every conversation's turns but its last (``last`` False) or its last alone; (ttfts, seconds)."""
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(args.concurrency) as pool:
+        jobs = [
+            pool.submit(replay, url, c, range(len(c[2]) - 1, len(c[2])) if last else range(len(c[2]) - 1),
+                        h, args.max_tokens)
+            for c, h in zip(convs, histories, strict=True)
+        ]  # fmt: skip
+        ttfts = [x for j in jobs for x in j.result()]
+    return ttfts, time.perf_counter() - t0
+
+
+def wait_known(kv: Any, url: str, restarts: int, timeout: float = 20) -> float:
+    """Seconds from engine ``url`` being healthy again until the gateway saw its restart (its feed's
+    restart count passed ``restarts``) and indexed blocks of its tier (-1: not within ``timeout``)."""
+    feed = next(f for f in kv.feeds if f.url == url)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        if feed.restarts > restarts and kv.tiered_blocks().get(url, 0) > 0:
+            return round(time.perf_counter() - t0, 2)
+        time.sleep(0.05)
+    return -1.0
+
+
+def one_mode(
+    engines: Engines, trace: str, convs: list[Conversation], mode: str, work: Path, args: Any
+) -> dict:
+    urls = [s["url"] for s in engines.specs]
+    data_dir = work / f"gw-{trace}-{mode}"
+    histories: list[list[dict]] = [[] for _ in convs]
+    with gateway(engines.specs, mode, data_dir) as (gw, parts):
+        kv = parts.backends.kv
+        hits = tier_hits(urls)
+        before, before_s = run_phase(gw, convs, histories, False, args)
+        n_before = len(before)
+        rows = logged(data_dir, n_before)
+        result = {"before": summarize(rows, before, urls, before_s)}
+        result["before"]["hits_by_tier"] = dict(tier_hits(urls) - hits)
+        restarts = next(f.restarts for f in kv.feeds if f.url == urls[0]) if kv is not None else 0
+        restart_s = engines.restart(0)
+        known_s = wait_known(kv, urls[0], restarts) if kv is not None else None
+        time.sleep(1.0)  # the health probes see engine 0 up again
+        hits = tier_hits(urls)  # engine 0's counters started again at 0
+        after, after_s = run_phase(gw, convs, histories, True, args)
+        rows = logged(data_dir, n_before + len(after))[n_before:]
+        result["after_restart"] = summarize(rows, after, urls, after_s)
+        result["after_restart"]["hits_by_tier"] = dict(tier_hits(urls) - hits)
+        result["after_restart"] |= {"restart_s": round(restart_s, 1), "index_knew_tier_after_s": known_s}
+        if kv is not None:
+            routed = sum(kv.routes.values())
+            result["gateway_decide_ms_per_request"] = round(1e3 * kv.decide_seconds / max(routed, 1), 2)
+            result["after_restart"]["tiered_blocks_indexed"] = kv.tiered_blocks()
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tenants", type=int, default=3)
-    ap.add_argument("--conversations", type=int, default=4, help="per tenant")
+    ap.add_argument("--conversations", type=int, default=2, help="per tenant")
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--system-words", type=int, default=160, help="words of each tenant's system prompt")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--concurrency", type=int, default=3, help="conversations in flight")
     ap.add_argument("--kv-tokens", type=int, default=3072, help="KV pool of each engine (tokens)")
-    ap.add_argument("--rounds", type=int, default=1, help="rounds of all modes, interleaved")
-    ap.add_argument("--mooncake", type=int, default=12, help="Mooncake conversations (0 = none)")
+    ap.add_argument("--mooncake", type=int, default=8, help="Mooncake conversations (0 = none)")
     ap.add_argument("--mooncake-words", type=int, default=12, help="words per Mooncake hash id")
     ap.add_argument("--mooncake-ids", type=int, default=12, help="hash ids kept per Mooncake request")
     args = ap.parse_args()
@@ -239,49 +289,39 @@ def main() -> None:
         )
     for name, convs in traces.items():
         say(f"{name}: {len(convs)} conversations, {sum(len(c[2]) for c in convs)} requests")
-    runs: dict[str, dict[str, list[dict]]] = {t: {m: [] for m in MODES} for t in traces}
-    with tempfile.TemporaryDirectory(prefix="cachegw-kvroute-") as tmp:
+    results: dict[str, dict[str, dict]] = {t: {} for t in traces}
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="cachegw-kvroute-") as tmp, redis_server("4gb") as redis_url:
         work = Path(tmp)
-        with engines(work, args.kv_tokens, args.concurrency + 1) as specs:
-            urls = [s["url"] for s in specs]
-            for rnd in range(args.rounds):
-                for trace, convs in traces.items():
-                    for mode in MODES:  # interleaved, so a drift of the shared machine hits all alike
-                        data_dir = work / f"gw-{trace}-{mode}-{rnd}"
-                        say(f"{trace}, mode {mode}, round {rnd + 1}/{args.rounds}")
-                        t0 = time.perf_counter()
-                        with (
-                            gateway(specs, mode, data_dir) as gw,
-                            ThreadPoolExecutor(args.concurrency) as pool,
-                        ):
-                            jobs = [pool.submit(replay, gw, t, s, u, args.max_tokens) for t, s, u in convs]
-                            ttfts = [x for j in jobs for x in j.result()]
-                            seconds = time.perf_counter() - t0
-                            rows = logged(data_dir, len(ttfts))
-                        run = summarize(rows, ttfts, urls, seconds)
-                        runs[trace][mode].append(run)
-                        say(f"{trace} {mode}: {run}")
-    results = {trace: {m: median(rs) for m, rs in by_mode.items()} for trace, by_mode in runs.items()}
+        engines = Engines(work, args.kv_tokens, args.concurrency + 1, redis_url)
+        try:
+            for trace, convs in traces.items():
+                for mode in MODES:  # interleaved per trace, so a drift of the shared machine hits all alike
+                    say(f"{trace}, mode {mode}")
+                    results[trace][mode] = one_mode(engines, trace, convs, mode, work, args)
+                    say(f"{trace} {mode}: {results[trace][mode]}")
+        finally:
+            engines.close()
     ratios = {
         trace: {
-            f"{m}_vs_round_robin": {
-                "cached_share": round(
-                    r["cached_over_prompt"] / max(res["round_robin"]["cached_over_prompt"], 1e-9), 2
-                ),
-                "ttft_p50": round(r["ttft_p50_ms"] / res["round_robin"]["ttft_p50_ms"], 2),
+            phase: {
+                m: {
+                    "cached_share": round(
+                        r[phase]["cached_over_prompt"] / max(rr[phase]["cached_over_prompt"], 1e-9), 2
+                    ),
+                    "ttft_p50": round(r[phase]["ttft_p50_ms"] / rr[phase]["ttft_p50_ms"], 2),
+                }
+                for m, r in res.items()
+                if m != "round_robin" and (rr := res["round_robin"])
             }
-            for m, r in res.items()
-            if m != "round_robin"
+            for phase in ("before", "after_restart")
         }
         for trace, res in results.items()
     }
-    save("kv_routing", {"args": vars(args), "traces": results, "ratios": ratios})
-
-
-def median(runs: list[dict]) -> dict:
-    """Each figure's median over the rounds, and the rounds themselves."""
-    keys = [k for k in runs[0] if isinstance(runs[0][k], int | float)]
-    return {k: statistics.median(r[k] for r in runs) for k in keys} | {"rounds": runs}
+    save(
+        "kv_routing",
+        {"args": vars(args), "wall_s": round(time.time() - t0), "traces": results, "ratios": ratios},
+    )
 
 
 if __name__ == "__main__":

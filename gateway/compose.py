@@ -106,6 +106,7 @@ async def started_gateway(
     backends = Backends(
         specs, g.connect_timeout_s, g.backend_timeout_s, g.routing, retry_after,
         kv_load_penalty=g.kv_load_penalty, kv_metrics_interval_s=g.kv_metrics_interval_s,
+        kv_tier_weight=g.kv_tier_weight,
     )  # fmt: skip
     probes = HealthProbes(backends, g.probe_interval_s, g.probe_timeout_s, g.probe_misses)
     auditor = Auditor(
@@ -119,7 +120,7 @@ async def started_gateway(
     )
     if (kv := backends.kv) is not None:  # routing = "kv": what each backend holds and its load, followed
         kv.start()
-        metrics.watch_kv(kv.indexed_blocks, lambda: dict(kv.load.load), kv.lost)
+        metrics.watch_kv(kv.indexed_blocks, lambda: dict(kv.load.load), kv.lost, kv.tiered_blocks)
     metrics.watch_audits(
         auditor.counts, lambda: auditor.backend_tokens, lambda: lines.view(live.current.cache)
     )

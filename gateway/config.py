@@ -134,6 +134,12 @@ class GatewayConfig(_Strict):
     kv_metrics_interval_s: float = Field(
         gt=0, description='routing = "kv": how often each backend\'s /metrics is read for its load'
     )
+    kv_tier_weight: float = Field(
+        ge=0,
+        le=1,
+        description='routing = "kv": what a cached token in a backend\'s KV tier (RAM, disk, Redis) is worth'
+        " against one in its pool (1 = as much, 0 = nothing)",
+    )
     log_query_text: bool = Field(description="the request log keeps the last user message (first 500 chars)")
     probe_interval_s: float = Field(gt=0, description="how often each backend's /health is probed")
     probe_timeout_s: float = Field(gt=0, description="how long a probe may take")

@@ -48,21 +48,26 @@ class BackendCounts(Collector):
 
 
 class KvRoutingState(Collector):
-    """``routing = "kv"``: per backend, the blocks its events say it holds, its load (running + waiting
-    sequences) and the event gaps that dropped its entries; read at scrape time."""
+    """``routing = "kv"``: per backend, the blocks its events say it holds (in its pool, in its KV tier),
+    its load (running + waiting sequences) and the event gaps that dropped its entries; read at scrape
+    time."""
 
     def __init__(
         self,
         blocks: Callable[[], dict[str, int]],
         load: Callable[[], dict[str, int]],
         lost: Callable[[], dict[str, int]],
+        tiered: Callable[[], dict[str, int]] = dict,
     ) -> None:
-        self._blocks, self._load, self._lost = blocks, load, lost
+        self._blocks, self._load, self._lost, self._tiered = blocks, load, lost, tiered
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         for family, read in (
             (GaugeMetricFamily("cachegw_gateway_kv_blocks", "KV blocks a backend's events say it holds",
                                labels=["backend"]), self._blocks),
+            (GaugeMetricFamily("cachegw_gateway_kv_tier_blocks",
+                               "KV blocks a backend's events say its KV tier holds (RAM, disk, Redis)",
+                               labels=["backend"]), self._tiered),
             (GaugeMetricFamily("cachegw_gateway_kv_backend_load", "Sequences running + waiting on a backend",
                                labels=["backend"]), self._load),
             (CounterMetricFamily("cachegw_gateway_kv_event_losses",
@@ -208,8 +213,9 @@ class GatewayMetrics:
         blocks: Callable[[], dict[str, int]],
         load: Callable[[], dict[str, int]],
         lost: Callable[[], dict[str, int]],
+        tiered: Callable[[], dict[str, int]] = dict,
     ) -> None:
-        self.registry.register(KvRoutingState(blocks, load, lost))
+        self.registry.register(KvRoutingState(blocks, load, lost, tiered))
 
     def watch_audits(
         self, verdicts: Tally[str], tokens: Callable[[], int], rates: Callable[[], dict]

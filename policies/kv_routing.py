@@ -1,10 +1,12 @@
 """``routing = "kv"``: the backend whose KV cache holds most of a request's prompt, net of its load.
 
 Each candidate's score is the prompt tokens its KV events say it holds (the longest run of the
-request's blocks from the first, as the engine itself would reuse them) minus ``load_penalty``
-tokens per sequence it is running or queueing (read from its metrics). The best score answers; ties
-keep the rendezvous hash's order, so with nothing cached anywhere and equal loads a conversation
-still sticks to one backend. When no candidate publishes KV events the hash's order stands as is.
+request's blocks from the first, as the engine itself would reuse them, in its pool or its KV tier;
+a tier's tokens count ``tier_weight`` each, a load being cheaper than a recompute but not free)
+minus ``load_penalty`` tokens per sequence it is running or queueing (read from its metrics). The
+best score answers; ties keep the rendezvous hash's order, so with nothing cached anywhere and equal
+loads a conversation still sticks to one backend. When no candidate publishes KV events the hash's
+order stands as is.
 
 Why a backend won is kept for the request log: ``prefix`` (it holds more of the prompt than the
 hash's choice), ``load`` (the hash's choice was busier by more than its cached prefix was worth),
@@ -23,8 +25,9 @@ RouteReason = Literal["prefix", "load", "hash"]
 class KvCandidate:
     url: str
     publishes: bool  # its KV events are followed (an unknown backend holds nothing we know of)
-    cached_tokens: int  # prompt tokens it is expected to reuse
+    cached_tokens: int  # prompt tokens it is expected to reuse (from its pool or its tier)
     load: int  # sequences running + waiting, from its last metrics read (0 when unknown)
+    tier_tokens: int = 0  # of cached_tokens, those it would load from its KV tier (RAM, disk, Redis)
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +37,7 @@ class KvChoice:
     expected_cached_tokens: int  # of the first
 
 
-def choose(candidates: list[KvCandidate], load_penalty: float) -> KvChoice:
+def choose(candidates: list[KvCandidate], load_penalty: float, tier_weight: float = 1.0) -> KvChoice:
     """``candidates`` in the rendezvous hash's order, best first by score (a stable sort)."""
     if not candidates:
         return KvChoice([], "hash", 0)
@@ -42,7 +45,7 @@ def choose(candidates: list[KvCandidate], load_penalty: float) -> KvChoice:
         return KvChoice([c.url for c in candidates], "hash", 0)
 
     def score(c: KvCandidate) -> float:
-        return c.cached_tokens - load_penalty * c.load
+        return c.cached_tokens - (1.0 - tier_weight) * c.tier_tokens - load_penalty * c.load
 
     ranked = sorted(candidates, key=score, reverse=True)
     best, hashed = ranked[0], candidates[0]

@@ -20,6 +20,10 @@ import msgspec
 
 BlockHash = bytes | int  # vLLM's ExternalBlockHash: ours are 32-byte sha256 digests
 MEDIUM_POOL = "GPU"  # vLLM's name for the engine's own KV pool (ours may sit in CPU memory)
+# Where offloaded blocks sit: vLLM's CPU offloading publishes "CPU" (with no token ids and no parent, the
+# hashes being those its pool blocks had); the built-in engine's RAM tier is "CPU" too, its disk and
+# Redis stores "DISK" and "REDIS". A block in one of them is loaded back, not recomputed.
+TIER_MEDIUMS = {"ram": "CPU", "disk": "DISK", "redis": "REDIS"}
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's last frame pair: (END_SEQ, b"")
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -44,3 +45,18 @@ def save_random_llama(folder: Path, shape: LlamaShape, seed: int = 0, max_positi
     model = LlamaForCausalLM(config)  # float32: torch's default dtype
     model.save_pretrained(str(folder), safe_serialization=True)
     return folder
+
+
+# The tiny model of the KV tier and event tests: 2 layers, 2 KV heads of 16, loads in well under a second.
+TINY = LlamaShape(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=256)
+TINY_BLOCK = 8  # tokens per KV block in those tests
+
+
+def tiny_llm(model_dir: str, kv_cache_tokens: int, **engine: object) -> Any:
+    """An offline ``LLM`` on the tiny model (float32, CPU, 8-token blocks); ``engine``: any [engine] key."""
+    from cachegw.backend import LLM
+
+    return LLM(
+        model=model_dir, dtype="float32", device="cpu", block_size=TINY_BLOCK,
+        kv_cache_tokens=kv_cache_tokens, **engine,
+    )  # fmt: skip

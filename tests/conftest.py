@@ -62,6 +62,14 @@ def smol_tokenizer() -> Any:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny random Llama's folder (``testkit/random_llama.TINY``), shared by the KV tier tests."""
+    from testkit.random_llama import TINY, save_random_llama
+
+    return str(save_random_llama(tmp_path_factory.mktemp("tiny-llama"), TINY))
+
+
+@pytest.fixture(scope="session")
 def shared_engine() -> Iterator[Any]:
     """The built-in engine (an AsyncEngine on SmolLM2), one for the session: every server a test
     puts in front of it shares its weights and KV cache. It runs the GGUF's own 4-bit weights

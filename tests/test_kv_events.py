@@ -233,3 +233,49 @@ def test_the_score_weighs_the_cached_prefix_against_the_load() -> None:
     assert choose(nobody, 64.0).order == ["h", "o"]  # no events anywhere: the hash's order stands
     text = 'vllm:num_requests_running{model_name="m"} 2.0\ncachegw:num_requests_waiting 3.0\n# x 9\n'
     assert queued_sequences(text) == 5
+
+
+def test_a_restarted_backend_is_seen_when_the_connection_is_made_again(ports) -> None:
+    """The restarted engine's first batches (cleared, then its tier's blocks) go out before the feed is
+    subscribed again; the feed finds out from the replay socket at once, with no later event needed."""
+
+    async def follow() -> tuple[EventFeed, KvIndex, list[bytes]]:
+        tokens = list(range(16))
+        hashes = list(block_hashes(tokens, BS, None))
+        pub = KVEventPublisher(f"tcp://*:{ports[0]}", f"tcp://*:{ports[1]}", buffer=100)
+        index = KvIndex()
+        feed = EventFeed("b", f"tcp://127.0.0.1:{ports[0]}", f"tcp://127.0.0.1:{ports[1]}", index)
+        task = asyncio.create_task(feed.run())
+        try:
+            for _ in range(500):  # the old engine: its pool holds the first two blocks
+                if index.blocks("b").held >= set(hashes[:2]):
+                    break
+                pub.stored(hashes[:2], root_hash(None), tokens[:8], BS)
+                await asyncio.sleep(0.01)
+            for i in range(30):  # a long history: the new engine's numbering starts far below it
+                sent = pub.sent
+                pub.removed([bytes([i]) * 32])  # a block it never held: one batch each
+                while pub.sent == sent:
+                    await asyncio.sleep(0.005)
+            await asyncio.sleep(0.2)
+            pub.close()
+            await asyncio.sleep(0.3)
+            pub = KVEventPublisher(f"tcp://*:{ports[0]}", f"tcp://*:{ports[1]}", buffer=100)
+            pub.cleared()
+            pub.stored(hashes[:2], None, [], BS, "REDIS")  # what its shared tier holds, announced at start
+            for _ in range(500):
+                if feed.restarts and index.blocks("b").tiered.keys() >= set(hashes[:2]):
+                    break
+                await asyncio.sleep(0.01)
+            return feed, index, hashes
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            pub.close()
+
+    feed, index, hashes = asyncio.run(follow())
+    assert feed.restarts == 1
+    assert index.blocks("b").held == set()  # its pool's blocks are forgotten
+    assert index.cached_tokens("b", list(range(16)), None) == 8 and index.cached(
+        "b", list(range(9)), None
+    ) == (8, 8)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,20 +15,14 @@ import torch
 from cachegw.backend import LLM, SamplingParams
 from cachegw.backend.core.kv_disk import BlockFormat, encode
 from cachegw.backend.core.kv_redis import KEY_PREFIX, RedisTier
-from testkit.random_llama import LlamaShape, save_random_llama
+from testkit.random_llama import TINY_BLOCK, tiny_llm
 from testkit.servers import free_port, redis_available, redis_server, serve_in_thread
 
 pytestmark = pytest.mark.skipif(not redis_available(), reason="/usr/bin/redis-server is not installed")
 
-BS = 8
+BS = TINY_BLOCK
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 PROMPT = list(range(10, 90))  # 10 full blocks; 9 reusable (the last token is always computed): 72 tokens
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    folder = tmp_path_factory.mktemp("tiny-llama-redis")
-    return str(save_random_llama(folder, LlamaShape(64, 2, 4, 2, 16, 128, 256)))
 
 
 @pytest.fixture(scope="module")
@@ -36,13 +31,13 @@ def redis_url():
         yield url
 
 
-def engine(model_dir: str, **tier) -> LLM:
-    return LLM(model=model_dir, dtype="float32", device="cpu", block_size=BS, kv_cache_tokens=256, **tier)
+def engine(model_dir: str, **tier: Any) -> LLM:
+    return tiny_llm(model_dir, 256, **tier)
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir) -> list[int]:
-    llm = engine(model_dir)
+def reference(tiny_llama) -> list[int]:
+    llm = engine(tiny_llama)
     out = llm.generate(PROMPT, GREEDY)[0].outputs[0].token_ids
     del llm
     gc.collect()
@@ -63,16 +58,16 @@ def flush_redis(url: str) -> None:
         r.flushdb()
 
 
-def test_a_prefix_computed_by_one_engine_is_served_to_another_from_redis(model_dir, reference, redis_url):
+def test_a_prefix_computed_by_one_engine_is_served_to_another_from_redis(tiny_llama, reference, redis_url):
     flush_redis(redis_url)
-    a = engine(model_dir, kv_offload_url=redis_url, kv_write_behind=True)
+    a = engine(tiny_llama, kv_offload_url=redis_url, kv_write_behind=True)
     assert a.generate(PROMPT, GREEDY)[0].outputs[0].token_ids == reference
     a.engine.kv_tier.flush()  # write-behind: the prompt's blocks are in Redis now, A still running
     stored = keys(redis_url)
     assert len(stored) >= len(PROMPT) // BS
     digest = a.engine.kv_tier.fmt.digest
     assert all(k.startswith(f"{KEY_PREFIX}{digest}:".encode()) for k in stored)  # one prefix per model
-    b = engine(model_dir, kv_offload_url=redis_url)
+    b = engine(tiny_llama, kv_offload_url=redis_url)
     out = b.generate(PROMPT, GREEDY)[0]
     assert out.num_cached_tokens == 72 and out.outputs[0].token_ids == reference
     assert b.engine.stats().prefix_cache_hits_by_tier["redis"] == 72
@@ -87,11 +82,11 @@ def _ttl(url: str, key: bytes) -> int:
         return int(r.ttl(key))
 
 
-def test_corrupted_and_foreign_values_are_ignored_and_recomputed(model_dir, reference, redis_url):
+def test_corrupted_and_foreign_values_are_ignored_and_recomputed(tiny_llama, reference, redis_url):
     import redis
 
     flush_redis(redis_url)
-    a = engine(model_dir, kv_offload_url=redis_url, kv_write_behind=True)
+    a = engine(tiny_llama, kv_offload_url=redis_url, kv_write_behind=True)
     a.generate(PROMPT, GREEDY)
     a.engine.kv_tier.flush()
     fmt: BlockFormat = a.engine.kv_tier.fmt
@@ -103,7 +98,7 @@ def test_corrupted_and_foreign_values_are_ignored_and_recomputed(model_dir, refe
         r.set(victims[0], raw[:-100] + bytes(100))  # a flipped payload: the checksum fails
         foreign = BlockFormat("another-model", fmt.dtype, fmt.shape)  # same shape, other identity
         r.set(victims[1], encode(foreign, hashes[1], torch.zeros(fmt.shape, dtype=fmt.dtype)))
-    b = engine(model_dir, kv_offload_url=redis_url)
+    b = engine(tiny_llama, kv_offload_url=redis_url)
     out = b.generate(PROMPT, GREEDY)[0]
     assert out.outputs[0].token_ids == reference  # whatever was found, the bad values were not loaded
     store = b.engine.kv_tier.stores[0]
@@ -111,7 +106,7 @@ def test_corrupted_and_foreign_values_are_ignored_and_recomputed(model_dir, refe
     assert out.num_cached_tokens < 72  # the walk stops at the first bad block
 
 
-def test_redis_down_the_engine_keeps_serving_and_counts_it(model_dir, reference, tmp_path: Path):
+def test_redis_down_the_engine_keeps_serving_and_counts_it(tiny_llama, reference, tmp_path: Path):
     """A port nothing listens on: every request is answered (200), the misses are counted."""
     import httpx
 
@@ -121,7 +116,7 @@ def test_redis_down_the_engine_keeps_serving_and_counts_it(model_dir, reference,
     from cachegw.backend.entrypoints.server import build_app
 
     cfg = load_engine_config(
-        None, model=model_dir, dtype="float32", device="cpu", block_size=BS, kv_cache_tokens=256,
+        None, model=tiny_llama, dtype="float32", device="cpu", block_size=BS, kv_cache_tokens=256,
         kv_offload_url=f"redis://127.0.0.1:{free_port()}/0", kv_write_behind=True, compile="off",
     )  # fmt: skip
     engine = AsyncEngine(LLMEngine(cfg))

@@ -1,10 +1,11 @@
-"""The KV tier inside the real engine, on a tiny random Llama saved with transformers (2 layers, loads in
-well under a second) rather than SmolLM2: what is tested is that K/V leave the pool and come back bit for
-bit, across an engine restart and between two engines sharing a directory."""
+"""The KV tier inside the real engine, on the tiny random Llama (``testkit/random_llama.TINY``: 2
+layers, loads in well under a second) rather than SmolLM2: what is tested is that K/V leave the pool
+and come back bit for bit, across an engine restart and between two engines sharing a directory."""
 
 from __future__ import annotations
 
 import gc
+from typing import Any
 
 import pytest
 import torch
@@ -12,36 +13,23 @@ import torch
 from cachegw.backend import LLM, SamplingParams
 from cachegw.backend.core.sequence import Sequence
 from cachegw.backend.entrypoints.metrics import ServerMetrics
+from testkit.random_llama import TINY_BLOCK, tiny_llm
 
-BS = 8
+BS = TINY_BLOCK
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 PROMPT = list(range(10, 60))  # 6 full blocks + 2 tokens
 OTHER = list(range(100, 150))
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
-    )  # fmt: skip
-    path = tmp_path_factory.mktemp("tiny-llama")
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(str(path))
-    return str(path)
-
-
-def engine(model_dir: str, **tier) -> LLM:
+def engine(model_dir: str, **tier: Any) -> LLM:
     """A pool of 8 blocks: two 50-token prompts cannot both stay in it."""
-    return LLM(model=model_dir, dtype="float32", device="cpu", block_size=BS, kv_cache_tokens=64, **tier)
+    return tiny_llm(model_dir, 64, **tier)
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir) -> list[int]:
+def reference(tiny_llama) -> list[int]:
     """The prompt's greedy continuation computed from scratch, with no tier."""
-    llm = engine(model_dir)
+    llm = engine(tiny_llama)
     out = llm.generate(PROMPT, GREEDY)[0].outputs[0].token_ids
     del llm
     gc.collect()
@@ -57,8 +45,8 @@ def prefix_blocks(llm: LLM) -> list[int]:
     return llm.engine.block_manager.find_cached_prefix(Sequence("probe", PROMPT, SamplingParams()))
 
 
-def test_an_evicted_prefix_comes_back_from_ram_with_the_same_output(model_dir, reference):
-    llm = engine(model_dir, kv_offload_bytes=1 << 20)
+def test_an_evicted_prefix_comes_back_from_ram_with_the_same_output(tiny_llama, reference):
+    llm = engine(tiny_llama, kv_offload_bytes=1 << 20)
     llm.generate(PROMPT, GREEDY)
     before = pool_kv(llm, prefix_blocks(llm))
     llm.generate(OTHER, GREEDY)  # evicts the prompt's blocks into RAM
@@ -69,13 +57,13 @@ def test_an_evicted_prefix_comes_back_from_ram_with_the_same_output(model_dir, r
     assert all(torch.equal(a, b) for a, b in zip(before, pool_kv(llm, prefix_blocks(llm)), strict=True))
 
 
-def test_restart_and_a_second_engine_reuse_the_prefix_from_disk(model_dir, reference, tmp_path):
+def test_restart_and_a_second_engine_reuse_the_prefix_from_disk(tiny_llama, reference, tmp_path):
     tier = dict(kv_offload_bytes=0, kv_offload_dir=str(tmp_path))
-    first = engine(model_dir, **tier)
+    first = engine(tiny_llama, **tier)
     first.generate(PROMPT, GREEDY)
     written = pool_kv(first, prefix_blocks(first))
     first.engine.close()  # shutdown: the pool's blocks go to disk
-    restarted = engine(model_dir, **tier)
+    restarted = engine(tiny_llama, **tier)
     out = restarted.generate(PROMPT, GREEDY)[0]
     assert out.num_cached_tokens == 48 and out.outputs[0].token_ids == reference
     assert restarted.engine.stats().prefix_cache_hits_by_tier["disk"] == 48
@@ -89,7 +77,7 @@ def test_restart_and_a_second_engine_reuse_the_prefix_from_disk(model_dir, refer
     assert again.num_cached_tokens > 0 and first.engine.stats().prefix_cache_hits_by_tier["disk"] > 0
 
 
-def test_an_engine_in_another_process_shares_the_disk_tier(model_dir, reference, tmp_path):
+def test_an_engine_in_another_process_shares_the_disk_tier(tiny_llama, reference, tmp_path):
     """Two OS processes on one directory: this engine starts first (its scan finds nothing), another
     process computes the prompt and shuts down (its blocks written to disk), and this engine, still
     running, finds them on its next miss, bit-identical output included."""
@@ -98,10 +86,10 @@ def test_an_engine_in_another_process_shares_the_disk_tier(model_dir, reference,
     import textwrap
 
     tier = dict(kv_offload_bytes=0, kv_offload_dir=str(tmp_path))
-    mine = engine(model_dir, **tier)
+    mine = engine(tiny_llama, **tier)
     code = textwrap.dedent(f"""
         from cachegw.backend import LLM, SamplingParams
-        llm = LLM(model={model_dir!r}, dtype="float32", device="cpu", block_size={BS}, kv_cache_tokens=64,
+        llm = LLM(model={tiny_llama!r}, dtype="float32", device="cpu", block_size={BS}, kv_cache_tokens=64,
                   kv_offload_bytes=0, kv_offload_dir={str(tmp_path)!r})
         llm.generate({PROMPT!r}, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
         llm.engine.close()
@@ -112,9 +100,9 @@ def test_an_engine_in_another_process_shares_the_disk_tier(model_dir, reference,
     assert mine.engine.stats().prefix_cache_hits_by_tier["disk"] == 48
 
 
-def test_a_corrupted_file_is_recomputed_not_loaded(model_dir, reference, tmp_path):
+def test_a_corrupted_file_is_recomputed_not_loaded(tiny_llama, reference, tmp_path):
     tier = dict(kv_offload_bytes=0, kv_offload_dir=str(tmp_path))
-    first = engine(model_dir, **tier)
+    first = engine(tiny_llama, **tier)
     first.generate(PROMPT, GREEDY)
     first.engine.close()
     files = sorted(tmp_path.rglob("*.kv"))
@@ -123,24 +111,24 @@ def test_a_corrupted_file_is_recomputed_not_loaded(model_dir, reference, tmp_pat
         raw = bytearray(f.read_bytes())
         raw[-1] ^= 0xFF
         f.write_bytes(bytes(raw[:-7]) if f == files[0] else bytes(raw))
-    restarted = engine(model_dir, **tier)
+    restarted = engine(tiny_llama, **tier)
     out = restarted.generate(PROMPT, GREEDY)[0]
     assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == reference
     assert restarted.engine.kv_tier.disk.rejected == 1  # the walk stops at the first bad block
 
 
-def test_tenants_do_not_share_tiered_blocks(model_dir, tmp_path):
+def test_tenants_do_not_share_tiered_blocks(tiny_llama, tmp_path):
     tier = dict(kv_offload_bytes=1 << 20, kv_offload_dir=str(tmp_path))
-    first = engine(model_dir, **tier)
+    first = engine(tiny_llama, **tier)
     first.generate(PROMPT, GREEDY, cache_salt="tenant-a")
     first.engine.close()
-    restarted = engine(model_dir, **tier)
+    restarted = engine(tiny_llama, **tier)
     assert restarted.generate(PROMPT, GREEDY, cache_salt="tenant-b")[0].num_cached_tokens == 0
     assert restarted.generate(PROMPT, GREEDY, cache_salt="tenant-a")[0].num_cached_tokens == 48
 
 
-def test_metrics_show_hits_bytes_blocks_per_tier_and_load_latency(model_dir):
-    llm = engine(model_dir, kv_offload_bytes=1 << 20)
+def test_metrics_show_hits_bytes_blocks_per_tier_and_load_latency(tiny_llama):
+    llm = engine(tiny_llama, kv_offload_bytes=1 << 20)
     llm.generate(PROMPT, GREEDY)
     llm.generate(OTHER, GREEDY)
     llm.generate(PROMPT, GREEDY)
@@ -152,7 +140,7 @@ def test_metrics_show_hits_bytes_blocks_per_tier_and_load_latency(model_dir):
     assert 'cachegw:kv_tier_load_seconds_count{tier="ram"} 5.0' in text
 
 
-def test_usage_cached_tokens_count_the_disk_tier_through_the_server(model_dir, tmp_path):
+def test_usage_cached_tokens_count_the_disk_tier_through_the_server(tiny_llama, tmp_path):
     """The engine's HTTP server with the real openai SDK: a shutdown (AsyncEngine.shutdown) writes the pool
     to disk, and after a restart usage.prompt_tokens_details.cached_tokens counts the disk tier's tokens."""
     import openai
@@ -164,7 +152,7 @@ def test_usage_cached_tokens_count_the_disk_tier_through_the_server(model_dir, t
     from testkit.servers import serve_in_thread
 
     cfg = load_engine_config(
-        None, model=model_dir, device="cpu", dtype="float32", block_size=BS, kv_cache_tokens=64,
+        None, model=tiny_llama, device="cpu", dtype="float32", block_size=BS, kv_cache_tokens=64,
         kv_offload_bytes=1 << 20, kv_offload_dir=str(tmp_path),
     )  # fmt: skip
     cached = []

@@ -117,6 +117,7 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
             return []  # prompt logprobs need every prompt position computed
         hits: list[int] = []
+        loaded: list[int] = []  # blocks back from the tier: in the pool again, for the KV events
         for i in range((seq.num_tokens - 1) // self.block_size):
             h = self.block_hash(seq, i)
             block_id = self.cached.get(h)
@@ -124,7 +125,10 @@ class BlockManager:
                 block_id = self._load_from_tier(h, hits)
                 if block_id is None:
                     break
+                loaded.append(i)
             hits.append(block_id)
+        if loaded and self.events is not None:
+            self._publish_stored(seq, loaded)
         return hits
 
     def most_blocks_held(self, num_tokens: int, chunk: int) -> int:

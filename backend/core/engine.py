@@ -18,8 +18,8 @@ from cachegw.backend.core.block_manager import BlockManager
 from cachegw.backend.core.detokenizer import IncrementalDetokenizer
 from cachegw.backend.core.eos import eos_token_ids
 from cachegw.backend.core.h2o import h2o_for
-from cachegw.backend.core.kv_events import publisher_for
 from cachegw.backend.core.kv_tier import TierStats, offload_for
+from cachegw.backend.core.kv_tier_events import events_for
 from cachegw.backend.core.outputs import EngineStats, RequestOutput, request_output
 from cachegw.backend.core.pins import PinTable
 from cachegw.backend.core.prompt_logprobs import record as record_prompt_logprobs
@@ -82,7 +82,7 @@ class LLMEngine:
             sinks=self.runner.sinks,
             tier=self.kv_tier,
             kv_budget=config.kv_budget_tokens if config.kv_eviction == "h2o" else 0,
-            events=publisher_for(config),
+            events=events_for(config, self.kv_tier),
         )
         self.h2o = h2o_for(config, self.block_manager, self.runner.move_rows)
         self.pins = PinTable(self.block_manager, int(config.pinned_kv_share * self.runner.num_blocks))

@@ -26,10 +26,15 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from cachegw.backend.core.kv_tier_events import TierEvents
 
 log = logging.getLogger("cachegw.backend")
 
@@ -122,6 +127,7 @@ class DiskTier:
         self.bytes = 0
         self.rejected = 0  # files that failed the checks
         self.errors = 0  # files that could not be written
+        self.events: TierEvents | None = None  # set by the tier when KV events are published
         self._scan()
 
     def _path(self, block_hash: bytes) -> Path:
@@ -151,6 +157,15 @@ class DiskTier:
     def num_blocks(self) -> int:
         return len(self._files)
 
+    def held(self) -> Iterator[bytes]:
+        with self._lock:
+            found = list(self._files)
+        return iter(found)
+
+    def _published(self, block_hash: bytes, stored: bool) -> None:
+        if self.events is not None:
+            (self.events.stored if stored else self.events.removed)(self.name, [block_hash])
+
     def __contains__(self, block_hash: bytes) -> bool:
         with self._lock:
             if block_hash in self._files:
@@ -160,9 +175,12 @@ class DiskTier:
         except OSError:
             return False
         with self._lock:
-            if block_hash not in self._files:
+            new = block_hash not in self._files
+            if new:
                 self._files[block_hash] = size
                 self.bytes += size
+        if new:  # another engine's file: this one can load it too
+            self._published(block_hash, True)
         return True
 
     def read(self, block_hash: bytes) -> torch.Tensor | None:
@@ -214,9 +232,12 @@ class DiskTier:
                 pass
             return
         with self._lock:
-            if block_hash not in self._files:
+            new = block_hash not in self._files
+            if new:
                 self._files[block_hash] = len(raw)
                 self.bytes += len(raw)
+        if new:
+            self._published(block_hash, True)
         self._trim()
 
     def close(self) -> None:
@@ -227,6 +248,8 @@ class DiskTier:
             size = self._files.pop(block_hash, None)
             if size is not None:
                 self.bytes -= size
+        if size is not None:
+            self._published(block_hash, False)
 
     def _trim(self) -> None:
         while True:
@@ -235,6 +258,7 @@ class DiskTier:
                     return
                 h, size = self._files.popitem(last=False)
                 self.bytes -= size
+            self._published(h, False)
             try:
                 self._path(h).unlink()
             except OSError:

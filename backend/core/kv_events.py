@@ -89,12 +89,19 @@ class KVEventPublisher:
             self._dropped = True
 
     def stored(
-        self, hashes: Sequence[bytes], parent: bytes | None, tokens: list[int], block_size: int
+        self,
+        hashes: Sequence[bytes],
+        parent: bytes | None,
+        tokens: list[int],
+        block_size: int,
+        medium: str = MEDIUM_POOL,
     ) -> None:
-        self._put(BlockStored(list(hashes), parent, tokens, block_size, None, MEDIUM_POOL))
+        """Blocks now held; an offload tier's (``medium`` not the pool's) go as vLLM's offloading sends
+        them: no parent, no token ids (the hashes are those the blocks had in the pool)."""
+        self._put(BlockStored(list(hashes), parent, tokens, block_size, None, medium))
 
-    def removed(self, hashes: Sequence[bytes]) -> None:
-        self._put(BlockRemoved(list(hashes), MEDIUM_POOL))
+    def removed(self, hashes: Sequence[bytes], medium: str = MEDIUM_POOL) -> None:
+        self._put(BlockRemoved(list(hashes), medium))
 
     def cleared(self) -> None:
         self._put(AllBlocksCleared())

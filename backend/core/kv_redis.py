@@ -17,11 +17,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from cachegw.backend.core.kv_disk import BlockFormat, decode, encode
+
+if TYPE_CHECKING:
+    from cachegw.backend.core.kv_tier_events import TierEvents
 
 log = logging.getLogger("cachegw.backend")
 
@@ -59,6 +63,7 @@ class RedisTier:
         self.errors = 0
         self.written = 0  # blocks this engine stored
         self.found = 0  # blocks this engine read back
+        self.events: TierEvents | None = None  # set by the tier when KV events are published
 
     def _key(self, block_hash: bytes) -> str:
         return self.prefix + block_hash.hex()
@@ -84,7 +89,9 @@ class RedisTier:
     def read(self, block_hash: bytes) -> torch.Tensor | None:
         key = self._key(block_hash)
         raw = self._call("get", self._r.getex, key, ex=self.ttl_s)
-        if raw is None:
+        if raw is None:  # expired (or Redis down): a router should stop counting on it
+            if self.events is not None:
+                self.events.removed(self.name, [block_hash])
             return None
         data = decode(self.fmt, block_hash, raw)
         if data is None:
@@ -92,6 +99,8 @@ class RedisTier:
             with self._lock:
                 self.rejected += 1
             self._call("delete", self._r.delete, key)
+            if self.events is not None:
+                self.events.removed(self.name, [block_hash])
             return None
         with self._lock:
             self.found += 1
@@ -101,12 +110,29 @@ class RedisTier:
         """SET with the TTL, only if absent (same hash, same model: same bytes; asked first, so a block
         another engine stored is not sent again). ``mtime`` has no meaning here: Redis keeps its own
         LRU clock."""
-        if block_hash in self:
+        if block_hash in self:  # another engine stored it: this one can load it as well
+            if self.events is not None:
+                self.events.stored(self.name, [block_hash])
             return
         raw = encode(self.fmt, block_hash, data)
         if self._call("set", self._r.set, self._key(block_hash), raw, ex=self.ttl_s, nx=True):
             with self._lock:
                 self.written += 1
+            if self.events is not None:
+                self.events.stored(self.name, [block_hash])
+
+    def held(self) -> Iterator[bytes]:
+        """Every block of this model's prefix in Redis (other engines' too: this one can load them),
+        read with SCAN as the caller iterates; nothing more once Redis fails."""
+        try:
+            for key in self._r.scan_iter(match=self.prefix + "*", count=1000):
+                name = key.decode() if isinstance(key, bytes) else str(key)
+                try:
+                    yield bytes.fromhex(name[len(self.prefix) :])
+                except ValueError:
+                    continue
+        except self._errors_cls as e:
+            log.warning("KV tier: listing Redis keys failed (%s)", e)
 
     @property
     def num_blocks(self) -> int:

@@ -9,9 +9,13 @@ another model, dtype or block shape wrote, nor a torn one: ``read`` returns None
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from cachegw.backend.core.kv_tier_events import TierEvents
 
 
 class BlockStore(Protocol):
@@ -21,6 +25,7 @@ class BlockStore(Protocol):
     name: str  # the tier label in metrics and hit counts ("disk", "redis")
     rejected: int  # blocks that failed the format or checksum checks
     errors: int  # failed operations (a store that cannot be reached): each one a miss, never an error
+    events: TierEvents | None  # what it stores and drops, published as KV events (None: not published)
 
     def __contains__(self, block_hash: bytes) -> bool: ...
 
@@ -31,6 +36,10 @@ class BlockStore(Protocol):
     def write(self, block_hash: bytes, data: torch.Tensor, mtime: float | None = None) -> None:
         """Store a block (a no-op when it is there already). ``mtime``: the recency to give it (a
         shutdown writes its most recent blocks first, each stamped older than the one before)."""
+        ...
+
+    def held(self) -> Iterator[bytes]:
+        """The hashes it holds now (read lazily: the start-up announcement of ``kv_tier_events``)."""
         ...
 
     @property

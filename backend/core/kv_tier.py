@@ -33,6 +33,7 @@ from cachegw.backend.core.kv_disk import BlockFormat, DiskTier
 from cachegw.backend.core.kv_store import BlockStore
 
 if TYPE_CHECKING:
+    from cachegw.backend.core.kv_tier_events import TierEvents
     from cachegw.backend.executor.model_runner import ModelRunner
 
 log = logging.getLogger("cachegw.backend")
@@ -107,6 +108,15 @@ class KVOffload:
         self.behind_skipped = 0  # blocks not written behind: the queue was full (shutdown writes them)
         names = ["ram", "disk", *(s.name for s in self.stores)]
         self.load_latency = {n: LatencyHistogram() for n in names}
+        self.events: TierEvents | None = None  # each move as a KV event, once attached
+
+    def attach_events(self, events: TierEvents) -> None:
+        """Publish every move from now on, and (on the worker) what the stores hold already."""
+        self.events = events
+        for store in self.stores:
+            store.events = events
+            if self._worker is not None:
+                self._worker.submit(events.announce, store.name, store.held())
 
     @property
     def ram_bytes(self) -> int:
@@ -129,6 +139,11 @@ class KVOffload:
                 self._prefetched.pop(spilled[-1][0], None)
             if self.stores:
                 self._pending.update(spilled)
+            kept = block_hash in self.ram
+        if self.events is not None:
+            self.events.stored("ram", [block_hash] if kept else [])
+            if not self.stores:  # dropped, not spilled
+                self.events.removed("ram", [h for h, _ in spilled])
         if self._worker is not None:
             for h, d in spilled:
                 self._worker.submit(self._write, h, d)
@@ -139,6 +154,9 @@ class KVOffload:
         finally:
             with self._lock:
                 self._pending.pop(block_hash, None)
+                gone = block_hash not in self.ram
+            if self.events is not None and gone:
+                self.events.removed("ram", [block_hash])
 
     def _store(self, block_hash: bytes, data: torch.Tensor, mtime: float | None = None) -> None:
         for store in self.stores:
@@ -180,8 +198,11 @@ class KVOffload:
         with self._lock:
             data = self.ram.pop(block_hash, None)
             tier = self._prefetched.pop(block_hash, tier)
+            moved = data is not None
             if data is None:
                 data = self._pending.get(block_hash)
+        if moved and self.events is not None:
+            self.events.removed("ram", [block_hash])
         for store in self.stores if data is None else ():
             tier, data = store.name, store.read(block_hash)
             if data is not None:

@@ -6,6 +6,10 @@ batch from the first one it lacks. A replay that cannot fill the gap (no replay 
 within ``REPLAY_TIMEOUT_S``, or a buffer that no longer reaches back) drops the backend's entries: it
 is rebuilt from the events that follow, which can only make it route less eagerly, never wrongly.
 A sequence number that goes back means the engine restarted: its blocks are gone, so are its entries.
+A restarted engine's first batches (``AllBlocksCleared``, then what its KV tier holds) go out before
+the subscription is back in place, so each time the connection is made again the feed asks the replay
+socket for the last batch it applied: a backend that no longer has it restarted, and its history is
+replayed from the start at once, instead of at its next event.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import logging
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from cachegw.gateway.upstream.kv_index import KvIndex
 from cachegw.protocol.kv_events import END_SEQ, decode_batch, seq_bytes, seq_of
@@ -38,8 +43,10 @@ class EventFeed:
         self.next_seq: int | None = None  # the sequence number expected next
         self.replays = 0  # gaps filled by replay
         self.rebuilds = 0  # gaps that dropped the backend's entries
+        self.restarts = 0  # restarts of the backend seen (its numbering went back)
         self._ctx = zmq.asyncio.Context.instance()
         self._sub: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None  # the SUB socket's connections, made and remade
         self._stale: list[zmq.asyncio.Socket] = []  # dropped by ``disconnect``, closed by ``run``
         self._replayed = range(0)  # sequence numbers the last replay delivered (live copies are skipped)
 
@@ -57,11 +64,15 @@ class EventFeed:
         if self._sub is not None:
             self._stale.append(self._sub)
             self._sub = None
+        if self._monitor is not None:
+            self._stale.append(self._monitor)
+            self._monitor = None
 
     def connect(self) -> None:
         """Subscribe again; the next batch's sequence number shows what was missed meanwhile."""
         self.disconnect()
         self._sub = self._subscribe()
+        self._monitor = self._sub.get_monitor_socket(zmq.EVENT_CONNECTED)
 
     async def run(self) -> None:
         self.connect()
@@ -75,6 +86,7 @@ class EventFeed:
                 if sub is None:
                     await asyncio.sleep(0.05)
                     continue
+                await self._check_connection()
                 try:  # a bounded wait: ``disconnect`` may drop this socket meanwhile
                     if not await sub.poll(POLL_MS) or sub is not self._sub:
                         continue
@@ -91,13 +103,42 @@ class EventFeed:
             for stale in self._stale:
                 stale.close(linger=0)
 
+    async def _check_connection(self) -> None:
+        """On a connection made (again), ask for the last batch applied: gone means a restart."""
+        mon = self._monitor
+        if mon is None or not await mon.poll(0):
+            return
+        try:
+            event = parse_monitor_message(await mon.recv_multipart())["event"]
+        except (zmq.ZMQError, ValueError, KeyError):
+            return
+        if event != zmq.EVENT_CONNECTED or self.next_seq is None:
+            return
+        last = self.next_seq - 1
+        got = await self._replay(last)
+        if got is None or self.next_seq is None:
+            return  # no replay socket: the next batch's number tells
+        if not got or got[0][0] != last:
+            self._restarted(got[0][0] if got else 0)
+            await self._catch_up(0)
+        elif len(got) > 1:
+            self.replays += 1
+            for seq, payload in got[1:]:
+                if seq >= self.next_seq:
+                    self._apply(seq, payload)
+            self._replayed = range(last, self.next_seq)
+
+    def _restarted(self, seq: int) -> None:
+        log.info("kv events of %s restarted at %d: its entries are dropped", self.url, seq)
+        self.restarts += 1
+        self.index.drop(self.url)  # numbering went back: the engine restarted, its blocks are gone
+        self.next_seq = None
+
     async def _receive(self, seq: int, payload: bytes) -> None:
         if self.next_seq is not None and seq < self.next_seq:
             if seq in self._replayed:
                 return  # the replay already gave us this one
-            log.info("kv events of %s restarted at %d: its entries are dropped", self.url, seq)
-            self.index.drop(self.url)  # numbering went back: the engine restarted, its blocks are gone
-            self.next_seq = None
+            self._restarted(seq)
             await self._catch_up(0)
         elif self.next_seq is not None and seq > self.next_seq:
             await self._catch_up(self.next_seq)

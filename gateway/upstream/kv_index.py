@@ -8,13 +8,18 @@ are its own, so each of its blocks is re-hashed from its token ids and its paren
 block whose parent is unknown (stored before we listened) is skipped. vLLM's first blocks name no
 salt, so they are indexed unsalted: only requests without a salt match them.
 
-Only the engine's pool counts (medium ``GPU`` or none): blocks offloaded elsewhere are not indexed.
+Blocks in an engine's KV tier (any other medium: vLLM's CPU offloading and our RAM tier say "CPU", our
+disk and Redis stores "DISK" and "REDIS") are kept apart from its pool's: such events carry hashes only
+(no parent, no tokens), which are ours as they are, or vLLM's translated through the pool events that
+named them first. A lookup walks pool and tier together, as the engine does, and says how many of the
+tokens the tier would supply, which the router weighs below pool tokens.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from cachegw.protocol.kv_blocks import HASH_BYTES, block_hashes, chain_hash, root_hash
 from cachegw.protocol.kv_events import (
@@ -32,12 +37,31 @@ class HeldBlocks:
     """One backend's blocks under our hashes, and its own hashes' translations (other engines)."""
 
     block_size: int = 0  # from its events; 0 until the first BlockStored
-    held: set[bytes] = field(default_factory=set)
+    held: set[bytes] = field(default_factory=set)  # in its pool
+    tiered: dict[bytes, set[str]] = field(default_factory=dict)  # in its KV tier: hash -> mediums
     foreign: dict[BlockHash, bytes] = field(default_factory=dict)
 
     def clear(self) -> None:
         self.held.clear()
+        self.tiered.clear()
         self.foreign.clear()
+
+    def ours(self, h: BlockHash) -> bytes | None:
+        """Our hash for one the engine named: its translation if foreign, else itself if it can be ours."""
+        mapped = self.foreign.get(h)
+        if mapped is not None:
+            return mapped
+        return h if isinstance(h, bytes) and len(h) == HASH_BYTES else None
+
+    def forget_foreign(self, h: BlockHash, ours: bytes) -> None:
+        """Drop a translation once no medium holds the block any more."""
+        if ours not in self.held and ours not in self.tiered:
+            self.foreign.pop(h, None)
+
+
+class CachedPrefix(NamedTuple):
+    tokens: int  # prompt tokens a backend would reuse, from its pool or its tier
+    tier_tokens: int  # of those, the ones it would load from its tier
 
 
 def _native(event: BlockStored) -> bool:
@@ -74,14 +98,37 @@ class KvIndex:
         for event in events:
             if isinstance(event, AllBlocksCleared):
                 held.clear()
-            elif event.medium not in (None, MEDIUM_POOL) or not event.block_hashes:
+            elif not event.block_hashes:
                 continue
+            elif event.medium not in (None, MEDIUM_POOL):
+                self._tier(held, event)
             elif isinstance(event, BlockRemoved):
                 for h in event.block_hashes:
-                    ours = held.foreign.pop(h, None)
-                    held.held.discard(ours if ours is not None else h)  # type: ignore[arg-type]
+                    ours = held.ours(h)
+                    if ours is not None:
+                        held.held.discard(ours)
+                        held.forget_foreign(h, ours)
             else:
                 self._stored(held, event)
+
+    @staticmethod
+    def _tier(held: HeldBlocks, event: BlockStored | BlockRemoved) -> None:
+        medium = event.medium or ""
+        if isinstance(event, BlockStored) and event.block_size and not held.block_size:
+            held.block_size = event.block_size
+        for h in event.block_hashes:
+            ours = held.ours(h)
+            if ours is None:
+                continue  # a foreign hash whose pool event we never saw: nothing to chain it to
+            if isinstance(event, BlockStored):
+                held.tiered.setdefault(ours, set()).add(medium)
+                continue
+            mediums = held.tiered.get(ours)
+            if mediums is not None:
+                mediums.discard(medium)
+                if not mediums:
+                    del held.tiered[ours]
+            held.forget_foreign(h, ours)
 
     @staticmethod
     def _stored(held: HeldBlocks, event: BlockStored) -> None:
@@ -102,15 +149,21 @@ class KvIndex:
             held.foreign[h] = ours
             held.held.add(ours)
 
-    def cached_tokens(self, url: str, tokens: Sequence[int], salt: str | None) -> int:
-        """Prompt tokens ``url`` would reuse: its run of held blocks from the first, as an engine looks
-        them up (the last prompt token is always computed, so its block never counts)."""
+    def cached(self, url: str, tokens: Sequence[int], salt: str | None) -> CachedPrefix:
+        """Prompt tokens ``url`` would reuse: its run of held blocks from the first, in its pool or its
+        tier, as an engine looks them up (the last prompt token is always computed, so its block never
+        counts); and how many of them its tier holds."""
         held = self._backends.get(url)
-        if held is None or held.block_size == 0 or not held.held:
-            return 0
-        n = 0
+        if held is None or held.block_size == 0 or not (held.held or held.tiered):
+            return CachedPrefix(0, 0)
+        n = tier = 0
         for h in block_hashes(tokens[: max(0, len(tokens) - 1)], held.block_size, salt):
             if h not in held.held:
-                break
+                if h not in held.tiered:
+                    break
+                tier += 1
             n += 1
-        return n * held.block_size
+        return CachedPrefix(n * held.block_size, tier * held.block_size)
+
+    def cached_tokens(self, url: str, tokens: Sequence[int], salt: str | None) -> int:
+        return self.cached(url, tokens, salt).tokens

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -21,7 +22,7 @@ import httpx
 from cachegw.gateway.config import BackendSpec
 from cachegw.gateway.upstream.backend_load import BackendLoad, server_root
 from cachegw.gateway.upstream.kv_feed import EventFeed
-from cachegw.gateway.upstream.kv_index import KvIndex
+from cachegw.gateway.upstream.kv_index import CachedPrefix, KvIndex
 from cachegw.policies.kv_routing import KvCandidate, KvChoice, choose
 
 log = logging.getLogger("cachegw.gateway")
@@ -47,15 +48,18 @@ class KvRouter:
         specs: Sequence[BackendSpec],
         load_penalty: float,
         interval_s: float,
+        tier_weight: float = 0.8,
     ) -> None:
         self.client, self.headers = client, headers
         self.index = KvIndex()
         self.load_penalty = load_penalty
+        self.tier_weight = tier_weight
         self.feeds = [
             EventFeed(s.url, s.kv_events, s.kv_events_replay, self.index) for s in specs if s.kv_events
         ]
         self.load = BackendLoad(client, [s.url for s in specs], headers, interval_s)
         self.routes: Counter[str] = Counter()  # decisions by reason, read by the Prometheus collector
+        self.decide_seconds = 0.0  # time spent in ``order`` (the /tokenize round trip most of it), summed
         self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
@@ -69,6 +73,10 @@ class KvRouter:
 
     def indexed_blocks(self) -> dict[str, int]:
         return {f.url: len(self.index.blocks(f.url).held) for f in self.feeds}
+
+    def tiered_blocks(self) -> dict[str, int]:
+        """Per backend, the blocks its KV tier holds (RAM, disk, Redis), as its events say."""
+        return {f.url: len(self.index.blocks(f.url).tiered) for f in self.feeds}
 
     def lost(self) -> dict[str, int]:
         """Per backend, gaps in its events that dropped its entries (replays filled the others)."""
@@ -92,17 +100,22 @@ class KvRouter:
 
     async def order(self, urls: list[str], endpoint: str, body: dict[str, Any], salt: str | None) -> KvChoice:
         """``urls`` (in the rendezvous hash's order) ranked by expected cached tokens net of load."""
+        start = time.perf_counter()
         publishing = [u for u in urls if self.index.publishing(u)]
         tokens = await self.tokens(urls[0], endpoint, body) if publishing and len(urls) > 1 else None
-        candidates = [
-            KvCandidate(
-                url,
-                url in publishing and tokens is not None,
-                self.index.cached_tokens(url, tokens, salt) if tokens is not None else 0,
-                self.load.load.get(url, 0),
+        candidates = []
+        for url in urls:
+            cached = self.index.cached(url, tokens, salt) if tokens is not None else CachedPrefix(0, 0)
+            candidates.append(
+                KvCandidate(
+                    url,
+                    url in publishing and tokens is not None,
+                    cached.tokens,
+                    self.load.load.get(url, 0),
+                    cached.tier_tokens,
+                )
             )
-            for url in urls
-        ]
-        choice = choose(candidates, self.load_penalty)
+        choice = choose(candidates, self.load_penalty, self.tier_weight)
         self.routes[choice.reason] += 1
+        self.decide_seconds += time.perf_counter() - start
         return choice

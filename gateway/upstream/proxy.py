@@ -68,6 +68,7 @@ class Backends:
         clock: Callable[[], float] = time.monotonic,
         kv_load_penalty: float = 64.0,
         kv_metrics_interval_s: float = 0.5,
+        kv_tier_weight: float = 0.8,
     ) -> None:
         self._clock = clock
         self._listed_at = -RELIST_AFTER_S  # when the model lists were last read (clock time)
@@ -85,7 +86,9 @@ class Backends:
         self.router = Router(routing)
         self.kv: KvRouter | None = None  # routing = "kv": started by the composition root
         if routing == "kv":
-            self.kv = KvRouter(self.client, self.headers, specs, kv_load_penalty, kv_metrics_interval_s)
+            self.kv = KvRouter(
+                self.client, self.headers, specs, kv_load_penalty, kv_metrics_interval_s, kv_tier_weight
+            )
         self._models: dict[str, list[str]] = {}  # model id -> the backends serving it, in configured order
         self._down_until: dict[str, float] = {}
         self.answered: Counter[str] = Counter()  # per backend, read by the Prometheus collector
