@@ -5,7 +5,8 @@ upstream (testkit's: a hit never reaches it, and it answers the seeding misses a
 the same 40 answers, then asked to repeat them: one client at a time (latency), and 32 connections from
 wrk, a C load generator (throughput: a Python client would be the bottleneck here). The two sides take
 turns round by round, so the machine's drift hits both. The earlier commit runs as it was installed
-then: uvicorn on asyncio and h11 (uvloop and httptools are hidden from it).
+then: uvicorn on asyncio and h11 when its pyproject.toml does not name uvloop (uvloop and httptools are
+hidden from it).
 
     .venv/bin/python -m bench.hit_path [--base ca0af8e] [--rounds 3] [--seconds 8] [--semantic]
 
@@ -70,10 +71,10 @@ class Side:
     proc: subprocess.Popen
 
 
-def start(name: str, checkout: Path, upstream: str, work: Path, hide: bool) -> Side:
+def start(name: str, checkout: Path, upstream: str, work: Path, hide: bool, port: int = 0) -> Side:
     """`cachegw serve` from ``checkout`` (the module path of its day: cachegw.gateway.cli or gateway.cli)."""
     module = "cachegw.gateway.cli" if (checkout / "cachegw").is_dir() else "gateway.cli"
-    port = free_port()
+    port = port or free_port()
     config = work / f"{name}.toml"
     config.write_text(f'[gateway]\nbackends = ["{upstream}/v1"]\n')
     args = ["serve", "--port", str(port), "--config", str(config), "--data-dir", str(work / name)]
@@ -136,6 +137,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=int, default=8)
     ap.add_argument("--requests", type=int, default=300, help="sequential requests per latency round")
     ap.add_argument("--semantic", action="store_true", help="re-typed questions: semantic hits")
+    ap.add_argument("--port", type=int, default=0, help="base port (this side: +1); 0: any")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="cachegw-hit-path-"))
     base = work / "base"
@@ -148,7 +150,9 @@ def main() -> None:
     try:
         with serve_in_thread(recording_upstream(Upstream(model="m"))) as upstream:
             sides = [
-                start("base", base, upstream, work, hide=True),
+                start(
+                    "base", base, upstream, work, hide="uvloop" not in (base / "pyproject.toml").read_text()
+                ),
                 start("this", ROOT, upstream, work, hide=False),
             ]
             for side in sides:
