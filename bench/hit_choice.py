@@ -212,6 +212,7 @@ def cpu_ms(encoders: dict[str, Any], v: Verifier, ps: Pairs, sample: int) -> dic
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sample", type=int, default=200, help="questions timed per stage")
+    ap.add_argument("--no-timing", action="store_true", help="quality only (no wait for the bench lock)")
     args = ap.parse_args()
     t_start = time.perf_counter()
     v = load_verifier(load_settings(None).cache)
@@ -242,6 +243,10 @@ def main() -> None:
                     for label, (m, t) in settings.items()
                 }
         results["encoders"][name] = res
+    results["seconds"] = round(time.perf_counter() - t_start, 1)
+    save("hit_choice", results)  # the quality figures, before the wait for the lock
+    if args.no_timing:
+        return
     say("timing (waits for the bench lock)")
     with open(LOCK, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # only the timed part holds it
