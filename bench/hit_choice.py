@@ -38,11 +38,14 @@ from cachegw.gateway.cache.verifier_loader import load_verifier
 from cachegw.gateway.config import load_settings
 from cachegw.policies.pair_diff import align
 from cachegw.policies.pair_guards import guard_reason
-from cachegw.policies.verifier import DEFAULT_RULE, Verifier
+from cachegw.policies.verifier import DEFAULT_RULE, DecisionRule, Verifier
 from cachegw.policies.verifier_features import pair_features
 
 FAMILIES = Path(__file__).resolve().parent / "data" / "verifier_families.jsonl"
 LOCK = "/tmp/cachegw-bench.lock"
+WIDE = DecisionRule(min_cosine=0.85, min_prob=0.74)  # the loosest rule searched: scores kept down to it
+FLOOR_GRID = np.round(np.arange(0.85, 0.8801, 0.005), 3)
+PROB_GRID = np.round(np.arange(0.74, 0.8001, 0.01), 2)
 SURE_GRID = np.round(np.arange(0.64, 1.0001, 0.005), 3)
 
 
@@ -112,7 +115,7 @@ def score(
     n = len(ps.y)
     flags = [np.zeros(n, dtype=bool) for _ in range(4)]
     s = Scored(flags[0], flags[1], flags[2], np.zeros(n), flags[3], np.zeros(n), np.full(n, np.nan))
-    rule = DEFAULT_RULE
+    rule = WIDE  # scores kept for every rule of the search below
     for i, (a, b) in enumerate(zip(ps.q1, ps.q2, strict=True)):
         al = align(a, b)
         if al.outcome != "judge":
@@ -134,10 +137,9 @@ def score(
     return s
 
 
-def accepted(s: Scored, mode: str, sure: float = 2.0) -> np.ndarray:
+def accepted(s: Scored, mode: str, sure: float = 2.0, rule: DecisionRule = DEFAULT_RULE) -> np.ndarray:
     """Verdicts under one setting: ``full`` (MLP + cross-encoder), ``mlp`` (MLP alone), ``skip``
     (the cross-encoder left out where ``p_mlp >= sure``)."""
-    rule = DEFAULT_RULE
     judged = ~s.fixed & (s.cos >= rule.min_cosine) & ~s.guarded
     if mode == "mlp":
         ok = s.p_mlp >= rule.min_prob
@@ -150,21 +152,50 @@ def accepted(s: Scored, mode: str, sure: float = 2.0) -> np.ndarray:
     return (s.fixed & s.fixed_accept) | (judged & ok)
 
 
-def cross_calls(s: Scored, mode: str, sure: float = 2.0) -> int:
-    asked = ~np.isnan(s.p_cross)
+def cross_calls(s: Scored, mode: str, sure: float = 2.0, rule: DecisionRule = DEFAULT_RULE) -> int:
+    """Cross-encoder calls the setting makes (pairs at its floor, unguarded, MLP over min_prob**2)."""
+    asked = ~np.isnan(s.p_cross) & (s.cos >= rule.min_cosine) & (s.p_mlp >= rule.min_prob**2)
     return int((asked & (s.p_mlp < sure)).sum()) if mode == "skip" else int(asked.sum()) * (mode == "full")
 
 
-def derive_sure(calib: dict[str, tuple[Pairs, Scored]]) -> dict[str, float]:
+def derive_rule(
+    calib: dict[str, tuple[Pairs, Scored]], before: dict[str, tuple[Pairs, Scored]]
+) -> DecisionRule | None:
+    """On the calibration sets only: the (cosine floor, min_prob) under which this encoder's verdicts
+    have no more false hits and no lower recall than ``before``'s at the default rule, on every set;
+    of those, the fewest false hits in all, then the most right hits. None: no rule on the grid does."""
+    best: tuple[int, int, DecisionRule] | None = None
+    for floor in FLOOR_GRID:
+        for p in PROB_GRID:
+            rule = DecisionRule(min_cosine=float(floor), min_prob=float(p))
+            fp = tp = 0
+            ok = True
+            for k, (ps, s) in calib.items():
+                acc, acc0 = accepted(s, "full", rule=rule), accepted(before[k][1], "full")
+                f, t = int((acc & ~ps.y).sum()), int((acc & ps.y).sum())
+                ok = ok and f <= int((acc0 & ~ps.y).sum()) and t >= int((acc0 & ps.y).sum())
+                fp, tp = fp + f, tp + t
+            if ok and (best is None or (fp, -tp) < best[:2]):
+                best = (fp, -tp, rule)
+    return None if best is None else best[2]
+
+
+def derive_sure(
+    calib: dict[str, tuple[Pairs, Scored]], rule: DecisionRule = DEFAULT_RULE
+) -> dict[str, float]:
     """On the calibration sets only: ``strict``, the lowest ``sure`` at which skipping changes no
     verdict; ``no_false_hit``, the lowest at which it adds no wrong answer (the cross-encoder's refusals
     above it were all of right pairs)."""
     out = {}
     tests = {"strict": lambda y, d: not d.any(), "no_false_hit": lambda y, d: not (d & ~y).any()}
+    sets = list(calib.values())
     for name, harmless in tests.items():
         best = 1.0
         for t in SURE_GRID[::-1]:
-            if all(harmless(ps.y, accepted(s, "skip", t) & ~accepted(s, "full")) for ps, s in calib.values()):
+            changed = [
+                accepted(s, "skip", t, rule) ^ accepted(s, "full", rule=rule) for _, s in calib.values()
+            ]
+            if all(harmless(ps.y, d) for (ps, _), d in zip(sets, changed, strict=True)):
                 best = float(t)
             else:
                 break
@@ -226,21 +257,30 @@ def main() -> None:
             texts += [a, b] + ([al.focus_new, al.focus_old] if al.outcome == "judge" and al.reembed else [])
     cross_cache: dict[tuple[str, str], float] = {}
     results: dict[str, Any] = {"machine": machine(), "rule": DEFAULT_RULE.__dict__, "encoders": {}}
+    first: dict[str, tuple[Pairs, Scored]] = {}
     for name, enc in encoders.items():
         say(f"{name}: embedding {len(set(texts)):,} texts")
         vecs = embed_all(enc, texts, name)
         sc_calib = {k: (ps, score(v, ps, vecs, cross_cache)) for k, ps in calib.items()}
         sc_held = {k: (ps, score(v, ps, vecs, cross_cache)) for k, ps in held.items()}
-        sure = derive_sure(sc_calib)
-        say(f"{name}: sure {sure}")
-        res: dict[str, Any] = {"sure_from_calibration": sure, "calibration": {}, "heldout": {}}
-        settings = {"full": ("full", 2.0), "mlp": ("mlp", 2.0),
-                    **{f"skip@{k}": ("skip", t) for k, t in sure.items()}}  # fmt: skip
+        first = first or sc_calib
+        rules = {"default": DEFAULT_RULE}
+        if sc_calib is not first and (fitted := derive_rule(sc_calib, first)) is not None:
+            rules["refitted"] = fitted  # thresholds of its own, from the calibration sets
+        res: dict[str, Any] = {"rules": {}, "calibration": {}, "heldout": {}}
+        settings: dict[str, tuple[str, float, DecisionRule]] = {}
+        for rname, rule in rules.items():
+            sure = derive_sure(sc_calib, rule)
+            say(f"{name}: rule {rname} {rule}, sure {sure}")
+            res["rules"][rname] = {**rule.__dict__, "sure_from_calibration": sure}
+            settings[f"{rname}"] = ("full", 2.0, rule)
+            settings[f"{rname}+mlp-only"] = ("mlp", 2.0, rule)
+            settings.update({f"{rname}+skip@{k}": ("skip", t, rule) for k, t in sure.items()})
         for part, sets in (("calibration", sc_calib), ("heldout", sc_held)):
             for k, (ps, s) in sets.items():
                 res[part][k] = {
-                    label: {**prf(ps.y, accepted(s, m, t)), "cross_calls": cross_calls(s, m, t)}
-                    for label, (m, t) in settings.items()
+                    label: {**prf(ps.y, accepted(s, m, t, r)), "cross_calls": cross_calls(s, m, t, r)}
+                    for label, (m, t, r) in settings.items()
                 }
         results["encoders"][name] = res
     results["seconds"] = round(time.perf_counter() - t_start, 1)
