@@ -17,10 +17,10 @@ the layout (the decode step eager in both); "after, compiled" adds the default c
 (compiled before serving, so that no compile runs during the phases).
 
     .venv/bin/python -m bench.mixed_load [--rounds 1] [--seconds 15] [--rates 50,100] [--port 18460]
-        [--layouts "after; after, float32 hit path"]
+        [--layouts "after; after, cross-encoder always"]
 
-"after, float32 hit path" is the split layout with the semantic hit of before the int8 encoder and the
-skipped cross-encoder (`[cache.encoder] int8 = false`, `[cache.verifier] skip_cross_from = 2.0`).
+"after, cross-encoder always" is the split layout with the semantic hit as it was before the MLP could
+spare the cross-encoder (`[cache.verifier] skip_cross_from = 2.0`).
 """
 
 from __future__ import annotations
@@ -43,9 +43,8 @@ LAYOUTS = {
     "before": '[engine]\ncpus = "all"\nthreads = 0\nomp_wait_policy = "runtime"\ncompile = "off"\n',
     "after": '[engine]\ncompile = "off"\n',  # the core split and thread defaults
     "after, compiled": '[engine]\ncompile = "startup"\n',  # and the compiled decode step
-    # the split layout with the semantic hit as it was: float32 encoder, the cross-encoder on every candidate
-    "after, float32 hit path": '[engine]\ncompile = "off"\n[cache.encoder]\nint8 = false\n'
-    "[cache.verifier]\nskip_cross_from = 2.0\n",
+    # the split layout with the semantic hit as it was: the cross-encoder asked about every candidate
+    "after, cross-encoder always": '[engine]\ncompile = "off"\n[cache.verifier]\nskip_cross_from = 2.0\n',
 }
 
 
