@@ -71,12 +71,14 @@ class Side:
     proc: subprocess.Popen
 
 
-def start(name: str, checkout: Path, upstream: str, work: Path, hide: bool, port: int = 0) -> Side:
+def start(
+    name: str, checkout: Path, upstream: str, work: Path, hide: bool, port: int = 0, extra: str = ""
+) -> Side:
     """`cachegw serve` from ``checkout`` (the module path of its day: cachegw.gateway.cli or gateway.cli)."""
     module = "cachegw.gateway.cli" if (checkout / "cachegw").is_dir() else "gateway.cli"
     port = port or free_port()
     config = work / f"{name}.toml"
-    config.write_text(f'[gateway]\nbackends = ["{upstream}/v1"]\n')
+    config.write_text(f'[gateway]\nbackends = ["{upstream}/v1"]\n' + extra.replace("\\n", "\n"))
     args = ["serve", "--port", str(port), "--config", str(config), "--data-dir", str(work / name)]
     run = f"{HIDDEN if hide else 'import sys; '}sys.argv = ['cachegw', *{args!r}]; "
     run += f"from {module} import main; main()"
@@ -137,6 +139,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=int, default=8)
     ap.add_argument("--requests", type=int, default=300, help="sequential requests per latency round")
     ap.add_argument("--semantic", action="store_true", help="re-typed questions: semantic hits")
+    ap.add_argument("--this-config", default="", help="TOML added to this side's config (\\n: newline)")
+    ap.add_argument("--out", default="", help="result name under bench/results/")
     ap.add_argument("--port", type=int, default=0, help="base port (this side: +1); 0: any")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="cachegw-hit-path-"))
@@ -149,11 +153,11 @@ def main() -> None:
     results: dict[str, dict[str, list[float]]] = {}
     try:
         with serve_in_thread(recording_upstream(Upstream(model="m"))) as upstream:
+            old_loop = "uvloop" not in (base / "pyproject.toml").read_text()
+            this_port = args.port + 1 if args.port else 0
             sides = [
-                start(
-                    "base", base, upstream, work, hide="uvloop" not in (base / "pyproject.toml").read_text()
-                ),
-                start("this", ROOT, upstream, work, hide=False),
+                start("base", base, upstream, work, old_loop, args.port),
+                start("this", ROOT, upstream, work, False, this_port, args.this_config),
             ]
             for side in sides:
                 latency_ms(side, 50, args.semantic)  # warm-up
@@ -181,10 +185,11 @@ def main() -> None:
     targets = ({"semantic_hit_p50_ms": "<= 5", "semantic_hits_per_s": ">= 300"} if args.semantic
                else {"exact_hit_p50_ms": "<= 2", "exact_hits_per_s": ">= 1500"})  # fmt: skip
     kind = "semantic" if args.semantic else "exact"
-    payload = {"base": args.base, "kind": kind, "rounds": args.rounds, "seconds": args.seconds,
+    payload = {"base": args.base, "this_config": args.this_config, "kind": kind, "rounds": args.rounds,
+               "seconds": args.seconds,
                "requests_per_latency_round": args.requests, "runs": results, "median": med,
                "this_over_base": ratios, "targets": targets}  # fmt: skip
-    save("hit_path_semantic" if args.semantic else "hit_path", payload)
+    save(args.out or ("hit_path_semantic" if args.semantic else "hit_path"), payload)
     say(f"median: {med}; this/base: {ratios}")
 
 
