@@ -1,13 +1,18 @@
-"""Exact hits through real HTTP: this checkout's gateway against an earlier commit's, interleaved.
+"""Exact or semantic hits through real HTTP: this checkout's gateway against an earlier commit's, interleaved.
 
 Each side is a `cachegw serve` process on this machine in front of the same small OpenAI-compatible
 upstream (testkit's: a hit never reaches it, and it answers the seeding misses at once), seeded with
 the same 40 answers, then asked to repeat them: one client at a time (latency), and 32 connections from
 wrk, a C load generator (throughput: a Python client would be the bottleneck here). The two sides take
 turns round by round, so the machine's drift hits both. The earlier commit runs as it was installed
-then: uvicorn on asyncio and h11 (uvloop and httptools are hidden from it).
+then: uvicorn on asyncio and h11 when its pyproject.toml does not name uvloop (uvloop and httptools are
+hidden from it).
 
-    .venv/bin/python -m bench.hit_path [--base ca0af8e] [--rounds 3] [--seconds 8]
+    .venv/bin/python -m bench.hit_path [--base ca0af8e] [--rounds 3] [--seconds 8] [--semantic]
+
+``--semantic`` asks each stored question re-typed (first letter lower-cased, " ?" appended: what a
+second user types, an exact-tier miss), so every answer is a semantic hit: query embedding, index,
+alignment and verifier. Results go to bench/results/hit_path_semantic.json.
 
 Needs `wrk` (Debian: `apt-get install wrk`) for the throughput part; without it only latency is taken.
 """
@@ -33,13 +38,14 @@ from bench.common import ROOT, pct, save, say
 from testkit.servers import Upstream, free_port, recording_upstream, serve_in_thread
 
 QUESTIONS = [f"How do I reset my password for account type {i}?" for i in range(40)]
+RETYPED = [q[0].lower() + q[1:] + " ?" for q in QUESTIONS]  # as bench.gateway_latency.paraphrase
 WRK_SCRIPT = """
 local bodies = {}
 local i = 0
 init = function(args)
   for k = 0, 39 do
-    bodies[#bodies + 1] = '{"model":"m","messages":[{"role":"user","content":"How do I reset my password '
-      .. 'for account type ' .. k .. '?"}],"temperature":0,"max_tokens":16}'
+    bodies[#bodies + 1] = '{"model":"m","messages":[{"role":"user","content":"HOW do I reset my password '
+      .. 'for account type ' .. k .. '?TAIL"}],"temperature":0,"max_tokens":16}'
   end
 end
 request = function()
@@ -65,12 +71,14 @@ class Side:
     proc: subprocess.Popen
 
 
-def start(name: str, checkout: Path, upstream: str, work: Path, hide: bool) -> Side:
+def start(
+    name: str, checkout: Path, upstream: str, work: Path, hide: bool, port: int = 0, extra: str = ""
+) -> Side:
     """`cachegw serve` from ``checkout`` (the module path of its day: cachegw.gateway.cli or gateway.cli)."""
     module = "cachegw.gateway.cli" if (checkout / "cachegw").is_dir() else "gateway.cli"
-    port = free_port()
+    port = port or free_port()
     config = work / f"{name}.toml"
-    config.write_text(f'[gateway]\nbackends = ["{upstream}/v1"]\n')
+    config.write_text(f'[gateway]\nbackends = ["{upstream}/v1"]\n' + extra.replace("\\n", "\n"))
     args = ["serve", "--port", str(port), "--config", str(config), "--data-dir", str(work / name)]
     run = f"{HIDDEN if hide else 'import sys; '}sys.argv = ['cachegw', *{args!r}]; "
     run += f"from {module} import main; main()"
@@ -96,15 +104,21 @@ def start(name: str, checkout: Path, upstream: str, work: Path, hide: bool) -> S
     return Side(name, checkout, url, proc)
 
 
-def latency_ms(side: Side, n: int) -> list[float]:
+def wrk_script(semantic: bool) -> str:
+    """The wrk script asking the stored questions (exact hits) or their re-typed forms (semantic hits)."""
+    return WRK_SCRIPT.replace("HOW", "how" if semantic else "How").replace("TAIL", " ?" if semantic else "")
+
+
+def latency_ms(side: Side, n: int, semantic: bool) -> list[float]:
     """One request at a time, keep-alive (what a single client sees)."""
     out = []
+    asks, want = (RETYPED, "semantic-hit") if semantic else (QUESTIONS, "exact-hit")
     with httpx.Client(timeout=60) as c:
         for i in range(n):
             t = time.perf_counter()
-            r = c.post(f"{side.url}/v1/chat/completions", json=body(QUESTIONS[i % len(QUESTIONS)]))
+            r = c.post(f"{side.url}/v1/chat/completions", json=body(asks[i % len(asks)]))
             out.append((time.perf_counter() - t) * 1e3)
-            assert r.headers.get("x-cache") == "exact-hit"
+            assert r.headers.get("x-cache") == want, (want, r.headers.get("x-cache-reason"))
     return out
 
 
@@ -124,27 +138,33 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=int, default=8)
     ap.add_argument("--requests", type=int, default=300, help="sequential requests per latency round")
+    ap.add_argument("--semantic", action="store_true", help="re-typed questions: semantic hits")
+    ap.add_argument("--this-config", default="", help="TOML added to this side's config (\\n: newline)")
+    ap.add_argument("--out", default="", help="result name under bench/results/")
+    ap.add_argument("--port", type=int, default=0, help="base port (this side: +1); 0: any")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="cachegw-hit-path-"))
     base = work / "base"
     subprocess.run(["git", "worktree", "add", "--detach", "-q", str(base), args.base], cwd=ROOT, check=True)
     script = work / "hits.lua"
-    script.write_text(WRK_SCRIPT)
+    script.write_text(wrk_script(args.semantic))
     has_wrk = shutil.which("wrk") is not None
     sides: list[Side] = []
     results: dict[str, dict[str, list[float]]] = {}
     try:
         with serve_in_thread(recording_upstream(Upstream(model="m"))) as upstream:
+            old_loop = "uvloop" not in (base / "pyproject.toml").read_text()
+            this_port = args.port + 1 if args.port else 0
             sides = [
-                start("base", base, upstream, work, hide=True),
-                start("this", ROOT, upstream, work, hide=False),
+                start("base", base, upstream, work, old_loop, args.port),
+                start("this", ROOT, upstream, work, False, this_port, args.this_config),
             ]
             for side in sides:
-                latency_ms(side, 50)  # warm-up
+                latency_ms(side, 50, args.semantic)  # warm-up
                 results[side.name] = {"p50_ms": [], "p99_ms": [], "rps": [], "p50_ms_loaded": []}
             for rnd in range(args.rounds):
                 for side in sides if rnd % 2 == 0 else sides[::-1]:
-                    lat = latency_ms(side, args.requests)
+                    lat = latency_ms(side, args.requests, args.semantic)
                     res = results[side.name]
                     res["p50_ms"].append(round(pct(lat, 50), 3))
                     res["p99_ms"].append(round(pct(lat, 99), 3))
@@ -162,10 +182,14 @@ def main() -> None:
         subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT, check=False)
     med = {name: {k: statistics.median(v) for k, v in res.items() if v} for name, res in results.items()}
     ratios = {k: round(med["this"][k] / med["base"][k], 2) for k in med["this"] if med["base"].get(k)}
-    save("hit_path", {"base": args.base, "rounds": args.rounds, "seconds": args.seconds,
-                      "requests_per_latency_round": args.requests, "runs": results, "median": med,
-                      "this_over_base": ratios,
-                      "targets": {"exact_hit_p50_ms": "<= 2", "exact_hits_per_s": ">= 1500"}})  # fmt: skip
+    targets = ({"semantic_hit_p50_ms": "<= 5", "semantic_hits_per_s": ">= 300"} if args.semantic
+               else {"exact_hit_p50_ms": "<= 2", "exact_hits_per_s": ">= 1500"})  # fmt: skip
+    kind = "semantic" if args.semantic else "exact"
+    payload = {"base": args.base, "this_config": args.this_config, "kind": kind, "rounds": args.rounds,
+               "seconds": args.seconds,
+               "requests_per_latency_round": args.requests, "runs": results, "median": med,
+               "this_over_base": ratios, "targets": targets}  # fmt: skip
+    save(args.out or ("hit_path_semantic" if args.semantic else "hit_path"), payload)
     say(f"median: {med}; this/base: {ratios}")
 
 

@@ -16,7 +16,11 @@ round (each round restarts `cachegw serve`). Before and after differ only in
 the layout (the decode step eager in both); "after, compiled" adds the default compiled decode step
 (compiled before serving, so that no compile runs during the phases).
 
-    .venv/bin/python -m bench.mixed_load [--rounds 1] [--seconds 15] [--rates 50,100]
+    .venv/bin/python -m bench.mixed_load [--rounds 1] [--seconds 15] [--rates 50,100] [--port 18460]
+        [--layouts "after; after, cross-encoder always"]
+
+"after, cross-encoder always" is the split layout with the semantic hit as it was before the MLP could
+spare the cross-encoder (`[cache.verifier] skip_cross_from = 2.0`).
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ LAYOUTS = {
     "before": '[engine]\ncpus = "all"\nthreads = 0\nomp_wait_policy = "runtime"\ncompile = "off"\n',
     "after": '[engine]\ncompile = "off"\n',  # the core split and thread defaults
     "after, compiled": '[engine]\ncompile = "startup"\n',  # and the compiled decode step
+    # the split layout with the semantic hit as it was: the cross-encoder asked about every candidate
+    "after, cross-encoder always": '[engine]\ncompile = "off"\n[cache.verifier]\nskip_cross_from = 2.0\n',
 }
 
 
@@ -97,7 +103,7 @@ async def hit_stream(url: str, rate: float, seconds: float) -> dict:
 
 
 async def one_layout(name: str, args: argparse.Namespace, work: Path, salt: str) -> dict:
-    port = 18460
+    port = args.port
     config = work / f"{name.replace(', ', '-')}.toml"
     config.write_text(LAYOUTS[name])
     data = work / f"data-{config.stem}-{salt}"
@@ -131,7 +137,7 @@ async def one_layout(name: str, args: argparse.Namespace, work: Path, salt: str)
 async def run(args: argparse.Namespace, work: Path) -> dict:
     rounds: list[dict[str, dict]] = []
     for r in range(args.rounds):
-        order = list(LAYOUTS) if r % 2 == 0 else list(LAYOUTS)[::-1]
+        order = args.layouts if r % 2 == 0 else args.layouts[::-1]
         rounds.append({name: await one_layout(name, args, work, f"r{r}") for name in order})
     return {"rounds": rounds}
 
@@ -144,7 +150,7 @@ def _median(runs: list[dict], phase: str, key: str) -> float | None:
 def summary(rounds: list[dict[str, dict]], rates: list[float]) -> dict[str, dict]:
     """Medians over the rounds, per layout."""
     out: dict[str, dict] = {}
-    for name in LAYOUTS:
+    for name in rounds[0]:
         runs = [r[name] for r in rounds]
         row: dict[str, float | None] = {"engine_tok_s_alone": _median(runs, "engine_alone", "tokens_per_s")}
         for rate in rates:
@@ -201,7 +207,13 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--out", default="mixed_load", help="result name under bench/results/")
+    ap.add_argument("--port", type=int, default=18460)
+    ap.add_argument("--layouts", default="; ".join(list(LAYOUTS)[:3]), help=f"some of: {'; '.join(LAYOUTS)}")
     args = ap.parse_args()
+    args.layouts = [name.strip() for name in args.layouts.split(";")]
+    unknown = [n for n in args.layouts if n not in LAYOUTS]
+    if unknown:
+        ap.error(f"unknown layouts {unknown}")
     args.rates = [float(r) for r in args.rates.split(",")]
     load = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="cachegw-mixed-") as tmp:

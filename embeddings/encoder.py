@@ -81,6 +81,7 @@ def make_encoder(
     threads: int = 1,
     model_path: str | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
+    int8: bool = False,
 ) -> Encoder | OnnxEncoder:
     """The gateway's encoder: ``torch`` (``Encoder``), ``onnx`` (``OnnxEncoder``) or ``auto``.
 
@@ -89,6 +90,7 @@ def make_encoder(
     ORT cannot reproduce) falls back to torch here with a warning instead of failing the first lookup.
     ``threads`` is ORT's intra-op thread count; torch's is process-wide (``torch.set_num_threads``).
     ``cache_dir`` holds the exported model (default ``$CACHEGW_CACHE_DIR``, else ``~/.cache/cachegw``).
+    ``int8``: ONNX Runtime with int8 weights (torch, and ``auto`` falling back to it, stay float32).
     """
     if backend == "torch":
         return Encoder(model_path)
@@ -98,7 +100,7 @@ def make_encoder(
         OnnxEncoder,  # imports numpy only: onnxruntime is needed at load
     )
 
-    enc = OnnxEncoder(model_path, threads=threads, cache_dir=cache_dir)
+    enc = OnnxEncoder(model_path, threads=threads, cache_dir=cache_dir, int8=int8)
     if backend == "onnx":
         return enc
     try:

@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 EXPORT_FORMAT = "1"
 PROBE_TEXTS = ["cachegw onnx probe: how do I reset my password?", "short"]
 PROBE_MIN_COSINE = 0.99999  # what an export, and a later load of it, must reach against torch
+# int8 weights move a vector by a cosine of about 0.005 (median on QQP questions; 0.014 at worst in 1,500)
+INT8_PROBE_MIN_COSINE = 0.98
 META_PROBE = "cachegw.probe"
 _WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 CALL_COST_TOKENS = 24  # fixed cost of one ORT call in padded-token equivalents (see _plan_batches)
@@ -67,6 +69,10 @@ class OnnxEncoder:
     ``threads`` is ORT's intra-op thread count: 1 by default because the gateway embeds on one worker thread
     of a small box and extra threads only spin against the event loop. Loading (and exporting the first time)
     is lazy, on first ``encode`` or an explicit ``load()``.
+
+    ``int8``: the same graph with int8 weights (per output channel, ``onnx_export.quantize_int8``), 2.4x
+    less time per query. Its activations are quantized per call, so a text's vector would depend on the
+    texts padded beside it: each text then runs alone, and its vector is the same in any batch.
     """
 
     def __init__(
@@ -76,6 +82,7 @@ class OnnxEncoder:
         batch_size: int = 64,
         cache_dir: str | os.PathLike[str] | None = None,
         optimize: bool = False,
+        int8: bool = False,
     ) -> None:
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
@@ -84,6 +91,7 @@ class OnnxEncoder:
         self._batch_size = batch_size
         self._cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else None
         self._optimize = optimize
+        self.int8 = int8
         self._lock = threading.Lock()
         self._session: Any = None
         self._tokenizer: Any = None  # Tokenizer once loaded
@@ -124,11 +132,21 @@ class OnnxEncoder:
         path = self._cache_path(model_dir)
         t0 = time.perf_counter()
         tokenizer = self._tokenizer
-        from cachegw.embeddings.onnx_export import export_transformer  # torch and onnx: only when exporting
-
-        session, self.exported = open_or_export(
-            path, self._open, lambda: export_transformer(model_dir, path, tokenizer, optimize=self._optimize)
+        from cachegw.embeddings.onnx_export import (
+            export_transformer,  # torch and onnx: only when exporting
+            quantize_int8,
         )
+
+        def export() -> None:
+            if not self.int8:
+                export_transformer(model_dir, path, tokenizer, optimize=self._optimize)
+                return
+            fp32 = self._cache_path(model_dir, int8=False)
+            if not fp32.exists():
+                export_transformer(model_dir, fp32, tokenizer, optimize=self._optimize)
+            quantize_int8(fp32, path)
+
+        session, self.exported = open_or_export(path, self._open, export)
         self._session = session
         self.model_file = path
         log.info(
@@ -139,7 +157,8 @@ class OnnxEncoder:
             time.perf_counter() - t0,
         )
 
-    def _cache_path(self, model_dir: Path) -> Path:
+    def _cache_path(self, model_dir: Path, int8: bool | None = None) -> Path:
+        int8 = self.int8 if int8 is None else int8
         weights = next((model_dir / f for f in _WEIGHT_FILES if (model_dir / f).exists()), None)
         if weights is None:
             raise FileNotFoundError(f"no weights ({' or '.join(_WEIGHT_FILES)}) in {model_dir}")
@@ -156,7 +175,8 @@ class OnnxEncoder:
         )
         short = hashlib.sha256(key.encode()).hexdigest()[:12]
         root = self._cache_dir or cache_root()
-        return root / "embeddings" / f"{_model_name(model_dir)}-{short}" / "model.onnx"
+        folder = root / "embeddings" / f"{_model_name(model_dir)}-{short}"
+        return folder / ("model-int8.onnx" if int8 else "model.onnx")  # int8: from the float32 file beside it
 
     def _open(self, path: Path) -> Any:
         """An ORT session on ``path`` that reproduces the probe embeddings stored in the file at export."""
@@ -170,7 +190,7 @@ class OnnxEncoder:
         if got.shape != want.shape:
             raise ValueError(f"probe embeddings have shape {got.shape}, expected {want.shape}")
         cos = float((got * want).sum(axis=1).min())
-        if not cos >= PROBE_MIN_COSINE:
+        if not cos >= (INT8_PROBE_MIN_COSINE if self.int8 else PROBE_MIN_COSINE):
             raise ValueError(f"probe embeddings differ from torch's (cosine {cos:.6f})")
         return session
 
@@ -182,6 +202,8 @@ class OnnxEncoder:
         return mean_pool_normalize(hidden, mask)
 
     def _embed(self, session: Any, texts: list[str]) -> np.ndarray:
+        if self.int8:
+            return np.concatenate([self._run(session, *self._tokenizer.batch([t])) for t in texts])
         return self._run(session, *self._tokenizer.batch(texts))
 
     def encode(self, texts: list[str], show_progress: bool = False) -> np.ndarray:
@@ -197,8 +219,8 @@ class OnnxEncoder:
         if self._session is None:
             self.load()
         rows = self._tokenizer.ids(texts)
-        if len(rows) == 1:
-            return self._run(self._session, *self._tokenizer.pad(rows))
+        if len(rows) == 1 or self.int8:  # int8: each text alone (its vector must not depend on its batch)
+            return np.concatenate([self._run(self._session, *self._tokenizer.pad([r])) for r in rows])
         lengths = np.array([len(r) for r in rows])
         order = np.argsort(lengths, kind="stable")
         runs: Any = _plan_batches(lengths[order].tolist(), self._batch_size)

@@ -69,6 +69,9 @@ class EncoderConfig(Strict):
         description="0: an idle encoder starts at once; lookups arriving while it works share the next batch",
     )
     max_batch: int = Field(gt=0, description="queries encoded in one batch at most")
+    int8: bool = Field(
+        description="ONNX Runtime with int8 weights: 2.4x less time per query, each query run alone"
+    )
 
 
 class VerifierConfig(Strict):
@@ -81,6 +84,11 @@ class VerifierConfig(Strict):
     )
     cross_verifier: bool = Field(description="second stage: MiniLM reads both queries together (int8 ONNX)")
     cross_verifier_path: str = Field(description='"" = the shipped embeddings/artifacts/cross_encoder.npz')
+    skip_cross_from: float = Field(
+        ge=0,
+        description="a pair whose MLP probability reaches this is accepted without the cross-encoder "
+        "(fixed threshold only; 2 = always asked)",
+    )
 
 
 class ErrorBoundConfig(Strict):

@@ -78,8 +78,9 @@ async def started_gateway(
     admin_token = resolve_admin_token(settings.admin.token, data_dir)
     c = settings.cache
     # exported to ONNX on the first start (seconds), so off the event loop
+    enc = c.encoder
     encoder = await asyncio.to_thread(
-        make_encoder, c.encoder.backend, c.encoder.threads, None, settings.engine.resolved_cache_dir
+        make_encoder, enc.backend, enc.threads, None, settings.engine.resolved_cache_dir, enc.int8
     )
     batcher = EmbeddingBatcher(encoder, window_ms=c.encoder.batch_window_ms, max_batch=c.encoder.max_batch)
     await asyncio.to_thread(encoder.encode, ["warm-up"])

@@ -46,6 +46,9 @@ class DecisionRule:
     # the 0.3 target as the MLP-only rule had, because test recall ran ~0.05 below validation recall.
     min_cosine: float = 0.88
     min_prob: float = 0.80
+    # A pair whose MLP probability reaches ``sure`` is accepted without asking the cross-encoder (2.0:
+    # always ask). Only for a fixed ``min_prob``: a bound's line (min_prob 0) needs the real score.
+    sure: float = 2.0
 
     def decide(self, cosine: float, prob: float) -> bool:
         return cosine >= self.min_cosine and prob >= self.min_prob
@@ -140,12 +143,20 @@ class Verifier:
         return out
 
     def _combine(
-        self, a: list[str], b: list[str], p_mlp: np.ndarray, min_prob: float = 0.0, cross: bool = True
+        self,
+        a: list[str],
+        b: list[str],
+        p_mlp: np.ndarray,
+        min_prob: float = 0.0,
+        cross: bool = True,
+        sure: float = 2.0,
     ) -> np.ndarray:
         """The final probability: the MLP's, or its geometric mean with the cross-encoder's.
 
         A pair whose MLP probability is under ``min_prob ** 2`` cannot reach ``min_prob`` whatever the
         cross-encoder says, so it is not sent there; it keeps the upper bound ``sqrt(p_mlp)`` instead.
+        So does a pair at or over ``sure`` (with ``min_prob`` > 0): on the calibration data the
+        cross-encoder never turned such a pair into a wrong refusal or acceptance (docs/verifier.md).
         The cross-encoder reads each pair in one fixed order (the smaller text first): it is not
         symmetric, and on QQP its verdict flipped with the order for 8% of candidates, so whether a
         paraphrase hit depended on which of the two queries had come first.
@@ -153,7 +164,7 @@ class Verifier:
         if self.cross is None or not cross:
             return p_mlp
         out = np.sqrt(p_mlp).astype(np.float32)
-        ask = np.flatnonzero(p_mlp >= min_prob**2)
+        ask = np.flatnonzero((p_mlp >= min_prob**2) & ((p_mlp < sure) | (min_prob <= 0)))
         if len(ask):
             pairs = [(a[i], b[i]) if a[i] <= b[i] else (b[i], a[i]) for i in ask]
             p_cross = self.cross.score_batch([x for x, _ in pairs], [y for _, y in pairs])
@@ -190,7 +201,7 @@ class Verifier:
         if todo:
             a, b = [q_new[i] for i in todo], [q_old[i] for i in todo]
             p_mlp = self._mlp(pair_features(a, b, u[todo], v[todo]))
-            probs = self._combine(a, b, p_mlp, rule.min_prob, cross)
+            probs = self._combine(a, b, p_mlp, rule.min_prob, cross, rule.sure)
             for i, prob in zip(todo, probs, strict=True):
                 ok = rule.decide(float(cos[i]), float(prob))
                 verdicts[i] = Verdict(ok, float(prob), float(cos[i]), "hit" if ok else "low_prob")
@@ -212,6 +223,22 @@ class Verifier:
         if al.outcome == "refuse":
             return Verdict(False, 0.0, 0.0, al.reason)
         return self.check_batch([al.focus_new], [al.focus_old], emb_new, emb_old, rule, not al.reembed)[0]
+
+    def without_cross(
+        self, al: Alignment, emb_new: np.ndarray, emb_old: np.ndarray, rule: DecisionRule = DEFAULT_RULE
+    ) -> Verdict | None:
+        """``check_aligned``'s verdict when it needs no cross-encoder call, else None: the caller keeps
+        these cases (most hits, with ``rule.sure``) on its own thread and sends only the rest to a worker."""
+        if self.cross is None or al.outcome != "judge" or al.reembed:
+            return self.check_aligned(al, emb_new, emb_old, rule)
+        mlp = self.check_batch([al.focus_new], [al.focus_old], emb_new, emb_old, rule, cross=False)[0]
+        if mlp.reason not in ("hit", "low_prob"):  # under the cosine floor, or a guard
+            return mlp
+        if mlp.prob < rule.min_prob**2 or (rule.min_prob > 0 and mlp.prob >= rule.sure):
+            prob = float(np.sqrt(np.float32(mlp.prob)))  # what _combine gives a pair it does not send
+            ok = rule.decide(mlp.cosine, prob)
+            return Verdict(ok, prob, mlp.cosine, "hit" if ok else "low_prob")
+        return None
 
     def accept_batch(
         self,

@@ -170,11 +170,10 @@ class SemanticTier:
         else:
             u, v = vec, np.frombuffer(entry.embedding, dtype=np.float32)
         min_prob = c.verifier.threshold if line is None else 0.0  # the line judges the prob
-        rule = DecisionRule(min_cosine=threshold, min_prob=min_prob)
+        rule = DecisionRule(min_cosine=threshold, min_prob=min_prob, sure=c.verifier.skip_cross_from)
         args = (al, u[None], v[None], rule)
-        if self.verifier.cross is None:  # the MLP alone takes ~0.1 ms: not worth a thread hop
-            verdict = self.verifier.check_aligned(*args)
-        else:  # the cross-encoder (~2 ms) runs off the event loop; ORT releases the GIL
+        verdict = self.verifier.without_cross(*args)  # the MLP (~0.1 ms): not worth a thread hop
+        if verdict is None:  # the cross-encoder (~3 ms) runs off the event loop; ORT releases the GIL
             verdict = await asyncio.to_thread(self.verifier.check_aligned, *args)
         if verdict.accepted:
             return by_line(verdict.prob)

@@ -42,10 +42,10 @@ class CalibrateError(Exception):
 
 
 @functools.cache
-def gateway_encoder(backend: str) -> SupportsEncode:
-    """The gateway's encoder (``[cache] embed_backend``), loaded once per process; all cores, since
-    calibration embeds in batches and nothing else runs."""
-    return make_encoder(backend, threads=os.cpu_count() or 1)
+def gateway_encoder(backend: str, int8: bool = False) -> SupportsEncode:
+    """The gateway's encoder (``[cache.encoder] backend`` and ``int8``), loaded once per process; all
+    cores, since calibration embeds in batches and nothing else runs."""
+    return make_encoder(backend, threads=os.cpu_count() or 1, int8=int8)
 
 
 def gateway_query(question: str, cfg: CanonicalizeConfig) -> str | None:
@@ -61,6 +61,7 @@ def score_pairs(
     verifier: Verifier | None,
     min_prob: float,
     backend: str = "auto",
+    int8: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per pair: the cosine, and whether every check but the cosine floor passes (floor = THRESHOLDS[0])."""
     a = [gateway_query(q, cfg) for q in q1]
@@ -69,7 +70,7 @@ def score_pairs(
     ua, ub = [str(a[i]) for i in ok], [str(b[i]) for i in ok]
     texts = sorted(set(ua) | set(ub))
     log.info("embedding %d distinct questions from %d pairs", len(texts), len(q1))
-    emb = gateway_encoder(backend).encode(texts, show_progress=len(texts) >= PROGRESS_FROM)
+    emb = gateway_encoder(backend, int8).encode(texts, show_progress=len(texts) >= PROGRESS_FROM)
     row = {t: i for i, t in enumerate(texts)}
     ea, eb = emb[[row[t] for t in ua]], emb[[row[t] for t in ub]]
     cos = np.full(len(q1), -1.0)  # a pair the gateway cannot look up semantically is never a hit
@@ -287,7 +288,8 @@ def _seed(
     from cachegw.gateway.storage.store import Store
 
     c = settings.cache
-    scores = seed_scores(q1, q2, settings.canonicalize, verifier, c.threshold, c.encoder.backend)
+    enc = c.encoder
+    scores = seed_scores(q1, q2, settings.canonicalize, verifier, c.threshold, enc.backend, enc.int8)
     store = Store(settings.gateway.resolved_database_url(settings.data_dir))
     try:
         return seed(EvidenceStore(store.session), model, tenant, scores, y)
@@ -333,7 +335,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         raise CalibrateError(f"cannot load the verifier: {e}") from None
     c = settings.cache
     cos, passes = score_pairs(
-        q1, q2, settings.canonicalize, verifier, c.verifier.threshold, c.encoder.backend
+        q1, q2, settings.canonicalize, verifier, c.verifier.threshold, c.encoder.backend, c.encoder.int8
     )
     res = sweep(cos, passes, y, args.precision)
     if args.seed_evidence:

@@ -26,13 +26,14 @@ def seed_scores(
     verifier: Verifier | None,
     threshold: float,
     backend: str = "auto",
+    int8: bool = False,
 ) -> np.ndarray:
     """Per pair, its score as a candidate, NaN where it would be none."""
     a, b = [gateway_query(q, cfg) for q in q1], [gateway_query(q, cfg) for q in q2]
     ok = [i for i in range(len(a)) if a[i] is not None and b[i] is not None]
     ua, ub = [str(a[i]) for i in ok], [str(b[i]) for i in ok]
     texts = sorted(set(ua) | set(ub))
-    emb = gateway_encoder(backend).encode(texts)
+    emb = gateway_encoder(backend, int8).encode(texts)
     row = {t: i for i, t in enumerate(texts)}
     ea, eb = emb[[row[t] for t in ua]], emb[[row[t] for t in ub]]
     out = np.full(len(q1), np.nan)
