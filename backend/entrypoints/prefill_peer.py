@@ -61,6 +61,7 @@ class PrefillPeer:
         if time.monotonic() < self._down_until:
             return self._count("fallback")
         body = {"prompt": ids, "cache_salt": salt, "model": params.lora.name if params.lora else None}
+        start = time.perf_counter()
         try:
             r = await self.client.post(f"{self.url}{PREFILL_PATH}", json=body)
             r.raise_for_status()
@@ -69,11 +70,16 @@ class PrefillPeer:
             self._down_until = time.monotonic() + RETRY_AFTER_FAILURE_S
             log.warning("prefill engine %s failed (%s); computing the prompt here", self.url, _reason(exc))
             return self._count("fallback")
+        computed = time.perf_counter()
         tier = engine.kv_tier
         if tier is not None and handed:
             pool = engine.block_manager.cached  # one lookup at a time: the engine thread changes it
             tier.prefetch([h for h in hashes[:handed] if h not in pool])
             await asyncio.to_thread(tier.flush)  # the worker reads them in order: done when it is idle
+        log.debug(
+            "prompt of %d tokens: %d handed over by the prefill engine in %.2f s, read in %.2f s",
+            len(ids), handed * self.block_size, computed - start, time.perf_counter() - computed,
+        )  # fmt: skip
         return self._count("remote")
 
     def _count(self, outcome: str) -> str:
