@@ -19,6 +19,8 @@ from typing import Any
 import httpx
 import pytest
 
+from cachegw.backend.core.kv_handover import reusable_hashes
+from cachegw.backend.core.kv_redis import KEY_PREFIX
 from testkit.random_llama import LlamaShape, save_random_llama
 from testkit.servers import free_port, redis_available, redis_server, serve_in_thread
 
@@ -66,10 +68,12 @@ def engine_server(model: Path, **engine: Any) -> Iterator[str]:
 
 
 @contextmanager
-def pair(model: Path, **tier: Any) -> Iterator[tuple[str, str]]:
+def pair(model: Path, write_behind: bool = True, **tier: Any) -> Iterator[tuple[str, str]]:
     """A prefill engine and a decode engine sharing ``tier``: (prefill URL, decode URL)."""
     with ExitStack() as stack:
-        prefill = stack.enter_context(engine_server(model, role="prefill", **tier))
+        prefill = stack.enter_context(
+            engine_server(model, role="prefill", kv_write_behind=write_behind, **tier)
+        )
         peer = {"prefill_url": prefill, "prefill_min_tokens": BS, "kv_offload_bytes": 8 << 20}
         decode = stack.enter_context(engine_server(model, role="decode", **peer, **tier))
         yield prefill, decode
@@ -92,7 +96,8 @@ def single(tiny_model) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def redis_pair(tiny_model, redis_url) -> Iterator[tuple[str, str]]:
-    with pair(tiny_model, kv_offload_url=redis_url) as urls:
+    # write-behind off: the blocks reach Redis only because /v1/prefill writes them before it answers
+    with pair(tiny_model, write_behind=False, kv_offload_url=redis_url) as urls:
         yield urls
 
 
@@ -125,6 +130,13 @@ def handovers(url: str) -> dict[str, float]:
     return counts
 
 
+def in_redis(url: str, block_hash: bytes) -> bool:
+    import redis
+
+    with redis.Redis.from_url(url) as r:
+        return any(True for _ in r.scan_iter(match=f"{KEY_PREFIX}*:{block_hash.hex()}"))
+
+
 def cached(answer: dict[str, Any]) -> int:
     return int(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
 
@@ -155,7 +167,7 @@ def test_a_stream_from_the_pair_is_the_single_engines(single, redis_pair):
     assert again == expected and handovers(redis_pair[1]).get("local", 0) >= 1
 
 
-def test_a_prefill_engine_refuses_completions_and_checks_its_body(redis_pair):
+def test_a_prefill_engine_refuses_completions_and_checks_its_body(redis_pair, redis_url):
     prefill, _ = redis_pair
     r = httpx.post(f"{prefill}/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["code"] == "prefill_only"
@@ -165,8 +177,10 @@ def test_a_prefill_engine_refuses_completions_and_checks_its_body(redis_pair):
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
     r = httpx.post(f"{prefill}/v1/prefill", json={"prompt": [5] * 40, "model": "other"}, timeout=30)
     assert r.status_code == 404
-    r = httpx.post(f"{prefill}/v1/prefill", json={"prompt": list(range(200, 240))}, timeout=30)
+    prompt = list(range(200, 240))
+    r = httpx.post(f"{prefill}/v1/prefill", json={"prompt": prompt, "cache_salt": "s"}, timeout=30)
     assert r.json() == {"prompt_tokens": 40, "cached_tokens": 0, "handed_over_tokens": 32}
+    assert all(in_redis(redis_url, h) for h in reusable_hashes(prompt, BS, "s"))  # there when it answered
 
 
 def test_a_shared_folder_hands_over_too_and_a_prefill_engine_down_falls_back(single, tiny_model, tmp_path):
