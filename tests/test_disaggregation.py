@@ -214,9 +214,14 @@ def test_a_bad_role_is_refused_at_start(keys, says):
     assert says in str(caught.value)
 
 
-def test_the_command_refuses_an_unknown_role():
-    done = subprocess.run(
-        [sys.executable, "-m", "cachegw.gateway.cli", "backend", "--role", "decoder"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+def test_the_command_refuses_an_unknown_role_and_a_decode_engine_without_its_prefill_engine(tmp_path):
+    def backend(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "cachegw.gateway.cli", "backend", *args]
+        return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+    done = backend("--role", "decoder")
     assert done.returncode == 2 and "invalid choice: 'decoder'" in done.stderr
+    config = tmp_path / "decode.toml"
+    config.write_text(f'[engine]\nkv_offload_dir = "{tmp_path}"\n')
+    done = backend("--config", str(config), "--role", "decode")
+    assert done.returncode == 2 and 'role = "decode" needs prefill_url' in done.stderr
