@@ -225,3 +225,34 @@ def test_the_command_refuses_an_unknown_role_and_a_decode_engine_without_its_pre
     config.write_text(f'[engine]\nkv_offload_dir = "{tmp_path}"\n')
     done = backend("--config", str(config), "--role", "decode")
     assert done.returncode == 2 and 'role = "decode" needs prefill_url' in done.stderr
+
+
+def test_behind_the_gateway_a_client_sees_one_streamed_request(single, redis_pair, tmp_path):
+    """The gateway lists the decode engine as its backend: the OpenAI SDK's stream is the single engine's."""
+    import openai
+
+    from cachegw.gateway.api.app import build_app
+    from cachegw.gateway.compose import started_gateway
+    from cachegw.gateway.config import BackendSpec, load_settings
+
+    messages = [
+        {"role": "system", "content": "You plan hiking trips in the Alps for families with small children."},
+        {"role": "user", "content": "Which hut near Zermatt can we reach in two hours from the valley?"},
+    ]
+    reference = chat(single, messages)["choices"][0]["message"]["content"]
+    before = handovers(redis_pair[1]).get("remote", 0)
+    settings = load_settings(None, data_dir=str(tmp_path), backends=(BackendSpec(url=f"{redis_pair[1]}/v1"),))
+    app = build_app(lambda: started_gateway(settings, progress=False))
+    with serve_in_thread(app, lifespan="on") as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="tenant-a", max_retries=0, timeout=120)
+        stream = client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=12, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )  # fmt: skip
+        chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    usage = chunks[-1].usage
+    assert text == reference
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == (usage.prompt_tokens - 1) // BS * BS
+    assert handovers(redis_pair[1])["remote"] == before + 1
