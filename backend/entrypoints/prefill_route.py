@@ -80,7 +80,9 @@ def prefill_route(
         def copies(e: LLMEngine) -> list:
             return take_copies(e.block_manager, e.runner, tier, hashes)
 
-        handed = await asyncio.to_thread(store_copies, tier, await server.engine.run_between_steps(copies))
+        taken = await server.engine.run_between_steps(copies)
+        await asyncio.to_thread(tier.flush)  # blocks written behind are done: not written twice
+        handed = await asyncio.to_thread(store_copies, tier, taken)
         return JSONResponse(
             {
                 "prompt_tokens": len(req.prompt),
