@@ -67,8 +67,8 @@ def _add_backend_args(p: argparse.ArgumentParser) -> None:
 def _cmd_backend(args: argparse.Namespace) -> int:
     from cachegw.backend.entrypoints.command import main
 
-    a = args
-    main(a.config, a.host, a.port, a.model, a.cpus, a.quantization, a.role, a.prefill_url)
+    roles = {"role": args.role, "prefill_url": args.prefill_url}
+    main(args.config, args.host, args.port, args.model, args.cpus, args.quantization, **roles)
     return 0
 
 
