@@ -87,6 +87,21 @@ class EngineConfig(Strict):
     kv_shutdown_budget_s: float = Field(
         ge=0, description="on SIGTERM, seconds given to writing the pool's and RAM's blocks to the tier"
     )
+    role: Literal["both", "prefill", "decode"] = Field(
+        description="both = prompts and decoding | prefill = prompts' KV for decode engines "
+        "(POST /v1/prefill) | decode = long prompts computed by prefill_url, their blocks read from the "
+        "shared tier"
+    )
+    prefill_url: str = Field(
+        pattern=r"^$|^https?://", description='decode: the prefill engine\'s base URL ("" = none)'
+    )
+    prefill_min_tokens: int = Field(
+        ge=1, description="decode: prompts with fewer tokens missing from its pool are computed here"
+    )
+    prefill_timeout_s: float = Field(
+        gt=0,
+        description="decode: the longest wait for the prefill engine; past it the prompt is computed here",
+    )
     kv_events_endpoint: str = Field(
         description='ZeroMQ PUB address of the KV events (vLLM format), e.g. "tcp://*:5557"; "" = off'
     )
@@ -184,6 +199,21 @@ class EngineConfig(Strict):
                 'kv_eviction = "h2o" needs attention weights, which the compiled decode step\'s fused '
                 'attention never forms: set compile = "off" (or "background", which h2o leaves unused)'
             )
+        return self
+
+    @model_validator(mode="after")
+    def _roles(self) -> EngineConfig:
+        """A prefill or decode engine hands blocks over through a store both read: refused without one."""
+        shared = bool(self.kv_offload_url or self.kv_offload_dir)
+        if self.role != "both" and not (shared and self.enable_prefix_caching):
+            raise ValueError(
+                f'role = "{self.role}" hands prompts\' KV over through a shared tier: set kv_offload_url '
+                '("redis://...") or kv_offload_dir (one machine), and keep enable_prefix_caching on'
+            )
+        if self.role == "decode" and not self.prefill_url:
+            raise ValueError('role = "decode" needs prefill_url, the prefill engine\'s "http://host:port"')
+        if self.prefill_url and self.role != "decode":
+            raise ValueError(f'prefill_url is for role = "decode" engines (this one is role = "{self.role}")')
         return self
 
     @model_validator(mode="after")

@@ -55,12 +55,20 @@ def _add_backend_args(p: argparse.ArgumentParser) -> None:
         help="weights: auto (the GGUF's own int4/int8 blocks; float for a float model), none (float), "
         "int8, int4 (default from config: auto)",
     )
+    p.add_argument(
+        "--role",
+        choices=("both", "prefill", "decode"),
+        help="both (default from config) | prefill: computes prompts' KV for decode engines | decode: "
+        "long prompts computed by --prefill-url, their KV read from the shared tier",
+    )
+    p.add_argument("--prefill-url", help='a decode engine\'s prefill engine, "http://host:port"')
 
 
 def _cmd_backend(args: argparse.Namespace) -> int:
     from cachegw.backend.entrypoints.command import main
 
-    main(args.config, args.host, args.port, args.model, args.cpus, args.quantization)
+    roles = {"role": args.role, "prefill_url": args.prefill_url}
+    main(args.config, args.host, args.port, args.model, args.cpus, args.quantization, **roles)
     return 0
 
 

@@ -189,6 +189,12 @@ class KVOffload:
                 return "ram"
         return next((s.name for s in self.stores if block_hash in s), None)
 
+    def ram_copy(self, block_hash: bytes) -> torch.Tensor | None:
+        """The block's K/V if RAM holds it or it is on its way to the stores (left as it is)."""
+        with self._lock:
+            data = self.ram.get(block_hash)
+            return self._pending.get(block_hash) if data is None else data
+
     def load(self, block_hash: bytes, block_id: int) -> str | None:
         """Copy a block's K/V into pool block ``block_id``; the tier it was found in (a store's name
         for a block prefetch read ahead), or None when it is gone or failed the checks (the caller

@@ -19,9 +19,13 @@ def main(
     model: str | None,
     cpus: str | None,
     quantization: str | None = None,
+    role: str | None = None,
+    prefill_url: str | None = None,
 ) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = load_engine_config(config_path, model=model, cpus=cpus, quantization=quantization)
+    cfg = load_engine_config(
+        config_path, model=model, cpus=cpus, quantization=quantization, role=role, prefill_url=prefill_url
+    )
     use_inductor_cache(cfg)
     threads = cpu_threads.plan(cfg, frozenset(os.sched_getaffinity(0)))
     cpu_threads.apply(threads)

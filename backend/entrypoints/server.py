@@ -42,6 +42,8 @@ from cachegw.backend.entrypoints.openai_mapping import (
     sampling_params,
 )
 from cachegw.backend.entrypoints.pin_fields import pin_requests, requested_pins
+from cachegw.backend.entrypoints.prefill_peer import PrefillPeer
+from cachegw.backend.entrypoints.prefill_route import PREFILL_PATH, prefill_only, prefill_route
 from cachegw.backend.entrypoints.request_fields import (
     EngineChatRequest,
     EngineCompletionRequest,
@@ -131,6 +133,8 @@ class _Server:
         self.texts = TokenTexts(self.tokenizer)
         self.metrics = ServerMetrics(engine.stats)
         engine.add_finish_listener(self.metrics.observe_finished)
+        decode = engine.engine.config.role == "decode"  # its long prompts computed by its prefill engine
+        self.peer = PrefillPeer(engine, self.metrics.registry) if decode else None
 
     # --- request plumbing ----------------------------------------------------------------------
 
@@ -183,6 +187,8 @@ class _Server:
     async def start(
         self, request_id: str, prompt: list[int], params: SamplingParams, salt: str | None
     ) -> RequestStream:
+        if self.peer is not None:
+            await self.peer.prepare(prompt, params, salt)
         try:
             return await self.engine.add_request(request_id, prompt, params, salt)
         except InvalidParameter as exc:
@@ -310,8 +316,14 @@ def build_app(
     server = _Server(engine, served_model_name, max_request_bytes)
     app.state.server = server
     install_error_handlers(app)
-    app.add_api_route("/v1/completions", server.completions, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
+    role = engine.engine.config.role
+    prefill = role == "prefill"  # computes prompts for decode engines, answers no completions
+    chat = prefill_only if prefill else server.chat_completions
+    app.add_api_route("/v1/completions", prefill_only if prefill else server.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", chat, methods=["POST"])
+    if role != "decode" and engine.engine.kv_tier is not None and engine.engine.kv_tier.stores:
+        prefill_id = lambda request: completion_id("prefill", request)  # noqa: E731
+        app.add_api_route(PREFILL_PATH, prefill_route(server, prefill_id), methods=["POST"])
     app.add_api_route("/v1/embeddings", EmbeddingsEndpoint(server).create, methods=["POST"])
     app.add_api_route("/v1/models", server.list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model:path}", server.get_model, methods=["GET"])
