@@ -28,8 +28,7 @@ class Family:
     model: type[LlamaForCausalLM]
     gguf_architectures: tuple[str, ...]  # the names llama.cpp's converter gives this family's files
     # a GGUF's float tensors and projections load straight into the model (``model_weights.py``,
-    # names by ``gguf_weights.hf_name``). Phi-3's fused projections are read through transformers'
-    # dequantizing converter instead.
+    # names by ``gguf_weights.hf_name``; Phi-3's fused projections split by ``gguf_weights.split_fused``)
     gguf_direct: bool = True
 
 
@@ -40,7 +39,7 @@ FAMILIES: dict[str, Family] = {
     "Qwen3ForCausalLM": Family(Qwen3ForCausalLM, ("qwen3",)),
     "Gemma2ForCausalLM": Family(GemmaForCausalLM, ("gemma2",)),
     "Gemma3ForCausalLM": Family(GemmaForCausalLM, ("gemma3",)),
-    "Phi3ForCausalLM": Family(Phi3ForCausalLM, ("phi3",), gguf_direct=False),
+    "Phi3ForCausalLM": Family(Phi3ForCausalLM, ("phi3",)),
     # latent attention: safetensors folders only (refused below for a GGUF)
     **{arch: Family(DeepseekForCausalLM, (), gguf_direct=False) for arch in DEEPSEEK_ARCHITECTURES},
 }
