@@ -187,6 +187,15 @@ class EngineConfig(Strict):
         return self
 
     @model_validator(mode="after")
+    def _swap_space(self) -> EngineConfig:
+        if self.preemption_mode != "recompute" and self.swap_space_bytes <= 0:
+            raise ValueError(
+                f'preemption_mode = "{self.preemption_mode}" with swap_space_bytes = 0 would recompute every '
+                'preempted sequence: give it host memory, or set preemption_mode = "recompute"'
+            )
+        return self
+
+    @model_validator(mode="after")
     def _lora_slots(self) -> EngineConfig:
         if len(self.lora_modules) > self.max_loras:
             raise ValueError(

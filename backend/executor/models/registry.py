@@ -4,7 +4,8 @@
 Also where a setting a family cannot honour is refused at start-up, with the reason, rather than
 ignored: latent attention (DeepSeek) keeps one latent row per token, which the int8/fp8 cache rows,
 the weight-only int4/int8 layers (built for Llama's fused projections), attention sinks and H2O's
-scored attention do not know.
+scored attention do not know, and its projections (and mixture-of-experts layers) are not the ones
+LoRA slots wrap.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def model_spec(hf_config, config: EngineConfig, gguf: Path | None = None) -> Mod
         "quantization": config.quantization in ("int4", "int8"),
         "attention_sinks": bool(config.attention_sinks),
         "kv_eviction": config.kv_eviction != "none",  # H2O's scored path is per-head K/V attention
+        "max_loras": config.max_loras > 0,  # LoRA slots wrap Llama's projections, which MLA/MoE lack
     }
     names = [f"{key}={getattr(config, key)!r}" for key, bad in refused.items() if bad]
     if gguf is not None and config.load_format != "dummy":
