@@ -120,7 +120,7 @@ class EngineConfig(Strict):
     )
     swap_space_bytes: int = Field(ge=0, description="host memory for swapped-out K/V; past it: recompute")
     swap_min_tokens: int = Field(
-        ge=0, description="auto: swap sequences with at least this many tokens computed"
+        ge=0, description="auto: swap sequences with at least this many tokens computed (1: every one)"
     )
     kv_eviction: Literal["none", "h2o"] = Field(
         description="drop KV of tokens past kv_budget_tokens per sequence: none | h2o (Heavy-Hitter Oracle)"

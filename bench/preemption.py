@@ -14,7 +14,10 @@ blocks in the prefix cache:
    tokens at once, in a pool that holds half of the prompts and none of their growth, so running
    sequences are preempted for the blocks their decodes need (the swap counters confirm it): generated
    tokens per second, and for the resumed sequences the time from re-admission to their next token
-   (their TTFT after resuming), from preemption to that token, and their end-to-end latency.
+   (their TTFT after resuming), from preemption to that token, and their end-to-end latency. Recompute
+   runs twice: as configured (a re-admitted sequence finds its full blocks in the prefix cache while
+   nothing has evicted them; the share found is reported) and with the prefix cache off (what
+   recomputing costs once they are gone).
 
 Usage: python -m bench.preemption [--lengths 64,256] [--requests 8] [--new 48] [--repeats 2]
 """
@@ -92,6 +95,8 @@ def median(runs: list[dict], key: str) -> float | None:
     return statistics.median(vals) if vals else None
 
 
+# recompute with the prefix cache off: what recomputing costs once the preempted blocks are evicted
+MODES = ("swap", "recompute", "recompute-no-prefix-cache")
 KEYS = ("tokens_per_s", "resumed_ttft_s", "resumed_stall_s", "preempted_e2e_s", "all_e2e_s")
 
 
@@ -117,23 +122,28 @@ def main() -> None:
     costs = per_sequence(llm, args.repeats, rng)
     runs: dict[int, dict[str, list[dict]]] = {}
     for length in lengths:
-        runs[length] = {"swap": [], "recompute": []}
+        runs[length] = {mode: [] for mode in MODES}
         for r in range(args.repeats):
-            for mode in ("swap", "recompute") if r % 2 == 0 else ("recompute", "swap"):
+            for mode in MODES[r % 3 :] + MODES[: r % 3]:  # each mode first in turn
                 engine.scheduler.swap = swap if mode == "swap" else None
+                engine.block_manager.enable_prefix_caching = mode != "recompute-no-prefix-cache"
                 run = pressure_run(engine, length, args.requests, args.new, rng)
                 assert run["preemptions"] > 0, f"L={length} {mode}: the pool preempted nothing"
                 assert (run["swapped_out"] > 0) == (mode == "swap"), run
                 runs[length][mode].append(run)
                 say(f"L={length} {mode}: {run}")
         engine.scheduler.swap = swap
+        engine.block_manager.enable_prefix_caching = True
     summary = {}
     for length, modes in runs.items():
         row: dict[str, float | None] = {}
         for key in KEYS:
-            a, b = (median(modes[m], key) for m in ("swap", "recompute"))
-            row[f"{key}_swap"], row[f"{key}_recompute"] = a, b
-            row[f"{key}_ratio"] = round(a / b, 3) if a and b else None
+            values = {m: median(modes[m], key) for m in MODES}
+            row.update({f"{key}_{m}": v for m, v in values.items()})
+            for m in MODES[1:]:  # swap over each recompute arm
+                a, b = values["swap"], values[m]
+                row[f"{key}_swap_over_{m}"] = round(a / b, 3) if a and b else None
+        row["recompute_prefix_hit"] = median(modes["recompute"], "recompute_prefix_hit")
         summary[length] = row
         say(f"L={length}: {row}")
     save(
