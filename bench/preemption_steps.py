@@ -48,8 +48,8 @@ class Watch:
 
 
 def pressure_run(engine, length: int, requests: int, new: int, rng: random.Random) -> dict:
-    """The requests at once in a pool that fits about half of their prompts and nothing of their
-    growth: every decode that crosses a block boundary preempts the newest running sequence."""
+    """The requests at once in a pool that fits half of their prompts and one block more: decodes
+    that cross a block boundary preempt the newest running sequence."""
     from cachegw.backend import SamplingParams
     from cachegw.backend.core.sequence import SequenceStatus
 
