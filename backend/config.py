@@ -135,7 +135,7 @@ class EngineConfig(Strict):
     )
     swap_space_bytes: int = Field(ge=0, description="host memory for swapped-out K/V; past it: recompute")
     swap_min_tokens: int = Field(
-        ge=0, description="auto: swap sequences with at least this many tokens computed"
+        ge=0, description="auto: swap sequences with at least this many tokens computed (1: every one)"
     )
     kv_eviction: Literal["none", "h2o"] = Field(
         description="drop KV of tokens past kv_budget_tokens per sequence: none | h2o (Heavy-Hitter Oracle)"
@@ -214,6 +214,15 @@ class EngineConfig(Strict):
             raise ValueError('role = "decode" needs prefill_url, the prefill engine\'s "http://host:port"')
         if self.prefill_url and self.role != "decode":
             raise ValueError(f'prefill_url is for role = "decode" engines (this one is role = "{self.role}")')
+        return self
+
+    @model_validator(mode="after")
+    def _swap_space(self) -> EngineConfig:
+        if self.preemption_mode != "recompute" and self.swap_space_bytes <= 0:
+            raise ValueError(
+                f'preemption_mode = "{self.preemption_mode}" with swap_space_bytes = 0 would recompute every '
+                'preempted sequence: give it host memory, or set preemption_mode = "recompute"'
+            )
         return self
 
     @model_validator(mode="after")

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-_ARCHS = {"qwen3": "QWEN3", "qwen2": "QWEN2", "gemma2": "GEMMA2", "gemma3": "GEMMA3"}
-_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_ARCHS = {"qwen3": "QWEN3", "qwen2": "QWEN2", "gemma2": "GEMMA2", "gemma3": "GEMMA3", "phi3": "PHI3"}
+# Phi-3 keeps its fused ones (llama.cpp's attn_qkv, and ffn_up holding gate and up)
+_PROJECTIONS = frozenset(
+    ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj"]
+)
 
 
 def _byte_symbols() -> list[str]:
@@ -35,7 +38,7 @@ def _tokenizer(vocab: int) -> tuple[list[str], list[str]]:
 
 
 def write_tiny_gguf(model, path: Path, arch: str = "qwen3") -> Path:
-    """``model``: a transformers causal LM of ``arch`` (qwen2/3, gemma2/3) with a vocabulary of
+    """``model``: a transformers causal LM of ``arch`` (qwen2/3, gemma2/3, phi3) with a vocabulary of
     256-932 tokens, and dimensions that are multiples of 32 (Q8_0 blocks). Gemma's settings that
     transformers' GGUF reader does not take (soft-caps, query scale, local rope base) are its
     config defaults, so the model should keep them."""
@@ -51,8 +54,10 @@ def write_tiny_gguf(model, path: Path, arch: str = "qwen3") -> Path:
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     rope = config.rope_parameters
     writer.add_rope_freq_base((rope.get("full_attention") or rope)["rope_theta"])
@@ -68,6 +73,7 @@ def write_tiny_gguf(model, path: Path, arch: str = "qwen3") -> Path:
     writer.add_token_merges(merges)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+    writer.add_pad_token_id(0)  # Phi-3's config would otherwise keep its 32000, past a tiny vocabulary
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, _ARCHS[arch]), config.num_hidden_layers)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:

@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from cachegw.backend import LLM, SamplingParams
-from cachegw.backend.config import load_engine_config
 from cachegw.backend.core.block_manager import BlockManager, cdiv
-from cachegw.backend.core.h2o import H2OEviction, check_h2o
+from cachegw.backend.core.h2o import H2OEviction
 from cachegw.backend.core.sequence import Sequence
 from tests.test_engine_parity import DOC
 
@@ -53,17 +52,6 @@ def test_compaction_moves_the_kept_rows_forward_frees_blocks_and_copies_a_shared
     assert seq.key_scores.tolist() == [9.0, 8, 7, 0.5, 1, 1]
     assert all(bm.blocks[b].hash is None for b in seq.block_table), "compacted blocks name no prefix"
     assert bm.num_free_blocks == 8 - 2 - len(other.block_table)
-
-
-def test_settings_it_cannot_honour_are_refused_at_start() -> None:
-    with pytest.raises(ValueError, match="kv_budget_tokens"):
-        load_engine_config(kv_eviction="h2o")
-    with pytest.raises(ValueError, match="speculative"):
-        load_engine_config(kv_eviction="h2o", kv_budget_tokens=64, speculative="ngram")
-    with pytest.raises(ValueError, match="fused"):
-        load_engine_config(kv_eviction="h2o", kv_budget_tokens=64, compile="startup")
-    with pytest.raises(ValueError, match="sliding-window"):
-        check_h2o(load_engine_config(kv_eviction="h2o", kv_budget_tokens=64), (None, 4096))
 
 
 @pytest.fixture(scope="module")

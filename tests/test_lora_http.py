@@ -140,3 +140,47 @@ def test_the_gateway_never_serves_one_adapters_answer_to_another(
             assert cache == "miss", other
             cache, text = ask(other, messages)  # no exact entry; the nearest is its own paraphrase's
             assert cache in ("miss", "semantic-hit") and (cache == "miss" or text == own), other
+
+
+def test_streams_run_under_the_adapter_they_name(engine_url: str) -> None:
+    """The SDK's streams (chat and completions) name an adapter as ``model``: every chunk carries that
+    name and the streamed text is the adapter's own (its non-streamed answer, and not the base's)."""
+    c = openai.OpenAI(base_url=f"{engine_url}/v1", api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": "Name a famous painting."}]
+    texts: dict[str, tuple[str, str]] = {}
+    for model in ("alpha", "beta", BASE):
+        pieces, names = [], set()
+        for chunk in c.completions.create(
+            model=model, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True
+        ):
+            names.add(chunk.model)
+            pieces += [choice.text for choice in chunk.choices]
+        assert names == {model}
+        assert "".join(pieces) == complete(engine_url, model).choices[0].text
+        chat, names = [], set()
+        stream = c.chat.completions.create(
+            model=model,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        for chunk in stream:
+            names.add(chunk.model)
+            chat += [choice.delta.content or "" for choice in chunk.choices]
+            if chunk.usage is not None:
+                assert chunk.usage.completion_tokens == 8
+        assert names == {model}
+        whole = c.chat.completions.create(
+            model=model,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=8,
+            temperature=0,
+        )
+        assert "".join(chat) == whole.choices[0].message.content
+        texts[model] = ("".join(pieces), "".join(chat))
+    assert len(set(texts.values())) == 3, texts  # each adapter (and the base) answers its own way
+    with pytest.raises(openai.NotFoundError):  # an unknown adapter fails before any event is sent
+        for _ in c.chat.completions.create(model="gamma", messages=messages, stream=True):  # type: ignore[arg-type]
+            pass

@@ -1,4 +1,4 @@
-"""GGUFs of Qwen3, Gemma 2 and Gemma 3 (written here by gguf's own writer: llama.cpp's tensor names
+"""GGUFs of Qwen3, Gemma 2, Gemma 3 and Phi-3 (written here by gguf's own writer: llama.cpp's tensor names
 and Gemma's 1 + w norms, Q8_0 projections, a byte-level BPE tokenizer) load both ways the engine reads
 a GGUF: dequantized through transformers (``quantization = "none"``: exactly transformers' own
 reading of the file) and with the projections from the file's int8 blocks (the default ``auto``:
@@ -20,8 +20,10 @@ SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attentio
 
 
 def tiny_config(arch: str):
-    from transformers import Gemma2Config, Gemma3TextConfig, Qwen3Config
+    from transformers import Gemma2Config, Gemma3TextConfig, Phi3Config, Qwen3Config
 
+    if arch == "phi3":  # fused qkv_proj and gate_up_proj, as llama.cpp's attn_qkv and ffn_up hold them
+        return Phi3Config(**SHAPE, num_hidden_layers=2, pad_token_id=0, tie_word_embeddings=False)
     if arch == "qwen3":  # head_dim 128 as every Qwen3 has: transformers' GGUF reader assumes it
         return Qwen3Config(**SHAPE, num_hidden_layers=2, head_dim=128, tie_word_embeddings=False)
     # the soft-caps, query scale and local rope base stay the defaults, which the GGUF reader assumes
@@ -29,7 +31,7 @@ def tiny_config(arch: str):
     return config(**SHAPE, num_hidden_layers=6, head_dim=32, sliding_window=16)
 
 
-@pytest.fixture(scope="module", params=["qwen3", "gemma2", "gemma3"])
+@pytest.fixture(scope="module", params=["qwen3", "gemma2", "gemma3", "phi3"])
 def gguf_model(request, tmp_path_factory):
     """(transformers' model read from the GGUF, the file); the engine converts into a scratch cache."""
     from transformers import AutoModelForCausalLM

@@ -6,7 +6,10 @@ it computed, the partly filled last one and blocks without a hash included, is c
 (``ModelRunner.read_block``) before its blocks are freed, and copied into fresh pool blocks when it
 is admitted again: its block table is rebuilt and not one token is recomputed. ``auto`` swaps a
 sequence only when it has at least ``swap_min_tokens`` computed tokens, the crossover measured by
-``bench/preemption.py`` (docs/benchmarks.md): below it recomputing is as cheap as the copies.
+``bench/preemption.py`` (docs/benchmarks.md): below it recomputing is as cheap as the copies. On a CPU
+there is none (a block's copy costs less than recomputing one token in a running batch), so the
+default, 1, swaps every preempted sequence; a device where recompute is cheap next to the copies
+raises it.
 
 Swapped data is bounded by ``swap_space_bytes``; a sequence that does not fit falls back to
 recompute, counted in ``fallbacks``. Entries a sliding window freed (``FREED``) stay freed.

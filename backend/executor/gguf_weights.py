@@ -12,13 +12,13 @@ holds more than the layer it is building beside the finished ones.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from cachegw.backend.executor.gguf_table import read_table, release_pages
+from cachegw.backend.executor.gguf_table import TableTensor, read_table, release_pages
 
 BLOCK = 32
 EXACT_TYPES = ("Q4_0", "Q4_1", "Q8_0")
@@ -45,6 +45,9 @@ _GEMMA_NAMES = {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 _GEMMA = ("gemma2", "gemma3")
+# Phi-3's files keep its fused projections (llama.cpp's ``ffn_up`` holds gate then up); ``GgufFile``
+# shows their rows as the parts Llama's loader takes
+_PHI3_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 _TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -123,11 +126,34 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     q_proj.weight``), or None for one the model does not use."""
     if gguf_name in _TOP_NAMES:
         return _TOP_NAMES[gguf_name]
-    names = _GEMMA_NAMES if arch in _GEMMA else _LAYER_NAMES
+    names = _GEMMA_NAMES if arch in _GEMMA else _PHI3_NAMES if arch == "phi3" else _LAYER_NAMES
     parts = gguf_name.split(".")
     if len(parts) != 4 or parts[0] != "blk" or parts[2] not in names:
         return None
     return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
+
+
+def split_fused(tensors: dict[str, TableTensor], num_heads: int, num_kv_heads: int) -> dict[str, TableTensor]:
+    """Fused ``qkv_proj``/``gate_up_proj`` tensors as their parts: views of the same mapped rows
+    (a block type's rows are independent), so they load, as blocks or floats, like Llama's."""
+    out: dict[str, TableTensor] = {}
+    for name, t in tensors.items():
+        proj = name.split(".")[-2]
+        rows = int(t.data.shape[0])
+        if proj == "qkv_proj":
+            head_dim = rows // (num_heads + 2 * num_kv_heads)
+            sizes = {"q_proj": num_heads * head_dim, "k_proj": num_kv_heads * head_dim}
+            sizes["v_proj"] = sizes["k_proj"]
+        elif proj == "gate_up_proj":
+            sizes = {"gate_proj": rows // 2, "up_proj": rows // 2}
+        else:
+            out[name] = t
+            continue
+        start = 0
+        for part, n in sizes.items():
+            out[name.replace(f".{proj}.", f".{part}.")] = replace(t, data=t.data[start : start + n])
+            start += n
+    return out
 
 
 class GgufFile:
@@ -138,6 +164,8 @@ class GgufFile:
         arch, tensors = read_table(path)
         self.architecture = arch  # general.architecture: "llama", "qwen3", ...
         self._tensors = {n: t for t in tensors if (n := hf_name(t.name, arch)) is not None}
+        if arch == "phi3":
+            self._tensors = split_fused(self._tensors, num_heads, num_kv_heads)
         self._norm_offset = -1.0 if arch in _GEMMA else 0.0
         # llama.cpp's converter permuted Llama's Q/K rows; other architectures keep Hugging Face's
         self._rotary_heads = {"q_proj": num_heads, "k_proj": num_kv_heads} if arch == "llama" else {}

@@ -5,7 +5,8 @@ targeted projection has ``lora_A`` [r, in] and ``lora_B`` [out, r]; its output g
 ``scaling * x @ A.T @ B.T`` with ``scaling = lora_alpha / r`` (``/ sqrt(r)`` under rsLoRA). What this
 engine cannot serve is refused with the reason, never dropped: another PEFT method, DoRA, biases,
 ``modules_to_save``, targets other than the attention and MLP projections, a rank above
-``max_lora_rank``, and shapes that are not the loaded model's.
+``max_lora_rank``, and shapes that are not the loaded model's. Phi-3's fused targets (``qkv_proj``,
+``gate_up_proj``) are served as their parts: one A each, B's rows split.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from cachegw.backend.executor.models.llama import ModelSpec
 log = logging.getLogger("cachegw.backend")
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Phi-3's checkpoints (so its adapters) fuse projections: one A for the parts, B's rows split among them
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
 # adapter_config.json keys whose non-empty values change the computation in ways not served here
 _UNSERVED = (
@@ -86,12 +89,13 @@ def read_adapter(path: str | Path, spec: ModelSpec, max_rank: int, base_name: st
     with safe_open(str(weights_file), framework="pt", device="cpu") as f:
         for key in f.keys():
             m = _KEY.fullmatch(key)
-            if m is None or m.group(2) not in TARGETS:
+            if m is None or m.group(2) not in (*TARGETS, *FUSED):
                 raise AdapterError(
-                    f"{folder}: tensor {key} is not a LoRA matrix of {', '.join(TARGETS)}; "
+                    f"{folder}: tensor {key} is not a LoRA matrix of {', '.join((*TARGETS, *FUSED))}; "
                     "this engine serves adapters of those projections only"
                 )
             halves[(int(m.group(1)), m.group(2), m.group(3))] = f.get_tensor(key).float()
+    halves = _unfused(halves, spec, folder)
     modules = _pair_up(halves, spec, config, folder, max_rank)
     if not modules:
         raise AdapterError(f"{folder} holds no LoRA matrices")
@@ -107,6 +111,26 @@ def _check_config(config: dict, folder: Path) -> None:
     for key in _UNSERVED:
         if config.get(key):
             raise AdapterError(f"{folder}: {key} = {config[key]!r} is not served by this engine")
+
+
+def _unfused(halves: dict[tuple[int, str, str], torch.Tensor], spec: ModelSpec, folder: Path) -> dict:
+    """A fused target's matrices as its parts': the same A each, B's rows in the parts' order."""
+    shapes = projection_shapes(spec)
+    out = {}
+    for (layer, target, half), w in halves.items():
+        parts = FUSED.get(target)
+        if parts is None:
+            out[(layer, target, half)] = w
+            continue
+        sizes = [shapes[p][1] for p in parts]
+        if half == "B" and w.shape[0] != sum(sizes):
+            raise AdapterError(
+                f"{folder}: layer {layer} {target}: B has {w.shape[0]} rows, the model's {'+'.join(parts)} "
+                f"{sum(sizes)}; not an adapter of this base"
+            )
+        pieces = w.split(sizes) if half == "B" else [w] * len(parts)
+        out.update({(layer, p, half): piece for p, piece in zip(parts, pieces, strict=True)})
+    return out
 
 
 def _pair_up(

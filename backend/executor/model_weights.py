@@ -47,7 +47,8 @@ _PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 def reads_gguf_blocks(config: EngineConfig, gguf: Path | None, device: torch.device) -> bool:
     """The weights come straight from the GGUF's blocks (a quantized mode over a GGUF of a family
-    whose blocks load directly: all but Phi-3), so no float copy of them is ever converted or read."""
+    whose blocks load directly: every one but latent attention), so no float copy of them is ever
+    converted or read."""
     if config.load_format == "dummy" or gguf is None:
         return False
     arch = string_field(gguf, "general.architecture")

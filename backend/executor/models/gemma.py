@@ -27,16 +27,8 @@ _ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
 class GemmaRMSNorm(RMSNorm):
     """RMSNorm with a zero-centred weight: ``x / rms(x) * (1 + w)``, in float32."""
 
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if residual is not None:
-            x = x + residual
-            residual = x
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = (h * (1.0 + self.weight.float())).to(x.dtype)
-        return out if residual is None else (out, residual)
+    def scale(self, h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return (h * (1.0 + self.weight.float())).to(dtype)
 
 
 class GemmaDecoderLayer(LlamaDecoderLayer):

@@ -140,11 +140,14 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = x + residual
             residual = x
-        dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * h.to(dtype)
+        out = self.scale(h, x.dtype)
         return out if residual is None else (out, residual)
+
+    def scale(self, h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The normalized rows (float32) times the weight, in ``dtype``: Llama rounds them first."""
+        return self.weight * h.to(dtype)
 
 
 class LlamaAttention(nn.Module):

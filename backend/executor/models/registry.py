@@ -4,7 +4,8 @@
 Also where a setting a family cannot honour is refused at start-up, with the reason, rather than
 ignored: latent attention (DeepSeek) keeps one latent row per token, which the int8/fp8 cache rows,
 the weight-only int4/int8 layers (built for Llama's fused projections), attention sinks and H2O's
-scored attention do not know.
+scored attention do not know, and its projections (and mixture-of-experts layers) are not the ones
+LoRA slots wrap.
 """
 
 from __future__ import annotations
@@ -28,8 +29,7 @@ class Family:
     model: type[LlamaForCausalLM]
     gguf_architectures: tuple[str, ...]  # the names llama.cpp's converter gives this family's files
     # a GGUF's float tensors and projections load straight into the model (``model_weights.py``,
-    # names by ``gguf_weights.hf_name``). Phi-3's fused projections are read through transformers'
-    # dequantizing converter instead.
+    # names by ``gguf_weights.hf_name``; Phi-3's fused projections split by ``gguf_weights.split_fused``)
     gguf_direct: bool = True
 
 
@@ -40,7 +40,7 @@ FAMILIES: dict[str, Family] = {
     "Qwen3ForCausalLM": Family(Qwen3ForCausalLM, ("qwen3",)),
     "Gemma2ForCausalLM": Family(GemmaForCausalLM, ("gemma2",)),
     "Gemma3ForCausalLM": Family(GemmaForCausalLM, ("gemma3",)),
-    "Phi3ForCausalLM": Family(Phi3ForCausalLM, ("phi3",), gguf_direct=False),
+    "Phi3ForCausalLM": Family(Phi3ForCausalLM, ("phi3",)),
     # latent attention: safetensors folders only (refused below for a GGUF)
     **{arch: Family(DeepseekForCausalLM, (), gguf_direct=False) for arch in DEEPSEEK_ARCHITECTURES},
 }
@@ -73,6 +73,7 @@ def model_spec(hf_config, config: EngineConfig, gguf: Path | None = None) -> Mod
         "quantization": config.quantization in ("int4", "int8"),
         "attention_sinks": bool(config.attention_sinks),
         "kv_eviction": config.kv_eviction != "none",  # H2O's scored path is per-head K/V attention
+        "max_loras": config.max_loras > 0,  # LoRA slots wrap Llama's projections, which MLA/MoE lack
     }
     names = [f"{key}={getattr(config, key)!r}" for key, bad in refused.items() if bad]
     if gguf is not None and config.load_format != "dummy":
