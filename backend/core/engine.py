@@ -33,7 +33,7 @@ from cachegw.backend.core.swap import SwapCounts, swap_space_for
 from cachegw.backend.executor.model_loader import gguf_source, resolve_model_dir
 from cachegw.backend.executor.model_runner import ModelRunner
 from cachegw.backend.executor.model_weights import needs_weight_files
-from cachegw.backend.executor.platform import resolve_device, resolve_dtype
+from cachegw.backend.executor.platform import block_weights, resolve_device, resolve_dtype
 from cachegw.backend.executor.sampler import sample
 
 log = logging.getLogger("cachegw.backend")
@@ -52,8 +52,8 @@ class LLMEngine:
         start = time.perf_counter()
         self.config = config
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
         gguf = gguf_source(config.model)
+        self.dtype = resolve_dtype(config.dtype, self.device, block_weights(config, gguf, self.device))
         weights = needs_weight_files(config, gguf, self.device)
         self.model_dir = resolve_model_dir(config.model, config.resolved_cache_dir, weights)
         hf_config = AutoConfig.from_pretrained(str(self.model_dir))

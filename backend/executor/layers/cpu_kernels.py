@@ -30,7 +30,13 @@ log = logging.getLogger("cachegw.backend")
 
 SOURCES = tuple(
     Path(__file__).with_name(n)
-    for n in ("cpu_kernels.cpp", "cpu_kernels_avx512.h", "cpu_kernels_avx2.h", "cpu_kernels_prefill.h")
+    for n in (
+        "cpu_kernels.cpp",
+        "cpu_kernels_avx512.h",
+        "cpu_kernels_avx2.h",
+        "cpu_kernels_prefill.h",
+        "cpu_kernels_decode.h",
+    )
 )
 SETTINGS = ("auto", "avx512", "avxvnni", "avx2", "torch")
 
