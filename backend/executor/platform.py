@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import threading
+from collections.abc import Callable
 
 import torch
 
@@ -41,13 +43,32 @@ def resolve_dtype(name: str, device: torch.device, block_weights: bool = False) 
     return torch.float32
 
 
-def block_weights(config: EngineConfig, gguf: object, device: torch.device) -> bool:
+def block_weights(config: EngineConfig, gguf: object, device: torch.device) -> Callable[[], bool]:
     """Whether the projections will run on cachegw's block kernels: a CPU, quantized weights (int4/int8,
-    or a GGUF's under ``auto``) and kernels that build here. ``gguf``: the model's GGUF file, or None."""
+    or a GGUF's under ``auto``) and kernels that build here. ``gguf``: the model's GGUF file, or None.
+
+    The kernels are loaded (built with g++ the first time on a machine: seconds of a core) in a thread
+    started here, so the caller can write the model's config and tokenizer meanwhile; the returned
+    callable waits for them. A build that fails there says so again when the runner asks for it."""
     if device.type != "cpu" or config.quantization == "none" or config.cpu_kernels == "torch":
-        return False
+        return lambda: False
     if config.quantization == "auto" and gguf is None:
-        return False
+        return lambda: False
     from cachegw.backend.executor.layers import cpu_kernels
 
-    return cpu_kernels.choose(config.cpu_kernels).available
+    found: list[bool] = []
+
+    def load() -> None:
+        try:
+            found.append(cpu_kernels.choose(config.cpu_kernels).available)
+        except ValueError:  # a build the CPU lacks: the runner refuses it with this message
+            found.append(False)
+
+    thread = threading.Thread(target=load, name="cpu-kernels", daemon=True)
+    thread.start()
+
+    def available() -> bool:
+        thread.join()
+        return bool(found and found[0])
+
+    return available
