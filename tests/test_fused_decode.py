@@ -102,3 +102,20 @@ def test_where_it_cannot_run_the_eager_modules_decode(tmp_path, options, reason)
         [prompt_of(20, seed=1)], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     )
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_dtype_auto_is_float32_where_the_weights_run_on_cachegws_kernels():
+    """The fused step needs float32; bfloat16 (AMX CPUs' choice for float weights) would only add casts
+    around kernels that take float32. The kernels load in a thread while the caller goes on."""
+    from cachegw.backend.config import load_engine_config
+    from cachegw.backend.executor.platform import block_weights, cpu_has_amx, resolve_dtype
+
+    cpu, gguf = torch.device("cpu"), object()
+    assert block_weights(load_engine_config(None), gguf, cpu)()
+    assert block_weights(load_engine_config(None, quantization="int8"), None, cpu)()
+    assert not block_weights(load_engine_config(None), None, cpu)()  # a float safetensors model
+    assert not block_weights(load_engine_config(None, quantization="none"), gguf, cpu)()
+    assert not block_weights(load_engine_config(None, cpu_kernels="torch"), gguf, cpu)()
+    assert resolve_dtype("auto", cpu, block_weights=True) == torch.float32
+    assert resolve_dtype("auto", cpu) == (torch.bfloat16 if cpu_has_amx() else torch.float32)
+    assert resolve_dtype("bfloat16", cpu, block_weights=True) == torch.bfloat16
