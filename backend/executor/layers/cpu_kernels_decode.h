@@ -57,12 +57,32 @@ void rotate(float* x, int64_t heads, int64_t d, const float* cos, const float* s
   }
 }
 
+// e^x as the attention's exp_ps computes it (2^n * e^r, |r| <= ln2 / 2, Taylor to degree 6: relative
+// error ~1e-7), written without calls so that the compiler vectorizes the loops around it.
+inline float exp_poly(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float n = std::floor(x * 1.4426950408889634f + 0.5f);
+  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  float p = 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
 // silu(gate) * up for rows of [gate | up] (each `inter` wide), into out [rows, inter].
 void silu_mul(const float* gu, float* out, int64_t rows, int64_t inter) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* g = gu + r * 2 * inter;
     const float* u = g + inter;
-    for (int64_t i = 0; i < inter; ++i) out[r * inter + i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+    float* o = out + r * inter;
+    for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.0f + exp_poly(-g[i])) * u[i];
   }
 }
 
