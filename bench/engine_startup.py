@@ -23,7 +23,7 @@ build's CPU kernels built once more on their own into an empty folder (g++'s wal
 Full speed is then each build's own steady state: the first probe within 10% of the best probe that
 build reached in any of its starts.
 
-    .venv/bin/python -m bench.engine_startup --before /tmp/base --rounds 1 --budget 150 --every 5
+    .venv/bin/python -m bench.engine_startup --before /tmp/base --rounds 1 --budget 90 --before-budget 180
 """
 
 from __future__ import annotations
@@ -96,11 +96,15 @@ def ours(home: Path, budget: float, every: float, tree: Path = ROOT, fresh_tmp: 
         ready = time.monotonic() - launch
         one = _probe(url, model, 1)
         first_token = time.monotonic() - launch
-        probes: list[tuple[float, float, bool]] = []  # (seconds since launch, tok/s, compiled)
+        # (seconds since launch, tok/s, compiled, the machine's 1-minute load average)
+        probes: list[tuple[float, float, bool, float]] = []
         while time.monotonic() - launch < budget:
             seconds = _probe(url, model, _PROBE_TOKENS + 1) - _probe(url, model, 1)
             speed = round(_PROBE_TOKENS / max(seconds, 1e-6), 1)
-            probes.append((round(time.monotonic() - launch, 1), speed, _compiled_steps(url) > 0))
+            compiled = _compiled_steps(url) > 0
+            probes.append(
+                (round(time.monotonic() - launch, 1), speed, compiled, round(os.getloadavg()[0], 1))
+            )
             say(f"  {probes[-1][0]:6.1f} s: decode {speed:.1f} tok/s, compiled step {probes[-1][2]}")
             time.sleep(every)
         milestones = {"ready_s": round(ready, 1), "first_token_s": round(first_token, 1)}
@@ -121,9 +125,9 @@ def llama(path: str, gguf: Path) -> dict | None:
     return {"loaded_s": round(loaded, 2), "first_token_s": round(first, 2)}
 
 
-def full_speed_at(probes: list[tuple[float, float, bool]], best: float) -> float | None:
+def full_speed_at(probes: list[tuple[float, float, bool, float]], best: float) -> float | None:
     """When a probe first decoded within 10% of ``best`` tokens/s."""
-    return next((t for t, speed, _ in probes if speed >= 0.9 * best), None)
+    return next((t for t, speed, *_ in probes if speed >= 0.9 * best), None)
 
 
 _BUILD = """
@@ -149,9 +153,11 @@ def kernel_build(tree: Path) -> dict:
     return {"build": build, "wall_s": round(float(seconds), 1), "cpu_s_with_python": round(cpu, 1)}
 
 
-def compare(before: Path, rounds: int, budget: float, every: float) -> None:
-    """First starts of ``before`` and of this tree, interleaved; each build's own full speed."""
+def compare(before: Path, rounds: int, budget: float, every: float, before_budget: float) -> None:
+    """First starts of ``before`` (followed ``before_budget`` seconds) and of this tree (``budget``),
+    interleaved; each build's own full speed."""
     trees = {"before": before, "after": ROOT}
+    budgets = {"before": before_budget, "after": budget}
     runs: dict[str, list[dict]] = {name: [] for name in trees}
     builds = {}
     for name, tree in trees.items():
@@ -161,12 +167,12 @@ def compare(before: Path, rounds: int, budget: float, every: float) -> None:
         for name, tree in trees.items():
             say(f"round {r + 1}, {name}: first start (empty HOME and TMPDIR)")
             with tempfile.TemporaryDirectory(prefix="cachegw-home-") as tmp:
-                runs[name].append(ours(Path(tmp), budget, every, tree, fresh_tmp=True))
+                runs[name].append(ours(Path(tmp), budgets[name], every, tree, fresh_tmp=True))
     for name in trees:
-        best = max(speed for run in runs[name] for _, speed, _ in run["probes"])
+        best = max(speed for run in runs[name] for _, speed, *_ in run["probes"])
         for run in runs[name]:
             run["full_speed_s"] = full_speed_at(run["probes"], best)
-            run["compiled_from_s"] = next((t for t, _, c in run["probes"] if c), None)
+            run["compiled_from_s"] = next((t for t, _, c, _ in run["probes"] if c), None)
             say(f"{name}: {run}")
         builds[name]["best_decode_tok_s"] = best
     save(
@@ -187,6 +193,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--before", help="a source tree of an earlier build: compare first starts")
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--before-budget", type=float, help="seconds each start of --before is followed")
     ap.add_argument("--budget", type=float, default=420, help="seconds each start is followed")
     ap.add_argument("--warm-budget", type=float, default=150)
     ap.add_argument("--every", type=float, default=5.0, help="seconds between decode probes")
@@ -194,7 +201,7 @@ def main() -> None:
     ap.add_argument("--prepared-home", help="a HOME `make prepare` filled, for the warm start")
     args = ap.parse_args()
     if args.before:
-        compare(Path(args.before), args.rounds, args.budget, args.every)
+        compare(Path(args.before), args.rounds, args.budget, args.every, args.before_budget or args.budget)
         return
     from cachegw.backend.executor.model_loader import embedded_gguf_path
 
@@ -209,10 +216,10 @@ def main() -> None:
         say("warm start")
         warm = Path(args.prepared_home) if args.prepared_home else home
         runs["warm start"] = ours(warm, args.warm_budget, args.every)
-    best = max(s for r in ("first start", "warm start") for _, s, _ in runs[r]["probes"])  # type: ignore[index]
+    best = max(s for r in ("first start", "warm start") for _, s, *_ in runs[r]["probes"])  # type: ignore[index]
     for r in ("first start", "warm start"):
         runs[r]["full_speed_s"] = full_speed_at(runs[r]["probes"], best)  # type: ignore[index]
-        runs[r]["compiled_from_s"] = next((t for t, _, c in runs[r]["probes"] if c), None)  # type: ignore[index]
+        runs[r]["compiled_from_s"] = next((t for t, _, c, _ in runs[r]["probes"] if c), None)  # type: ignore[index]
         say(f"{r}: {runs[r]}")
     save(
         "engine_startup",
