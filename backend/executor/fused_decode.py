@@ -9,7 +9,7 @@ kernels (seconds, once per machine), so the engine decodes at full speed from it
 
 It runs where every projection is cachegw's block-quantized linear (int4/int8 weights on
 ``[engine] cpu_kernels``), activations and the KV cache are float32, and the layers are Llama's own
-(RMSNorm, rotate-half rotary over the whole head, SiLU MLP): Llama, SmolLM2, Mistral, Qwen2. Anything
+(RMSNorm, rotate-half rotary over the whole head, SiLU MLP): Llama, SmolLM2, Mistral, Qwen2, Phi-3. Anything
 else (LoRA adapters, attention sinks, H2O, softcaps, per-head q/k norms, other norms or activations)
 keeps the eager modules, and ``reason`` says why.
 """
