@@ -119,3 +119,18 @@ def test_dtype_auto_is_float32_where_the_weights_run_on_cachegws_kernels():
     assert resolve_dtype("auto", cpu, block_weights=True) == torch.float32
     assert resolve_dtype("auto", cpu) == (torch.bfloat16 if cpu_has_amx() else torch.float32)
     assert resolve_dtype("bfloat16", cpu, block_weights=True) == torch.bfloat16
+
+
+def test_a_failing_fused_step_leaves_the_eager_modules_decoding(tmp_path):
+    """A failure in the op (here: a bad call) is logged once; the modules run that step and the rest."""
+    llm = LLM(model=_tiny("mistral", tmp_path), dtype="float32", device="cpu", quantization="int4",
+              kv_cache_tokens=512, block_size=8, enable_prefix_caching=False, compile="off")  # fmt: skip
+    fused = llm.engine.runner.fused
+    assert fused is not None
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompt = prompt_of(20, seed=2)
+    fused.ints = fused.ints[:-1]  # one int short: the op refuses it
+    out = llm.generate([prompt], params)[0].outputs[0].token_ids
+    assert fused.failed is not None and fused.steps == 0
+    llm.engine.runner.fused = None
+    assert llm.generate([prompt], params)[0].outputs[0].token_ids == out

@@ -92,6 +92,7 @@ class FusedDecode:
         self.model = model
         self.op = getattr(torch.ops, ops).decode_step
         self.steps = 0  # decode steps it ran
+        self.failed: str | None = None  # why it stopped, after a failure
         layers = [cast(LlamaDecoderLayer, layer) for layer in model.layers]
         self.attention = [cast(PagedAttention, layer.self_attn.attn) for layer in layers]
         weights: list[torch.Tensor] = []
@@ -120,25 +121,36 @@ class FusedDecode:
         self.norm = cast(RMSNorm, model.norm)
         self.eps, self.scale = self.norm.eps, self.attention[0].scale
 
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states [B, hidden] after the final norm; K/V of the step written into the caches."""
+    def __call__(
+        self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor | None:
+        """Hidden states [B, hidden] after the final norm, K/V of the step written into the caches; None
+        after a failure (logged once; the eager modules then run this step and the later ones, and
+        write the same K/V again)."""
+        if self.failed is not None:
+            return None
         caches = [c for paged in self.attention for c in (paged.k_cache, paged.v_cache)]
-        x = self.model.embed(ids).float().contiguous()
-        hidden = self.op(
-            x,
-            positions,
-            meta.slot_mapping,
-            meta.block_tables,
-            meta.seq_lens,
-            self.weights,
-            caches,
-            self.norm.weight,
-            self.ints,
-            self.heads,
-            self.kv_heads,
-            self.eps,
-            self.scale,
-        )
+        try:
+            x = self.model.embed(ids).float().contiguous()
+            hidden = self.op(
+                x,
+                positions,
+                meta.slot_mapping,
+                meta.block_tables,
+                meta.seq_lens,
+                self.weights,
+                caches,
+                self.norm.weight,
+                self.ints,
+                self.heads,
+                self.kv_heads,
+                self.eps,
+                self.scale,
+            )
+        except Exception as exc:  # never let the fast path take the engine down
+            self.failed = f"{type(exc).__name__}: {exc}"
+            log.exception("the fused decode step failed: decoding on the eager modules from now on")
+            return None
         self.steps += 1
         return hidden
 
