@@ -34,7 +34,8 @@ class EngineConfig(Strict):
     )
     device: str = Field(description="auto (cuda when available) | cpu | cuda | cuda:N")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        description="compute dtype; auto = bfloat16 on CUDA and on CPUs with AMX, else float32"
+        description="compute dtype; auto = bfloat16 on CUDA and on CPUs with AMX for float weights, "
+        "float32 where the weights run on cachegw's CPU kernels and elsewhere"
     )
     quantization: Literal["auto", "none", "int8", "int4"] = Field(
         description="weight-only int8/int4 linears on CPU; auto = what the GGUF holds, where fast"
@@ -144,8 +145,12 @@ class EngineConfig(Strict):
     kv_recent_tokens: int = Field(
         ge=0, description="h2o: of those, the most recent kept; 0 = half the budget"
     )
+    fused_decode: bool = Field(
+        description="decode-only steps in one call into cachegw's CPU kernels where the model allows it"
+    )
     compile: Literal["background", "startup", "off"] = Field(
-        description="decode steps through torch.compile: in a thread after start-up | before serving | off"
+        description="decode steps through torch.compile where the fused step cannot run: in a thread after "
+        "start-up | before serving | off"
     )
     lora_modules: dict[str, str] = Field(
         description="LoRA adapters served from start: name -> PEFT folder (adapter_config.json + safetensors)"

@@ -10,8 +10,10 @@ with a message when it is not installed.
         [--modes none,int8,int4,auto,auto+compile] [--threads 2]
         [--llama avx2=/work/llama-peer-avx2,native=/work/llama-peer]
 
-A mode with ``+compile`` runs the compiled decode step (`[engine] compile`, compiled before the
-runs); the others run eagerly. ``+torch`` runs torch's int4/int8 kernels (`[engine] cpu_kernels =
+Without flags a mode runs as the server does: decode-only steps fused into one call into cachegw's
+kernels where they can (`[engine] fused_decode`), else the eager modules. ``+eager`` turns the fused step
+off (the eager modules); ``+compile`` runs the compiled decode step instead (`[engine] compile`, compiled
+before the runs, the fused step off). ``+torch`` runs torch's int4/int8 kernels (`[engine] cpu_kernels =
 "torch"`) instead of cachegw's; ``+avx512``, ``+avxvnni``, ``+avx2`` one build of cachegw's (the
 best this CPU has otherwise). ``--llama``: llama-cpp-python builds to compare with, each a folder
 put on its own worker's PYTHONPATH (default: the installed package, if any); every engine's ratio
@@ -50,8 +52,11 @@ def main() -> None:
     for mode in args.modes.split(","):  # "auto+compile": the weight mode, decode step compiled first
         weights, *flags = mode.split("+")
         compile_ = "startup" if "compile" in flags else "off"
+        fused = not ({"eager", "compile"} & set(flags))
         kernels = next((f for f in flags if f in SETTINGS), "auto")
-        options = dict(quantization=weights, compile=compile_, cpu_kernels=kernels, **ours)
+        options = dict(
+            quantization=weights, compile=compile_, cpu_kernels=kernels, fused_decode=fused, **ours
+        )
         peers.append((f"ours {mode}", "ours", options, {}))
     llamas = llamacpp_builds(args.llama)
     if not llamas:

@@ -143,3 +143,15 @@ def test_an_installed_wheel_finds_its_migrations(tmp_path: Path) -> None:
 
     with sqlite3.connect(tmp_path / "new.db") as conn:
         assert conn.execute("SELECT version_num FROM alembic_version").fetchone() == (res.stdout.strip(),)
+
+
+def test_the_wheel_ships_every_cpu_kernel_source() -> None:
+    """An installed engine builds its CPU kernels from the sources in the wheel: the .cpp and every
+    header it includes must be package data, or the first start on a new machine has no kernels."""
+    import fnmatch
+
+    from cachegw.backend.executor.layers.cpu_kernels import SOURCES
+
+    patterns = PYPROJECT["tool"]["setuptools"]["package-data"]["*"]
+    for source in SOURCES:
+        assert any(fnmatch.fnmatch(source.name, p) for p in patterns), source.name

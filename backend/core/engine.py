@@ -33,7 +33,7 @@ from cachegw.backend.core.swap import SwapCounts, swap_space_for
 from cachegw.backend.executor.model_loader import gguf_source, resolve_model_dir
 from cachegw.backend.executor.model_runner import ModelRunner
 from cachegw.backend.executor.model_weights import needs_weight_files
-from cachegw.backend.executor.platform import resolve_device, resolve_dtype
+from cachegw.backend.executor.platform import block_weights, resolve_device, resolve_dtype
 from cachegw.backend.executor.sampler import sample
 
 log = logging.getLogger("cachegw.backend")
@@ -50,12 +50,12 @@ class LLMEngine:
         from transformers import AutoConfig, AutoTokenizer
 
         start = time.perf_counter()
-        self.config = config
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.config, self.device = config, resolve_device(config.device)
         gguf = gguf_source(config.model)
+        kernels = block_weights(config, gguf, self.device)  # g++ may build them while the model dir is made
         weights = needs_weight_files(config, gguf, self.device)
         self.model_dir = resolve_model_dir(config.model, config.resolved_cache_dir, weights)
+        self.dtype = resolve_dtype(config.dtype, self.device, kernels())
         hf_config = AutoConfig.from_pretrained(str(self.model_dir))
         limit = hf_config.max_position_embeddings
         context = min(config.max_model_len, limit) if config.max_model_len else limit

@@ -1,8 +1,9 @@
 """Ready this machine for a fast first start: `make prepare` (run by `make serve` and `make backend`).
 
 A first `cachegw backend` on a new machine builds cachegw's CPU kernels (g++), writes the model's
-config and tokenizer, and compiles its decode step (Inductor, minutes of one core the first time)
-while it serves eagerly. This does the same work once, ahead, into the same caches under
+config and tokenizer, and, where the fused decode step does not run (float weights, bfloat16, other
+families), compiles its decode step (Inductor, minutes of one core the first time) while it serves
+eagerly. This does the same work once, ahead, into the same caches under
 ``[engine] cache_dir``, with the engine settings of config.toml (or ``--config``), so the server's
 first start finds them warm: it serves at once and reaches its compiled speed after the tracing only.
 

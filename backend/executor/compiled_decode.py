@@ -1,4 +1,6 @@
-"""The decode step compiled by ``torch.compile`` (Inductor's C++ kernels on CPU).
+"""The decode step compiled by ``torch.compile`` (Inductor's C++ kernels on CPU), for models the fused
+decode step (``fused_decode.py``: the same fusion by hand, nothing to compile) does not run: float
+weights, bfloat16, other families.
 
 A batch-1 decode step on CPU spends as long on the ~7,000 small ops around its matmuls (norms,
 rotary, casts, masks, adds) and the Python that launches them as on the matmuls themselves.

@@ -19,6 +19,7 @@ from cachegw.backend.core.lora_ref import LoRARef, UnknownModel
 from cachegw.backend.core.scheduler import ScheduledBatch
 from cachegw.backend.executor.compiled_decode import CompiledDecode, start_compiling, will_compile
 from cachegw.backend.executor.cuda_graphs import DecodeGraphs
+from cachegw.backend.executor.fused_decode import fused_decode_for
 from cachegw.backend.executor.host_memory import zeros_on_demand
 from cachegw.backend.executor.layers import kv_quant
 from cachegw.backend.executor.layers.attention import AttentionMetadata, PagedAttention
@@ -95,10 +96,14 @@ class ModelRunner:
             self._use_sinks(config.attention_sinks, context or max_model_len)
         self.attention_backend = self._choose_attention_backend()
         self.num_blocks = self._num_kv_blocks()
+        # Decode-only steps in one call into cachegw's kernels where the model allows: nothing to compile.
+        plain = not (self.sinks or self.scores_keys or self.loras)
+        kv_dtype = self.kv_format.storage_dtype
+        self.fused = fused_decode_for(config, device, self.model, kv_dtype, native) if plain else None
         # CPU only: CUDA has its Triton kernels and CUDA graphs; attention sinks keep the eager path.
         compiling = (
             device.type == "cpu"
-            and not (self.sinks or self.scores_keys)
+            and not (self.sinks or self.scores_keys or self.fused)
             and self.spec.decode_compiles
             and will_compile(config.compile)
         )
@@ -314,6 +319,12 @@ class ModelRunner:
             assert self.graphs is not None
             hidden = self.graphs.replay(graph_size, inputs)
             return StepOutput(self.model.compute_logits(hidden), inputs.sample_seq_indices, {})
+        decode_only = not lora and inputs.meta.max_query_len == 1 and not inputs.prompt_rows
+        if self.fused is not None and decode_only and inputs.sample_seq_indices:
+            hidden = self.fused(inputs.input_ids, inputs.positions, inputs.meta)
+            if hidden is not None:  # None: it failed (logged), the modules run
+                logits = self.model.compute_logits(hidden[inputs.sample_indices])
+                return StepOutput(logits, inputs.sample_seq_indices, {})
         if (
             self.compiled is not None
             and not lora

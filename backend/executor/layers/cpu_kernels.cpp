@@ -162,6 +162,7 @@ at::Tensor paged_decode_attention_impl(const at::Tensor&, const at::Tensor&, con
 }
 }  // namespace
 #endif
+#include "cpu_kernels_decode.h"
 
 namespace {
 
@@ -198,6 +199,32 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
   return bits == 4 ? block_linear_impl<4>(x, w, d, m) : block_linear_impl<8>(x, w, d, m);
 }
 
+// One decode step of every layer (cpu_kernels_decode.h): x [B, hidden] float32 embeddings, positions
+// and slots [B] int64, block_tables [B, W] and seq_lens [B] int32, caches K and V per layer.
+at::Tensor decode_step_op(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& slots,
+                          const at::Tensor& block_tables, const at::Tensor& seq_lens, at::TensorList weights,
+                          at::TensorList caches, const at::Tensor& final_norm, at::IntArrayRef ints, int64_t heads,
+                          int64_t kv_heads, double eps, double scale) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [B, hidden]");
+  const int64_t rows = x.size(0);
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == rows &&
+                  slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == rows,
+              "positions and slots must be int64 [B]");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
+                  block_tables.size(0) == rows && seq_lens.scalar_type() == at::kInt && seq_lens.numel() == rows,
+              "block_tables must be contiguous int32 [B, W], seq_lens int32 [B]");
+  TORCH_CHECK(!caches.empty() && caches.size() % 2 == 0, "caches: K and V of every layer");
+  for (const at::Tensor& c : caches)
+    TORCH_CHECK(c.dim() == 4 && c.scalar_type() == at::kFloat && c.is_contiguous() && c.size(2) == kv_heads &&
+                    c.sizes() == caches[0].sizes(),
+                "caches must be contiguous float32 [blocks, block size, KV heads, D]");
+  const int64_t d = caches[0].size(3);
+  TORCH_CHECK(d % 16 == 0 && d <= 256 && heads % kv_heads == 0, "head size must be a multiple of 16 up to 256");
+  TORCH_CHECK(x.size(1) % 64 == 0 && heads * d % 64 == 0, "hidden and heads x head size must be multiples of 64");
+  return decode_step(x, positions, slots, block_tables, seq_lens, weights, caches, final_norm, ints, heads, kv_heads,
+                     eps, scale);
+}
+
 std::string isa() { return kIsa; }
 
 }  // namespace
@@ -215,9 +242,14 @@ CACHEGW_LIBRARY(CACHEGW_OPS, lib) {
   lib.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
       "float scale, int window) -> Tensor");
+  lib.def(
+      "decode_step(Tensor x, Tensor positions, Tensor slots, Tensor block_tables, Tensor seq_lens, "
+      "Tensor[] weights, Tensor[] caches, Tensor final_norm, int[] ints, int heads, int kv_heads, float eps, "
+      "float scale) -> Tensor");
 }
 
 CACHEGW_LIBRARY_IMPL(CACHEGW_OPS, CPU, lib) {
   lib.impl("block_linear", &block_linear);
   lib.impl("paged_decode_attention", &paged_decode_attention);
+  lib.impl("decode_step", &decode_step_op);
 }

@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +31,13 @@ log = logging.getLogger("cachegw.backend")
 
 SOURCES = tuple(
     Path(__file__).with_name(n)
-    for n in ("cpu_kernels.cpp", "cpu_kernels_avx512.h", "cpu_kernels_avx2.h", "cpu_kernels_prefill.h")
+    for n in (
+        "cpu_kernels.cpp",
+        "cpu_kernels_avx512.h",
+        "cpu_kernels_avx2.h",
+        "cpu_kernels_prefill.h",
+        "cpu_kernels_decode.h",
+    )
 )
 SETTINGS = ("auto", "avx512", "avxvnni", "avx2", "torch")
 
@@ -131,8 +138,16 @@ def load(name: str = "avx512") -> KernelStatus:
     return _load(name)
 
 
-@functools.cache
+_LOADING = threading.Lock()  # one build at a time: the engine may start one in a thread at start-up
+
+
 def _load(name: str) -> KernelStatus:
+    with _LOADING:
+        return _load_once(name)
+
+
+@functools.cache
+def _load_once(name: str) -> KernelStatus:
     build = BUILDS[name]
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
