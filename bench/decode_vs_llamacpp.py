@@ -8,7 +8,7 @@ with a message when it is not installed.
 
     .venv/bin/python -m bench.decode_vs_llamacpp [--runs 3] [--new 256]
         [--modes none,int8,int4,auto,auto+compile] [--threads 2]
-        [--llama avx2=/work/llama-peer-avx2,native=/work/llama-peer]
+        [--llama avx2=/work/llama-peer-avx2,native=/work/llama-peer] [--baseline before=/tmp/old-checkout]
 
 Without flags a mode runs as the server does: decode-only steps fused into one call into cachegw's
 kernels where they can (`[engine] fused_decode`), else the eager modules. ``+eager`` turns the fused step
@@ -17,7 +17,9 @@ before the runs, the fused step off). ``+torch`` runs torch's int4/int8 kernels 
 "torch"`) instead of cachegw's; ``+avx512``, ``+avxvnni``, ``+avx2`` one build of cachegw's (the
 best this CPU has otherwise). ``--llama``: llama-cpp-python builds to compare with, each a folder
 put on its own worker's PYTHONPATH (default: the installed package, if any); every engine's ratio
-to each of them is reported.
+to each of them is reported. ``--baseline``: another checkout of cachegw (its folder put first on
+its own workers' PYTHONPATH), every mode run on it too, so a change is measured against the code
+before it in the same interleaved run.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="decode_vs_llamacpp")
     ap.add_argument("--llama", default="", help="name=folder,... of llama-cpp-python builds")
+    ap.add_argument("--baseline", default="", help="name=folder of another cachegw checkout")
     args = ap.parse_args()
     from cachegw.backend.executor.layers.cpu_kernels import SETTINGS
     from cachegw.backend.executor.model_loader import embedded_gguf_path
@@ -58,6 +61,9 @@ def main() -> None:
             quantization=weights, compile=compile_, cpu_kernels=kernels, fused_decode=fused, **ours
         )
         peers.append((f"ours {mode}", "ours", options, {}))
+        if args.baseline:
+            label, _, folder = args.baseline.partition("=")
+            peers.append((f"ours {mode} ({label})", "ours", options, {"PYTHONPATH": folder}))
     llamas = llamacpp_builds(args.llama)
     if not llamas:
         say("no llama-cpp-python build: skipping the llama.cpp peer (docs/benchmarks.md says how)")
@@ -74,7 +80,8 @@ def main() -> None:
             say(f"round {r + 1} {name}: {runs[name][-1]} tok/s")
         load.append(load_average())
     rss = {name: peer.stop() for name, peer in workers.items()}
-    refs = {name: statistics.median(runs[name]) for name, _ in llamas}
+    bases = [name for name, *_ in peers if name.endswith(")") and name.startswith("ours")]
+    refs = {name: statistics.median(runs[name]) for name in [n for n, _ in llamas] + bases}
     result = {
         name: {
             "decode_tok_per_s": runs[name],

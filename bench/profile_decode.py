@@ -25,7 +25,7 @@ _GROUPS = {
         "aten::mm",
         "aten::_weight_int4pack_mm_for_cpu",
         "aten::_weight_int8pack_mm",
-        "cachegw::block_linear",
+        "::block_linear",  # cachegw_<build>::block_linear
     ),
     "attention": (
         "scaled_dot_product",
@@ -33,7 +33,7 @@ _GROUPS = {
         "aten::index_select",
         "aten::index_put",
         "aten::bmm",
-        "cachegw::paged_decode_attention",
+        "::paged_decode_attention",
     ),
     "other ops": ("CompiledFxGraph",),
 }

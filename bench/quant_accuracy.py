@@ -7,7 +7,7 @@
   conversations (up to 256 tokens each), every position scored.
 
     .venv/bin/python -m bench.quant_accuracy [--prompts 64] [--tokens 32] [--threads 2]
-        [--modes int8,int4,auto,auto+torch,llama.cpp]
+        [--modes int8,int4,auto,auto+torch,llama.cpp] [--out quant_accuracy]
 
 ``+torch`` runs torch's int4/int8 kernels (`[engine] cpu_kernels = "torch"`: bfloat16 activations)
 instead of cachegw's (int8 activations). ``llama.cpp`` runs the same GGUF file in llama-cpp-python
@@ -145,6 +145,7 @@ def main() -> None:
     ap.add_argument("--texts", type=int, default=16)
     ap.add_argument("--modes", default="int8,int4,auto")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="quant_accuracy", help="bench/results/OUT.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     prompts, texts = _conversations(args.prompts, args.texts)
@@ -159,7 +160,7 @@ def main() -> None:
         modes[mode] = {"perplexity": round(ppl, 3), **_agreement(ref, got)}
         say(f"{mode}: {modes[mode]}")
     save(
-        "quant_accuracy",
+        args.out,
         {"prompts": len(prompts), "new_tokens": args.tokens, "ppl_texts": len(texts), "modes": modes},
     )
 

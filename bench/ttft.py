@@ -8,11 +8,13 @@ round at the shortest length that is not counted.
 
     .venv/bin/python -m bench.ttft [--lengths 200,1000,2000] [--runs 3] [--threads 2]
         [--modes auto,none,auto+avx2] [--llama avx2=/work/llama-peer-avx2,native=/work/llama-peer]
+        [--baseline before=/tmp/old-checkout]
 
 A mode is ``[engine] quantization``, with ``+avx512``/``+avxvnni``/``+avx2``/``+torch`` for
 ``[engine] cpu_kernels`` (the best build of cachegw's otherwise); ``--llama``: llama-cpp-python
 builds, each a folder on its own worker's PYTHONPATH (default: the installed package); ratios are
-to each of them.
+to each of them. ``--baseline``: another checkout of cachegw (its folder first on its own workers'
+PYTHONPATH), every mode run on it too, in the same interleaved rounds.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def main() -> None:
     ap.add_argument("--out", default="ttft")
     ap.add_argument("--llama", default="", help="name=folder,... of llama-cpp-python builds")
     ap.add_argument("--no-hf", action="store_true", help="leave out the HF transformers peer")
+    ap.add_argument("--baseline", default="", help="name=folder of another cachegw checkout")
     args = ap.parse_args()
     from cachegw.backend.executor.model_loader import embedded_gguf_path
 
@@ -47,6 +50,16 @@ def main() -> None:
         kernels = flags[0] if flags else "auto"
         options = dict(quantization=weights, cpu_kernels=kernels, kv_cache_tokens=room, max_num_seqs=1)
         specs.append((f"ours {mode}", "ours", dict(enable_prefix_caching=False, **options), {}))
+        if args.baseline:
+            label, _, folder = args.baseline.partition("=")
+            specs.append(
+                (
+                    f"ours {mode} ({label})",
+                    "ours",
+                    dict(enable_prefix_caching=False, **options),
+                    {"PYTHONPATH": folder},
+                )
+            )
     llamas = llamacpp_builds(args.llama)
     if not llamas:
         say("no llama-cpp-python build: skipping the llama.cpp peer")

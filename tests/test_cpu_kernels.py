@@ -41,7 +41,7 @@ def test_every_build_the_cpu_has_loads() -> None:
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 9])
 def test_gguf_blocks_match_the_dequantized_matmul(kind: str, rows: int, build: str) -> None:
     """The file's blocks go in unchanged (the dequantized layer equals gguf's dequantization); the
-    output differs from the float matmul only by rounding the activations to int8 in groups of 4.
+    output differs from the float matmul only by rounding the activations to int8 per block of 32.
     50 output rows: 12 tiles of 4 and a remainder of 2; 1-9 activation rows: every column tile."""
     w = np.random.default_rng(0).normal(0, 0.05, (50, 192)).astype(np.float32)
     blocks = decode_blocks(kind, quantize(w, GGMLQuantizationType[kind]))
@@ -57,10 +57,9 @@ def test_gguf_blocks_match_the_dequantized_matmul(kind: str, rows: int, build: s
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
 @pytest.mark.parametrize("rows", [32, 77])
 def test_prefill_path_matches_the_dequantized_matmul(kind: str, rows: int, build: str) -> None:
-    """From 32 activation rows the kernel rounds them per block of 32 and sums in int32 per block
-    (rows across the vector lanes): still within 1% of the float matmul, and within rounding of
-    the same rows computed one at a time on the decode path. 77 rows: a part-filled last tile;
-    50 output rows: a part-filled last register tile."""
+    """From 32 activation rows the kernel puts them across the vector lanes (int32 sums per block):
+    within 1% of the float matmul, and the same bits as the rows computed one at a time on the
+    decode path. 77 rows: a part-filled last tile; 50 output rows: a part-filled last register tile."""
     w = np.random.default_rng(1).normal(0, 0.05, (50, 192)).astype(np.float32)
     blocks = decode_blocks(kind, quantize(w, GGMLQuantizationType[kind]))
     layer = BlockLinear.from_blocks(blocks, None, f"cachegw_{build}")
@@ -68,15 +67,15 @@ def test_prefill_path_matches_the_dequantized_matmul(kind: str, rows: int, build
     y = layer(x)
     assert _relative_error(y, x @ blocks.dequantize().T) < 0.01
     one_by_one = torch.cat([layer(x[i : i + 1]) for i in range(rows)])
-    assert _relative_error(y, one_by_one) < 0.01
+    assert torch.equal(y, one_by_one)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_the_builds_agree(bits: int) -> None:
-    """Every build rounds the activations alike, sums in integers and orders its float work as the
-    AVX-512 build does, so they give the same bits (and the engine the same tokens): decode and
-    prefill sizes (4 and 300 rows), a K past the tiles' unrolling (576, 9 block pairs), 8-bit
-    weights at the top of their range (the AVX2 build's signed path)."""
+    """Every build rounds the activations alike, sums in integers per block and runs the same float
+    sequence per output (cpu_kernels.cpp), so they give the same bits (and the engine the same
+    tokens): decode and prefill sizes (4 and 300 rows), a K past the tiles' unrolling (576, 9 block
+    pairs), 8-bit weights at the top of their range (the AVX2 build's signed path)."""
     w = torch.randn(70, 576) * 0.05
     w[:, :32] = 0.05  # a block whose 8-bit integers are all +127 after absmax rounding
     layer = BlockLinear.from_float(w, None, bits, f"cachegw_{BUILDS[0]}")
@@ -95,15 +94,16 @@ def test_the_builds_agree(bits: int) -> None:
 @pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("bits", [4, 8])
 def test_from_float_with_bias_and_outliers(bits: int, build: str) -> None:
-    """Rounded at load (min/max per block for 4 bits, absmax for 8); an activation outlier 100x the
-    rest coarsens only its own group's rounding, so the error stays small."""
+    """Rounded at load (min/max per block for 4 bits, absmax for 8); an activation outlier 300x the
+    rest coarsens its own block of 32 (the other 31 round to a step of 300 / 127, as llama.cpp's Q8_0
+    activations), so the error grows but stays within a few percent."""
     w = torch.randn(64, 128) * 0.05
     bias = torch.randn(64)
     layer = BlockLinear.from_float(w, bias, bits, f"cachegw_{build}")
     x = torch.randn(3, 128)
     x[:, 5] = 300.0
     ref = x @ layer.dequantized().T + bias
-    assert _relative_error(layer(x), ref) < 0.01
+    assert _relative_error(layer(x), ref) < 0.03
     assert _relative_error(layer.dequantized(), w) < (0.1 if bits == 4 else 0.01)
     # batched leading dimensions and bfloat16 inputs come back in their own shape and dtype
     y = layer(x.view(3, 1, 128).to(torch.bfloat16))

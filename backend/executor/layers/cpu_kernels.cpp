@@ -2,22 +2,29 @@
 //
 // W is stored as blocks of 32 weights along a row, each block with a scale d and a minimum m
 // (w = d * u + m, u unsigned): 4-bit u (GGUF Q4_0/Q4_1) or 8-bit u (Q8_0 shifted by 128). The
-// activations are rounded to int8 in groups of 4, each with its scale s, so a block's contribution
-// is d * sum over its groups of s * sum(u * q) + m * (the block's sum of rounded activations), the
-// sum of 4 products in one int32 lane.
+// activations are rounded to int8 per block of 32 (scale s = amax / 127, as llama.cpp's Q8_0), and a
+// block's products are summed in int32 (exact), S. One arithmetic defines every output, whatever the
+// path, the build or the step's row count:
+//
+//     acc = 0; for each block b in order: acc = fma(S_b, d_b * s_b, acc); acc = fma(m_b, s_b * sum(q_b), acc)
+//
+// so a row's result is bit-identical alone (decode), among a few rows, or in a prefill tile of
+// hundreds, and a prefix-cache hit (which changes a step's row count) changes no token. The paths only
+// put different things across the vector lanes: the decode path (a few activation rows) puts kLanes
+// output rows across them and reduces each block's integer products to one lane; the prefill path
+// (cpu_kernels_prefill.h) puts kLanes activation rows across them. Each lane runs the sequence above.
 // A batch-1 decode step reads every weight once, so reading 4.5 bits per weight and doing the
-// products in integers is what makes it fast.
+// products in integers is what makes it fast; a prefill is arithmetic, and the integer sums per block
+// leave one float conversion and two fused multiply-adds per 32 products.
 //
 // Layout, per output row: 4-bit weights as 32-byte groups, one per pair of blocks (byte j holds
 // weight j of the pair in its low nibble and weight 32 + j in its high nibble); 8-bit weights as
 // they are; d and m as float16 [rows, K / 32]. K must be a multiple of 64.
 //
-// Many activation rows at once (a prefill) take cpu_kernels_prefill.h's path instead: a scale per
-// block of 32 and sums in int32 per block.
-//
 // One source, built once per instruction set the CPU has (cpu_kernels.py): the compiler's target
 // picks cpu_kernels_avx512.h or cpu_kernels_avx2.h for the inner loops, and CACHEGW_OPS names the
 // op namespace (cachegw_avx512, cachegw_avxvnni, cachegw_avx2), so several builds load side by side.
+// -ffp-contract=off keeps the compiler from fusing any other multiply and add.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -32,6 +39,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -39,12 +47,13 @@ namespace {
 constexpr int64_t kBlock = 32;
 constexpr int64_t kPrefetch = 2048;  // bytes ahead of the weights being read
 
-// The activations as the kernel reads them: int8 rows, one scale per group of 4 and each block's sum.
+// The activations as the decode path reads them: int8 rows, each block's scale, the block's sum of
+// rounded values and that sum times the scale (the term of the blocks' minimums).
 struct Activations {
-  std::vector<int8_t> q;      // [rows, k]
-  std::vector<float> scales;  // [rows, k / 4]
-  std::vector<float> sums;    // [rows, nb]
-  std::vector<int32_t> x128;  // [rows, k / 4]: 128 * each group's sum (AVX2's signed 8-bit products)
+  std::vector<int8_t> q;       // [rows, k]
+  std::vector<float> scales;   // [rows, nb]
+  std::vector<float> sums;     // [rows, nb]: scale * isums
+  std::vector<int32_t> isums;  // [rows, nb]
 };
 
 // The activations as the prefill kernel reads them (cpu_kernels_prefill.h): rows across the vector
@@ -73,15 +82,33 @@ struct Columns {
     defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 namespace {
 
-template <int Bits, int R>
-inline void rows_tile(const uint8_t* w, const float* dw, const float* mw, const Activations& a, int64_t k, int64_t n,
-                      int64_t j, int64_t rows, float* out) {
+// Each row rounded per block of 32 by round_block, the one rounding of every path.
+Activations quantize(const float* x, int64_t rows, int64_t k) {
+  const int64_t nb = k / kBlock;
+  Activations a{std::vector<int8_t>(rows * k), std::vector<float>(rows * nb), std::vector<float>(rows * nb),
+                std::vector<int32_t>(rows * nb)};
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t at = r * nb + b;
+      int32_t sum = 0;
+      a.scales[at] = round_block(x + r * k + b * kBlock, a.q.data() + r * k + b * kBlock, sum);
+      a.isums[at] = sum;
+      a.sums[at] = a.scales[at] * static_cast<float>(sum);
+    }
+  }
+  return a;
+}
+
+// One tile of kLanes output rows times every activation row, kDecodeCols of them at a time.
+template <int Bits>
+inline void decode_rows(const uint8_t* w, int64_t row_bytes, const float* dt, const float* mt, const Activations& a,
+                        int64_t k, int64_t n, int64_t j, int64_t count, int64_t rows, float* out) {
   int64_t c = 0;
-  for (; c + 4 <= rows; c += 4) tile<Bits, R, 4>(w, dw, mw, a, k, n, j, c, out);
+  for (; c + kDecodeCols <= rows; c += kDecodeCols) decode_tile<Bits, kDecodeCols>(w, row_bytes, dt, mt, a, k, n, j, count, c, out);
   switch (rows - c) {
-    case 3: tile<Bits, R, 3>(w, dw, mw, a, k, n, j, c, out); break;
-    case 2: tile<Bits, R, 2>(w, dw, mw, a, k, n, j, c, out); break;
-    case 1: tile<Bits, R, 1>(w, dw, mw, a, k, n, j, c, out); break;
+    case 3: decode_tile<Bits, 3>(w, row_bytes, dt, mt, a, k, n, j, count, c, out); break;
+    case 2: decode_tile<Bits, 2>(w, row_bytes, dt, mt, a, k, n, j, count, c, out); break;
+    case 1: decode_tile<Bits, 1>(w, row_bytes, dt, mt, a, k, n, j, count, c, out); break;
     default: break;
   }
 }
@@ -98,22 +125,28 @@ at::Tensor block_linear_impl(const at::Tensor& x, const at::Tensor& w, const at:
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const at::Half* dp = d.data_ptr<at::Half>();
   const at::Half* mp = m.data_ptr<at::Half>();
-  constexpr int64_t R = 4;
+  constexpr int64_t L = kLanes;
   // enough work per task to pay for waking a thread: about 64k weight-activation products
-  const int64_t grain = std::max<int64_t>(1, 65536 / (k * std::max<int64_t>(rows, 1) * R));
-  at::parallel_for(0, (n + R - 1) / R, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> dw(R * nb), mw(R * nb);
+  const int64_t grain = std::max<int64_t>(1, 65536 / (k * std::max<int64_t>(rows, 1) * L));
+  at::parallel_for(0, (n + L - 1) / L, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> rowwise(L * nb), dt(nb * L), mt(nb * L);
+    std::vector<uint8_t> padded;
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t j = t * R, r = std::min<int64_t>(R, n - j);
-      halves_to_floats(dp + j * nb, r * nb, dw.data());
-      halves_to_floats(mp + j * nb, r * nb, mw.data());
-      const uint8_t* wr = wp + j * row_bytes;
-      if (r == R) {
-        rows_tile<Bits, 4>(wr, dw.data(), mw.data(), a, k, n, j, rows, out);
-      } else {
-        for (int64_t i = 0; i < r; ++i)
-          rows_tile<Bits, 1>(wr + i * row_bytes, dw.data() + i * nb, mw.data() + i * nb, a, k, n, j + i, rows, out);
+      const int64_t j = t * L, count = std::min<int64_t>(L, n - j);
+      // d and m as [nb][L]: a block's values for the tile's rows in one vector (zeros past count)
+      for (auto [src, dst] : {std::pair{dp, dt.data()}, std::pair{mp, mt.data()}}) {
+        std::fill(rowwise.begin(), rowwise.end(), 0.0f);
+        halves_to_floats(src + j * nb, count * nb, rowwise.data());
+        for (int64_t r = 0; r < L; ++r)
+          for (int64_t b = 0; b < nb; ++b) dst[b * L + r] = rowwise[r * nb + b];
       }
+      const uint8_t* wt = wp + j * row_bytes;
+      if (count < L) {  // the last tile: its rows and zeros, so every lane reads real memory
+        padded.assign(L * row_bytes, 0);
+        std::memcpy(padded.data(), wt, count * row_bytes);
+        wt = padded.data();
+      }
+      decode_rows<Bits>(wt, row_bytes, dt.data(), mt.data(), a, k, n, j, count, rows, out);
     }
   });
   return y;

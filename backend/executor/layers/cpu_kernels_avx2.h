@@ -1,15 +1,13 @@
 // The AVX2 parts of cpu_kernels.cpp (included there) for x86 CPUs without AVX-512: 8 lanes, the
-// same arithmetic as the AVX-512 parts (activations in int8 groups of 4, each with its scale), so
-// both variants give the same answers to rounding.
+// same arithmetic as the AVX-512 parts (cpu_kernels.cpp's per-lane sequence), so every build gives
+// the same bits and the engine the same tokens.
 //
 // With AVX-VNNI (the 256-bit dpbusd) one instruction multiplies and adds 32 unsigned weights by 32
 // signed activations, 4 per lane. Plain AVX2 needs two: maddubs (pairs of u8 x s8 products into
 // int16) and madd (pairs of those into int32). maddubs saturates at 32767, which 8-bit unsigned
 // weights (255 x 127 x 2) would pass, so there 8-bit weights go in signed, q = u - 128 (|q| x x
-// with q's sign on x stays under 128 x 127 x 2), and 128 x the activations' sum (kept per group)
-// is added back in int32: the same integers as VNNI's. The float work is ordered as the AVX-512
-// build's (two 8-lane halves for its 16 lanes, the same reduction tree), so every build gives the
-// same bits and the engine the same tokens.
+// with q's sign on x stays under 128 x 127 x 2), and 128 x the block's sum of activations is added
+// back in int32: the same integers as VNNI's.
 
 #pragma once
 
@@ -28,49 +26,6 @@ inline float hsum(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
-}
-
-// As the AVX-512 quantize: int8 in groups of 4 with scale amax / 127, and each block's sum of the
-// rounded values; a block (4 vectors) at a time, packed to bytes in order.
-Activations quantize(const float* x, int64_t rows, int64_t k) {
-  const int64_t nb = k / kBlock;
-  Activations a{std::vector<int8_t>(rows * k), std::vector<float>(rows * k / 4), std::vector<float>(rows * nb),
-                std::vector<int32_t>(kSigned8 ? rows * k / 4 : 0)};
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t i = 0; i < k; i += kBlock) {
-      __m256i qi[4];
-      __m256 prod[4];
-      for (int j = 0; j < 4; ++j) {
-        const int64_t at = r * k + i + 8 * j;
-        const __m256 v = _mm256_loadu_ps(x + at);
-        const __m256 av = _mm256_andnot_ps(sign, v);
-        const __m256 m1 = _mm256_max_ps(av, _mm256_permute_ps(av, _MM_SHUFFLE(2, 3, 0, 1)));
-        const __m256 amax = _mm256_max_ps(m1, _mm256_permute_ps(m1, _MM_SHUFFLE(1, 0, 3, 2)));
-        const __m256 nonzero = _mm256_cmp_ps(amax, _mm256_setzero_ps(), _CMP_GT_OQ);
-        const __m256 inv = _mm256_and_ps(nonzero, _mm256_div_ps(_mm256_set1_ps(127.0f), amax));
-        qi[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v, inv));
-        const __m256 scale = _mm256_mul_ps(amax, _mm256_set1_ps(1.0f / 127.0f));
-        a.scales[at / 4] = _mm256_cvtss_f32(scale);
-        a.scales[at / 4 + 1] = _mm_cvtss_f32(_mm256_extractf128_ps(scale, 1));
-        prod[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(qi[j]), scale);
-        if constexpr (kSigned8) {  // each group's sum, times 128, in lanes 0 and 4
-          const __m256i h = _mm256_hadd_epi32(qi[j], qi[j]);
-          const __m256i g = _mm256_slli_epi32(_mm256_hadd_epi32(h, h), 7);
-          a.x128[at / 4] = _mm256_cvtsi256_si32(g);
-          a.x128[at / 4 + 1] = _mm_cvtsi128_si32(_mm256_extracti128_si256(g, 1));
-        }
-      }
-      // as the AVX-512 build: each 16 values reduced alone, in its tree, then added
-      a.sums[r * nb + i / kBlock] =
-          (0.0f + hsum(_mm256_add_ps(prod[0], prod[1]))) + hsum(_mm256_add_ps(prod[2], prod[3]));
-      const __m256i lo = _mm256_packs_epi32(qi[0], qi[1]), hi = _mm256_packs_epi32(qi[2], qi[3]);
-      const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(lo, hi), order);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q.data() + r * k + i), bytes);
-    }
-  }
-  return a;
 }
 
 void halves_to_floats(const at::Half* src, int64_t n, float* dst) {
@@ -95,90 +50,59 @@ inline __m256i dot4(__m256i w, __m256i x) {
 #endif
 }
 
-// The weights of block pair p as two vectors of 32 bytes (blocks 2p and 2p + 1).
+// The 32 weights of block 2p + e as bytes (8-bit ones signed where kSigned8).
 template <int Bits>
-inline void load_pair(const uint8_t* w, int64_t p, __m256i& lo, __m256i& hi) {
+inline __m256i load_block(const uint8_t* w, int64_t p, int e) {
   if constexpr (Bits == 4) {
     const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32));
-    const __m256i nibble = _mm256_set1_epi8(0x0F);
-    lo = _mm256_and_si256(b, nibble);
-    hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
+    return _mm256_and_si256(e == 0 ? b : _mm256_srli_epi16(b, 4), _mm256_set1_epi8(0x0F));
   } else {
-    lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 64));
-    hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 64 + 32));
-    if constexpr (kSigned8) {
-      const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-      lo = _mm256_xor_si256(lo, flip);
-      hi = _mm256_xor_si256(hi, flip);
-    }
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 64 + 32 * e));
+    return kSigned8 ? _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80))) : v;
   }
 }
 
-// n floats from p, zeros past count (count may be <= 0): the AVX-512 build's masked loads.
-inline __m256 load_upto(const float* p, int64_t count) {
-  if (count >= 8) return _mm256_loadu_ps(p);
-  if (count <= 0) return _mm256_setzero_ps();
-  const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(count)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  return _mm256_maskload_ps(p, m);
+// --- decode (a few activation rows): 8 output rows across the lanes, up to 2 activation rows at once ---
+constexpr int64_t kLanes = 8, kDecodeCols = 2;
+
+// 8 vectors of int32 (one per weight row, 8 lanes each) as one: lane r = the sum of vector r's lanes.
+inline __m256i reduce_rows(const __m256i (&s)[8]) {
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(s[4], s[5]), _mm256_hadd_epi32(s[6], s[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
-// The 32 weights of one block times its 32 activations of row xq: 8 int32 lanes, as VNNI's.
-template <int Bits>
-inline __m256i block_dot(__m256i w, const int8_t* xq, const int32_t* x128) {
-  const __m256i s = dot4<Bits>(w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)));
-  if constexpr (Bits == 8 && kSigned8)
-    return _mm256_add_epi32(s, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x128)));
-  return s;
-}
-
-// R weight rows (from row j) times C activation rows (from row c0): out[c, j + r]. Each weight row's
-// sums reduced when the row is done (16 vector registers), in the AVX-512 build's order: lo and hi
-// are its lanes 0-7 and 8-15.
-template <int Bits, int R, int C>
-inline void tile(const uint8_t* w, const float* dw, const float* mw, const Activations& a, int64_t k, int64_t n,
-                 int64_t j, int64_t c0, float* out) {
-  const int64_t nb = k / kBlock, pairs = k / 64, row_bytes = Bits == 4 ? k / 2 : k;
-  constexpr int U = C >= 4 ? 1 : (C >= 2 ? 2 : 4);
-  for (int r = 0; r < R; ++r) {
-    const uint8_t* wr = w + r * row_bytes;
-    const float* d = dw + r * nb;
-    __m256 lo_part[C][U], hi_part[C][U];
-    for (int c = 0; c < C; ++c)
-      for (int u = 0; u < U; ++u) lo_part[c][u] = hi_part[c][u] = _mm256_setzero_ps();
-    auto step = [&](int64_t p, int u) {
-      _mm_prefetch(reinterpret_cast<const char*>(wr + p * Bits * 8 + kPrefetch), _MM_HINT_T0);
-      __m256i lo, hi;
-      load_pair<Bits>(wr, p, lo, hi);
-      const __m256 d0 = _mm256_set1_ps(d[2 * p]), d1 = _mm256_set1_ps(d[2 * p + 1]);
+// 8 output rows (w: the first, row_bytes apart; dt/mt: d and m as [nb][8]) times C activation rows
+// from c0: out[c0 + c, j + lane] for the first `count` lanes. Per block, each row's 32 products in
+// 8 int32 lanes, reduced across rows into one int32 per row (lane = row), then the block's two fused
+// multiply-adds per lane, in block order: the AVX-512 build's sequence.
+template <int Bits, int C>
+inline void decode_tile(const uint8_t* w, int64_t row_bytes, const float* dt, const float* mt, const Activations& a,
+                        int64_t k, int64_t n, int64_t j, int64_t count, int64_t c0, float* out) {
+  const int64_t nb = k / kBlock, pairs = k / 64;
+  __m256 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    for (int64_t i = 0; i < kLanes * Bits * 8; i += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(w + kLanes * row_bytes + p * kLanes * Bits * 8 + i), _MM_HINT_T0);
+    for (int e = 0; e < 2; ++e) {
+      const int64_t b = 2 * p + e;
+      const __m256 dv = _mm256_loadu_ps(dt + b * kLanes), mv = _mm256_loadu_ps(mt + b * kLanes);
       for (int c = 0; c < C; ++c) {
-        const int8_t* xq = a.q.data() + (c0 + c) * k + p * 64;
-        const float* xs = a.scales.data() + (c0 + c) * (k / 4) + p * 16;
-        const int32_t* x128 = a.x128.data() + (kSigned8 ? (c0 + c) * (k / 4) + p * 16 : 0);
-        const __m256i s0 = block_dot<Bits>(lo, xq, x128), s1 = block_dot<Bits>(hi, xq + 32, x128 + 8);
-        lo_part[c][u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_mul_ps(d0, _mm256_loadu_ps(xs)), lo_part[c][u]);
-        hi_part[c][u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_mul_ps(d1, _mm256_loadu_ps(xs + 8)), hi_part[c][u]);
+        const int64_t at = (c0 + c) * nb + b;
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + (c0 + c) * k + b * kBlock));
+        __m256i s[8];
+        for (int r = 0; r < 8; ++r) s[r] = dot4<Bits>(load_block<Bits>(w + r * row_bytes, p, e), xv);
+        __m256i sum = reduce_rows(s);
+        if constexpr (Bits == 8 && kSigned8)  // the signed products back to VNNI's: + 128 x the block's sum
+          sum = _mm256_add_epi32(sum, _mm256_set1_epi32(a.isums[at] * 128));
+        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(dv, _mm256_set1_ps(a.scales[at])), acc[c]);
+        acc[c] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a.sums[at]), acc[c]);
       }
-    };
-    int64_t p = 0;
-    for (; p + U <= pairs; p += U)
-      for (int u = 0; u < U; ++u) step(p + u, u);
-    for (; p < pairs; ++p) step(p, 0);
-    const float* m = mw + r * nb;
-    for (int c = 0; c < C; ++c) {
-      __m256 lo = lo_part[c][0], hi = hi_part[c][0];
-      for (int u = 1; u < U; ++u) {
-        lo = _mm256_add_ps(lo, lo_part[c][u]);
-        hi = _mm256_add_ps(hi, hi_part[c][u]);
-      }
-      const float* sums = a.sums.data() + (c0 + c) * nb;
-      __m256 mins_lo = _mm256_setzero_ps(), mins_hi = _mm256_setzero_ps();
-      for (int64_t b = 0; b < nb; b += 16) {
-        mins_lo = _mm256_fmadd_ps(load_upto(m + b, nb - b), load_upto(sums + b, nb - b), mins_lo);
-        mins_hi = _mm256_fmadd_ps(load_upto(m + b + 8, nb - b - 8), load_upto(sums + b + 8, nb - b - 8), mins_hi);
-      }
-      out[(c0 + c) * n + j + r] = hsum(_mm256_add_ps(_mm256_add_ps(hi, mins_hi), _mm256_add_ps(lo, mins_lo)));
     }
   }
+  const __m256i real = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(count)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  for (int c = 0; c < C; ++c) _mm256_maskstore_ps(out + (c0 + c) * n + j, real, acc[c]);
 }
 
 // e^x for x <= 0, as the AVX-512 one, with 2^n built in the exponent bits (n >= -126 here).
@@ -242,7 +166,7 @@ void attend_one(const float* q, const float* kc, const float* vc, const int32_t*
 }
 
 // --- prefill (cpu_kernels_prefill.h): 8 activation rows per vector, 4 x 1 accumulators ---
-constexpr int64_t kLanes = 8, kPrefillRows = 4, kPrefillTiles = 1;
+constexpr int64_t kPrefillRows = 4, kPrefillTiles = 1;
 
 // A block of 32 activations rounded to int8 with one scale (amax / 127), returned; `sum` the sum of
 // the rounded values.

@@ -8,35 +8,6 @@ namespace {
 constexpr const char* kIsa = "avx512";
 constexpr bool kSigned8 = false;  // 8-bit weights go in unsigned (u = q + 128)
 
-// Rounds the activations to int8 in groups of 4, each group with its own scale (amax / 127), and
-// sums each block of 32 of the rounded values (for the blocks' minimums: the product's error is
-// then sum(w * (rounded x - x)) with the centred weights, not the shifted ones). A VNNI lane adds
-// the products of one group, so a scale per group costs the inner loop nothing over a scale per
-// block, and an outlier coarsens only its 3 neighbours' rounding instead of its block's 31.
-Activations quantize(const float* x, int64_t rows, int64_t k) {
-  const int64_t nb = k / kBlock;
-  Activations a{std::vector<int8_t>(rows * k), std::vector<float>(rows * k / 4), std::vector<float>(rows * nb), {}};
-  int8_t* q = a.q.data();
-  float* scales = a.scales.data();
-  float* sums = a.sums.data();
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t i = 0; i < k; i += 16) {
-      const __m512 v = _mm512_loadu_ps(x + r * k + i);
-      const __m512 a = _mm512_abs_ps(v);
-      const __m512 m1 = _mm512_max_ps(a, _mm512_permute_ps(a, _MM_SHUFFLE(2, 3, 0, 1)));
-      const __m512 amax = _mm512_max_ps(m1, _mm512_permute_ps(m1, _MM_SHUFFLE(1, 0, 3, 2)));
-      const __mmask16 nonzero = _mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ);
-      const __m512 inv = _mm512_maskz_div_ps(nonzero, _mm512_set1_ps(127.0f), amax);
-      const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + r * k + i), _mm512_cvtsepi32_epi8(qi));
-      const __m512 scale = _mm512_mul_ps(amax, _mm512_set1_ps(1.0f / 127.0f));
-      _mm_storeu_ps(scales + (r * k + i) / 4, _mm512_castps512_ps128(_mm512_maskz_compress_ps(0x1111, scale)));
-      sums[r * nb + i / kBlock] += _mm512_reduce_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(qi), scale));
-    }
-  }
-  return a;
-}
-
 // float16 -> float32 for n values.
 void halves_to_floats(const at::Half* src, int64_t n, float* dst) {
   int64_t i = 0;
@@ -62,54 +33,70 @@ inline __m512i load_pair(const uint8_t* w, int64_t p) {
   }
 }
 
-// R weight rows (from row j) times C activation rows (from row c0): out[c, j + r].
-template <int Bits, int R, int C>
-inline void tile(const uint8_t* w, const float* dw, const float* mw, const Activations& a, int64_t k, int64_t n,
-                 int64_t j, int64_t c0, float* out) {
-  const int64_t nb = k / kBlock, pairs = k / 64, row_bytes = Bits == 4 ? k / 2 : k;
-  __m512 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-  // Row by row, so the weights stream through memory in order; U partial sums per activation row
-  // keep U * C independent chains of multiply-adds in flight.
-  constexpr int U = C >= 4 ? 1 : (C >= 2 ? 2 : 4);
-  for (int r = 0; r < R; ++r) {
-    const uint8_t* wr = w + r * row_bytes;
-    const float* d = dw + r * nb;
-    __m512 part[C][U];
-    for (int c = 0; c < C; ++c)
-      for (int u = 0; u < U; ++u) part[c][u] = _mm512_setzero_ps();
-    auto step = [&](int64_t p, int u) {
-      _mm_prefetch(reinterpret_cast<const char*>(wr + p * Bits * 8 + kPrefetch), _MM_HINT_T0);
-      const __m512i wv = load_pair<Bits>(wr, p);
-      const __m512 dv = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d[2 * p]), _mm512_set1_ps(d[2 * p + 1]));
+// --- decode (a few activation rows): 16 output rows across the lanes, up to 4 activation rows at once ---
+constexpr int64_t kLanes = 16, kDecodeCols = 4;
+
+// Integer partial sums of two weight rows' products (s0: row r, s1: row r + 1; 16 lanes of 4 products,
+// lanes 0-7 block 2p, 8-15 block 2p + 1) folded: per 128-bit lane [r: l0 + l2, r + 1: l0 + l2,
+// r: l1 + l3, r + 1: l1 + l3].
+inline __m512i fold2(__m512i s0, __m512i s1) {
+  return _mm512_add_epi32(_mm512_unpacklo_epi32(s0, s1), _mm512_unpackhi_epi32(s0, s1));
+}
+// Two fold2s (rows r, r + 1 and r + 2, r + 3): per 128-bit lane the 4 rows' sums of its 4 lanes.
+inline __m512i fold4(__m512i t01, __m512i t23) {
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(t01, t23), _mm512_unpackhi_epi64(t01, t23));
+}
+// Two fold4s (rows 0-3 and 4-7 of 8): [block 2p rows 0-3, block 2p + 1 rows 0-3, 2p rows 4-7, 2p + 1 rows 4-7].
+inline __m512i fold8(__m512i u0, __m512i u1) {
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(u0, u1, 0x88), _mm512_shuffle_i32x4(u0, u1, 0xDD));
+}
+
+// 16 output rows (w: the first, row_bytes apart; dt/mt: d and m as [nb][16]) times C activation rows
+// from c0: out[c0 + c, j + lane] for the first `count` lanes. Per block pair, each row's 64 products
+// in one VNNI instruction, then folded across rows into one int32 per row and block (lane = row),
+// then the block's two fused multiply-adds per lane, in block order.
+template <int Bits, int C>
+inline void decode_tile(const uint8_t* w, int64_t row_bytes, const float* dt, const float* mt, const Activations& a,
+                        int64_t k, int64_t n, int64_t j, int64_t count, int64_t c0, float* out) {
+  const int64_t nb = k / kBlock, pairs = k / 64;
+  const __m512i zero = _mm512_setzero_si512();
+  __m512 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    // the next tile of rows follows this one: a pair step's share of it
+    for (int64_t i = 0; i < kLanes * Bits * 8; i += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(w + kLanes * row_bytes + p * kLanes * Bits * 8 + i), _MM_HINT_T0);
+    __m512i xv[C];
+    for (int c = 0; c < C; ++c) xv[c] = _mm512_loadu_si512(a.q.data() + (c0 + c) * k + p * 64);
+    __m512i half[2][C];
+    for (int h = 0; h < 2; ++h) {
+      __m512i u[2][C];
+      for (int qd = 0; qd < 2; ++qd) {
+        __m512i t[2][C];
+        for (int pr = 0; pr < 2; ++pr) {
+          const int64_t r = 8 * h + 4 * qd + 2 * pr;
+          const __m512i w0 = load_pair<Bits>(w + r * row_bytes, p), w1 = load_pair<Bits>(w + (r + 1) * row_bytes, p);
+          for (int c = 0; c < C; ++c)
+            t[pr][c] = fold2(_mm512_dpbusd_epi32(zero, w0, xv[c]), _mm512_dpbusd_epi32(zero, w1, xv[c]));
+        }
+        for (int c = 0; c < C; ++c) u[qd][c] = fold4(t[0][c], t[1][c]);
+      }
+      for (int c = 0; c < C; ++c) half[h][c] = fold8(u[0][c], u[1][c]);
+    }
+    for (int e = 0; e < 2; ++e) {
+      const int64_t b = 2 * p + e;
+      const __m512 dv = _mm512_loadu_ps(dt + b * kLanes), mv = _mm512_loadu_ps(mt + b * kLanes);
       for (int c = 0; c < C; ++c) {
-        const __m512i xv = _mm512_loadu_si512(a.q.data() + (c0 + c) * k + p * 64);
-        const __m512 xs = _mm512_loadu_ps(a.scales.data() + (c0 + c) * (k / 4) + p * 16);
-        const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv);
-        part[c][u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, xs), part[c][u]);
+        const __m512i s = e == 0 ? _mm512_shuffle_i32x4(half[0][c], half[1][c], 0x88)
+                                 : _mm512_shuffle_i32x4(half[0][c], half[1][c], 0xDD);
+        const int64_t at = (c0 + c) * nb + b;
+        acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(a.scales[at])), acc[c]);
+        acc[c] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.sums[at]), acc[c]);
       }
-    };
-    int64_t p = 0;
-    for (; p + U <= pairs; p += U)
-      for (int u = 0; u < U; ++u) step(p + u, u);
-    for (; p < pairs; ++p) step(p, 0);
-    for (int c = 0; c < C; ++c) {
-      acc[r][c] = part[c][0];
-      for (int u = 1; u < U; ++u) acc[r][c] = _mm512_add_ps(acc[r][c], part[c][u]);
     }
   }
-  for (int c = 0; c < C; ++c) {
-    const float* sums = a.sums.data() + (c0 + c) * nb;
-    for (int r = 0; r < R; ++r) {
-      __m512 mins = _mm512_setzero_ps();
-      for (int64_t b = 0; b < nb; b += 16) {
-        const __mmask16 m = nb - b >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (nb - b)) - 1);
-        mins = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, mw + r * nb + b), _mm512_maskz_loadu_ps(m, sums + b), mins);
-      }
-      out[(c0 + c) * n + j + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][c], mins));
-    }
-  }
+  const __mmask16 real = count >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
+  for (int c = 0; c < C; ++c) _mm512_mask_storeu_ps(out + (c0 + c) * n + j, real, acc[c]);
 }
 
 // e^x for x <= 0 (softmax after subtracting the max): 2^n * e^r with |r| <= ln2 / 2, e^r by its
@@ -168,10 +155,10 @@ void attend_one(const float* q, const float* kc, const float* vc, const int32_t*
 }
 
 // --- prefill (cpu_kernels_prefill.h): 16 activation rows per vector, 4 x 2 accumulators ---
-constexpr int64_t kLanes = 16, kPrefillRows = 4, kPrefillTiles = 2;
+constexpr int64_t kPrefillRows = 4, kPrefillTiles = 2;
 
 // A block of 32 activations rounded to int8 with one scale (amax / 127), returned; `sum` the sum of
-// the rounded values.
+// the rounded values. The one rounding of every path and build (the AVX2 one gives the same bits).
 inline float round_block(const float* x, int8_t* q, int32_t& sum) {
   const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));

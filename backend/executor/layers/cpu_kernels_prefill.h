@@ -1,23 +1,21 @@
 // The prefill path of block_linear (included by cpu_kernels.cpp after an instruction set's header,
 // which gives kLanes, kPrefillRows, kPrefillTiles, round_block and prefill_tile).
 //
-// With many activation rows, the decode path's float work per group of 4 (convert, scale, add for
-// every 4 products) bounds it. Here the activations are rounded per block of 32 (one scale each, as
-// llama.cpp does) and laid out with the rows across the vector lanes: one multiply-add instruction
-// takes 4 weights of one output row (broadcast) times 4 activations of each of kLanes rows, a
-// block's 8 such steps add up in int32, and only then is there one conversion and one scaling per
-// block, output row and kLanes activation rows. The weights are unpacked to bytes once per register
-// tile of output rows and stay in L1 while a chunk of activation rows streams past them.
+// With many activation rows the work is arithmetic, not reading weights. Here the activation rows
+// are laid out across the vector lanes: one multiply-add instruction takes 4 weights of one output
+// row (broadcast) times 4 activations of each of kLanes rows, a block's 8 such steps add up in int32,
+// and only then is there one conversion and two fused multiply-adds per block, output row and kLanes
+// activation rows: cpu_kernels.cpp's per-lane sequence, so each row's result has the bits the decode
+// path gives it alone. The weights are unpacked to bytes once per register tile of output rows and
+// stay in L1 while a chunk of activation rows streams past them.
 
 #pragma once
 
 namespace {
 
-// Activation rows from which the prefill path runs: off for now. It rounds activations per block of 32
-// where the decode path rounds groups of 4, so a row's result depended on how many rows shared its
-// step: a prefix-cache hit or another batch changed greedy tokens (tests/test_samples.py,
-// tests/test_engine_tools.py). It comes back when both paths round alike.
-constexpr int64_t kPrefillFrom = INT64_MAX;
+// Activation rows from which the prefill path runs (below, the decode path: no weight unpacking and
+// no transposed copy of the activations). Either gives a row the same bits.
+constexpr int64_t kPrefillFrom = 32;
 constexpr int64_t kChunk = 8;         // token-tile groups per task: 128-256 activation rows
 
 // Each row rounded per block of 32 into the lanes layout, rows in parallel.

@@ -115,10 +115,11 @@ class Int4Linear(nn.Module):
 class BlockLinear(nn.Module):
     """Blocks of 32 weights along a row, w = d * u + m per block, u 4-bit or 8-bit unsigned, on
     cachegw's kernel (``cpu_kernels.cpp``: AVX-512 VNNI, AVX-VNNI or AVX2), which rounds the
-    activations to int8 in groups of 4 and multiplies in integers, as llama.cpp does for these
-    formats (per 32). The GGUF's Q4_0, Q4_1 and Q8_0 blocks map onto it exactly. Float32 in and
-    out: no casts around the kernel. ``ops``: which build's op namespace runs it
-    (``KernelStatus.ops``), the best this CPU has by default; every build takes the same layout."""
+    activations to int8 per block of 32 and multiplies in integers, as llama.cpp does for these
+    formats; a row's output has the same bits whatever else shares its step. The GGUF's Q4_0, Q4_1
+    and Q8_0 blocks map onto it exactly. Float32 in and out: no casts around the kernel. ``ops``:
+    which build's op namespace runs it (``KernelStatus.ops``), the best this CPU has by default;
+    every build takes the same layout."""
 
     def __init__(
         self,
