@@ -36,13 +36,17 @@ def _tiny(kind: str, tmp_path) -> str:
     return str(tmp_path)
 
 
-def _fused_and_eager(llm: LLM, prompts: list[list[int]], tokens: int, tolerance: float = 1e-3) -> None:
+def _fused_and_eager(
+    llm: LLM, prompts: list[list[int]], tokens: int, tolerance: float = 1e-3, ties: bool = False
+) -> None:
     """Greedy decodes with the fused step, then without it: the same tokens, logprobs within
-    ``tolerance``."""
+    ``tolerance``. With ``ties``, two decodes may part where the eager one's best two tokens were within
+    ``tolerance`` of each other (a float difference may flip a near tie, and the continuations then
+    differ); up to that token everything must agree."""
     runner = llm.engine.runner
     fused = runner.fused
     assert fused is not None, unfused_reason(runner.model, runner.kv_caches[0][0].dtype, STATUS.ops)
-    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, logprobs=0)
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, logprobs=2)
     with_fused = llm.generate(prompts, params)
     assert fused.steps >= tokens - 1  # every step after the prefills was decode-only
     runner.fused = None
@@ -51,9 +55,15 @@ def _fused_and_eager(llm: LLM, prompts: list[list[int]], tokens: int, tolerance:
     finally:
         runner.fused = fused
     for a, b in zip(with_fused, eager, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        ours = torch.tensor([d["logprob"] for d in a.outputs[0].logprobs])
-        theirs = torch.tensor([d["logprob"] for d in b.outputs[0].logprobs])
+        ours_ids, theirs_ids = a.outputs[0].token_ids, b.outputs[0].token_ids
+        same = next((i for i, (x, y) in enumerate(zip(ours_ids, theirs_ids)) if x != y), len(ours_ids))
+        if same < len(ours_ids):
+            assert ties, f"the fused step chose token {ours_ids[same]} at {same}, eager {theirs_ids[same]}"
+            top = b.outputs[0].logprobs[same]["top"]  # eager's best two at the first parting token
+            assert {top[0][0], top[1][0]} == {ours_ids[same], theirs_ids[same]}
+            assert top[0][1] - top[1][1] <= tolerance, "the decodes parted where eager had no near tie"
+        ours = torch.tensor([d["logprob"] for d in a.outputs[0].logprobs[:same]])
+        theirs = torch.tensor([d["logprob"] for d in b.outputs[0].logprobs[:same]])
         assert torch.allclose(ours, theirs, atol=tolerance)
 
 
@@ -77,10 +87,10 @@ def test_the_embedded_model_decodes_fused():
               enable_prefix_caching=False, compile="background")  # fmt: skip
     assert llm.engine.runner.compiled is None
     prompts = [prompt_of(n, seed=n) for n in (7, 40, 90, 160)]
-    # The activations are rounded to int8 before each projection, so float32 rounding differences
-    # (another attention kernel, another summation order in the norms) now and then move one across a
-    # rounding step: logprobs agree to a few hundredths here, the tokens exactly.
-    _fused_and_eager(llm, prompts, tokens=16, tolerance=0.1)
+    # The activations are rounded to int8 per block of 32 before each projection, so float32 rounding
+    # differences (another attention kernel, another summation order in the norms) now and then move one
+    # across a rounding step: logprobs agree to about a tenth here, and a near tie may flip.
+    _fused_and_eager(llm, prompts, tokens=16, tolerance=0.1, ties=True)
 
 
 @pytest.mark.parametrize(

@@ -101,10 +101,11 @@ def test_logit_bias_and_penalties_steer_greedy_output(client: openai.OpenAI) -> 
     scored = client.completions.create(  # a list of one token list, as lm-eval sends prompts
         model=MODEL, prompt=[PROMPT_IDS + [COLON] * 4], echo=True, logprobs=0, max_tokens=0
     ).choices[0]
-    # The shared engine runs int4 weights on int8-rounded activations: decoding a token and scoring it
-    # in a prefill round a few activations the other way (a step is 1/254 of a group's largest value),
-    # which moves logprobs by a few hundredths; a bias leaking into them would move them to about 0.
-    assert forced.logprobs.token_logprobs == pytest.approx(scored.logprobs.token_logprobs[-4:], abs=0.1)
+    # The shared engine runs int4 weights on int8-rounded activations (per block of 32) and decodes with
+    # the fused C++ step while scoring runs the modules: float32 rounding differences move a few
+    # activations across a rounding step, which moves logprobs by up to about two tenths (0.17 seen on a
+    # token at -5.8); a bias leaking into them would move them to about 0.
+    assert forced.logprobs.token_logprobs == pytest.approx(scored.logprobs.token_logprobs[-4:], abs=0.3)
     plain = client.completions.create(**kw).choices[0]
     assert ":" not in plain.text
     steered = {"logit_bias": {str(COLON): 5.0}, "frequency_penalty": 2.0}
