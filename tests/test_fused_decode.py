@@ -56,7 +56,9 @@ def _fused_and_eager(
         runner.fused = fused
     for a, b in zip(with_fused, eager, strict=True):
         ours_ids, theirs_ids = a.outputs[0].token_ids, b.outputs[0].token_ids
-        same = next((i for i, (x, y) in enumerate(zip(ours_ids, theirs_ids)) if x != y), len(ours_ids))
+        same = next(
+            (i for i, (x, y) in enumerate(zip(ours_ids, theirs_ids, strict=True)) if x != y), len(ours_ids)
+        )
         if same < len(ours_ids):
             assert ties, f"the fused step chose token {ours_ids[same]} at {same}, eager {theirs_ids[same]}"
             top = b.outputs[0].logprobs[same]["top"]  # eager's best two at the first parting token
