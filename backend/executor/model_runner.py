@@ -321,9 +321,9 @@ class ModelRunner:
             return StepOutput(self.model.compute_logits(hidden), inputs.sample_seq_indices, {})
         decode_only = not lora and inputs.meta.max_query_len == 1 and not inputs.prompt_rows
         if self.fused is not None and decode_only and inputs.sample_seq_indices:
-            hidden = self.fused(inputs.input_ids, inputs.positions, inputs.meta)
-            if hidden is not None:  # None: it failed (logged), the modules run
-                logits = self.model.compute_logits(hidden[inputs.sample_indices])
+            fused_hidden = self.fused(inputs.input_ids, inputs.positions, inputs.meta)
+            if fused_hidden is not None:  # None: it failed (logged), the modules run
+                logits = self.model.compute_logits(fused_hidden[inputs.sample_indices])
                 return StepOutput(logits, inputs.sample_seq_indices, {})
         if (
             self.compiled is not None
