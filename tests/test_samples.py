@@ -23,8 +23,12 @@ def client(shared_backend_url: str) -> openai.OpenAI:
 
 def test_n_samples_are_indexed_and_reproducible_with_a_seed(client: openai.OpenAI) -> None:
     """Each sample has its own seed (seed + index): the same request gives the same three answers,
-    and they differ from one another. Usage counts the prompt once and every sample's tokens."""
+    and they differ from one another. Usage counts the prompt once and every sample's tokens.
+    Seeds reproduce draws, not arithmetic: a first request prefills its prompt, a repeat finds it in the
+    prefix cache and computes only its last token (another attention path, a last digit apart), so the
+    two compared here both find the prompt cached (the warm-up puts it there)."""
     kw = {"model": MODEL, "messages": QUESTION, "n": 3, "seed": 7, "temperature": 1.0, "max_tokens": 6}
+    client.chat.completions.create(**{**kw, "n": 1, "max_tokens": 1})  # the prompt into the prefix cache
     first = client.chat.completions.create(**kw)
     again = client.chat.completions.create(**kw, logprobs=True)  # logprobs change nothing drawn
     texts = [c.message.content for c in first.choices]
