@@ -60,3 +60,15 @@ def tiny_llm(model_dir: str, kv_cache_tokens: int, **engine: object) -> Any:
         model=model_dir, dtype="float32", device="cpu", block_size=TINY_BLOCK,
         kv_cache_tokens=kv_cache_tokens, **engine,
     )  # fmt: skip
+
+
+def tiny_greedy(model_dir: str, kv_cache_tokens: int, prompt: list[int], params: Any) -> list[int]:
+    """``prompt``'s continuation on a fresh engine with no tier, freed at once: the reference a tier test
+    compares its restored KV against."""
+    import gc
+
+    llm = tiny_llm(model_dir, kv_cache_tokens)
+    out = list(llm.generate(prompt, params)[0].outputs[0].token_ids)
+    del llm
+    gc.collect()
+    return out

@@ -5,7 +5,6 @@ random Llama (2 layers, token-id prompts) stands in for the model."""
 
 from __future__ import annotations
 
-import gc
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,7 @@ import torch
 from cachegw.backend import LLM, SamplingParams
 from cachegw.backend.core.kv_disk import BlockFormat, encode
 from cachegw.backend.core.kv_redis import KEY_PREFIX, RedisTier
-from testkit.random_llama import TINY_BLOCK, tiny_llm
+from testkit.random_llama import TINY_BLOCK, tiny_greedy, tiny_llm
 from testkit.servers import free_port, redis_available, redis_server, serve_in_thread
 
 pytestmark = pytest.mark.skipif(not redis_available(), reason="/usr/bin/redis-server is not installed")
@@ -37,11 +36,7 @@ def engine(model_dir: str, **tier: Any) -> LLM:
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama) -> list[int]:
-    llm = engine(tiny_llama)
-    out = llm.generate(PROMPT, GREEDY)[0].outputs[0].token_ids
-    del llm
-    gc.collect()
-    return out
+    return tiny_greedy(tiny_llama, 256, PROMPT, GREEDY)
 
 
 def keys(url: str) -> list[bytes]:

@@ -4,7 +4,6 @@ and come back bit for bit, across an engine restart and between two engines shar
 
 from __future__ import annotations
 
-import gc
 from typing import Any
 
 import pytest
@@ -13,7 +12,7 @@ import torch
 from cachegw.backend import LLM, SamplingParams
 from cachegw.backend.core.sequence import Sequence
 from cachegw.backend.entrypoints.metrics import ServerMetrics
-from testkit.random_llama import TINY_BLOCK, tiny_llm
+from testkit.random_llama import TINY_BLOCK, tiny_greedy, tiny_llm
 
 BS = TINY_BLOCK
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -29,11 +28,7 @@ def engine(model_dir: str, **tier: Any) -> LLM:
 @pytest.fixture(scope="module")
 def reference(tiny_llama) -> list[int]:
     """The prompt's greedy continuation computed from scratch, with no tier."""
-    llm = engine(tiny_llama)
-    out = llm.generate(PROMPT, GREEDY)[0].outputs[0].token_ids
-    del llm
-    gc.collect()
-    return out
+    return tiny_greedy(tiny_llama, 64, PROMPT, GREEDY)
 
 
 def pool_kv(llm: LLM, block_ids: list[int]) -> list[torch.Tensor]:
