@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -61,6 +63,26 @@ def needs_weight_files(config: EngineConfig, gguf: Path | None, device: torch.de
     return config.load_format != "dummy" and not reads_gguf_blocks(config, gguf, device)
 
 
+# torch.nn.init's fills that modules' reset_parameters call
+_INITS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
+          "trunc_normal_", "zeros_", "ones_", "constant_")  # fmt: skip
+
+
+@contextmanager
+def _no_random_init() -> Iterator[None]:
+    """Modules built on the meta device skip their random init: it fills nothing there, and torch runs
+    a meta tensor's ``normal_``/``uniform_`` through its Python reference ops, which import Dynamo,
+    Inductor and sympy (about 60 MiB of a serving process that never compiles)."""
+    saved = {name: getattr(nn.init, name) for name in _INITS}
+    for name in _INITS:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fill in saved.items():
+            setattr(nn.init, name, fill)
+
+
 def build_model(
     config: EngineConfig,
     spec: ModelSpec,
@@ -76,7 +98,7 @@ def build_model(
     kind = family(hf_config)
     torch.set_default_dtype(dtype)
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), _no_random_init():
             model = kind.model.from_config(spec, placeholder, hf_config)
     finally:
         torch.set_default_dtype(torch.float32)
