@@ -34,6 +34,7 @@ NAMED = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_t
 # tokenizer classes that are the Rust tokenizer of tokenizer.json as it is (transformers 5 and 4 names)
 GENERIC = {"TokenizersBackend", "PreTrainedTokenizerFast"}
 # tokenizer_config.json settings by which transformers changes the file's tokenizer or its output
+_ADDED_FIELDS = ("single_word", "lstrip", "rstrip", "normalized")
 _REWRITES = ("clean_up_tokenization_spaces", "add_bos_token", "add_eos_token", "add_prefix_space")
 
 
@@ -83,7 +84,7 @@ class Tokenizer:
         listed = config.get("added_tokens_decoder") or {}
         for _, token in sorted(listed.items(), key=lambda kv: int(kv[0])):
             if rust.token_to_id(token["content"]) is None:  # transformers adds what the file lacks
-                fields = {k: token[k] for k in ("single_word", "lstrip", "rstrip", "normalized") if k in token}
+                fields = {k: token[k] for k in _ADDED_FIELDS if k in token}
                 added = AddedToken(token["content"], special=bool(token.get("special")), **fields)
                 (rust.add_special_tokens if token.get("special") else rust.add_tokens)([added])
         tokenizer = cls(rust, config, _chat_template(folder, config))
@@ -103,7 +104,8 @@ class Tokenizer:
         return {"input_ids": self.encode(text, add_special_tokens)}
 
     def decode(self, ids: int | list[int], skip_special_tokens: bool = False) -> str:
-        return self.backend_tokenizer.decode([ids] if isinstance(ids, int) else list(ids), skip_special_tokens)
+        ids = [ids] if isinstance(ids, int) else list(ids)
+        return self.backend_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def convert_ids_to_tokens(self, ids: int | list[int]) -> Any:
         if isinstance(ids, int):
@@ -154,8 +156,11 @@ class Tokenizer:
         """The conversation rendered by the model's template (or ``chat_template``: a template, or the
         name of one of the model's) as text or ids (no special tokens added: the template writes its
         own), as transformers' method of the same name answers."""
-        named = self.chat_template if isinstance(self.chat_template, dict) else {}
-        template = named.get(chat_template, chat_template) or templates.pick(self.chat_template, tools)
+        named: dict[str, str] = self.chat_template if isinstance(self.chat_template, dict) else {}
+        if chat_template is None:
+            template = templates.pick(self.chat_template, tools)
+        else:
+            template = named.get(chat_template, chat_template)
         text = templates.render(
             template, conversation, self.special_tokens_map, add_generation_prompt, tools, **kwargs
         )

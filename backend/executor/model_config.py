@@ -77,6 +77,7 @@ class ModelConfig:
             return default if c.get(key) is None else c[key]
 
         heads, layers = int(c["num_attention_heads"]), int(c["num_hidden_layers"])
+        theta = float(rope.get("rope_theta", get("rope_theta", 1e4)))
         slides = bool(get("use_sliding_window", True))
         window = c.get("sliding_window") if slides or not arch.startswith("Qwen") else None  # Qwen's class
         types = c.get("layer_types")
@@ -95,7 +96,7 @@ class ModelConfig:
             tie_word_embeddings=bool(get("tie_word_embeddings", False)),
             attention_bias=bool(get("attention_bias", False)),
             mlp_bias=bool(get("mlp_bias", False)),
-            rope_parameters={"rope_type": "default", "rope_theta": float(rope.get("rope_theta", get("rope_theta", 1e4)))},
+            rope_parameters={"rope_type": "default", "rope_theta": theta},
             sliding_window=None if window is None else int(window),
             use_sliding_window=slides,
             max_window_layers=int(get("max_window_layers", layers)),
