@@ -57,7 +57,7 @@ CALL = {
     "type": "function",
     "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
 }
-CONVERSATIONS = [
+CONVERSATIONS: list[list[dict[str, Any]]] = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "system", "content": "Be brief. Ünïcode 🎉"}, {"role": "user", "content": "Hi\n\n  there"}],
     [
@@ -157,7 +157,8 @@ def test_streamed_pieces_and_token_texts_are_transformers(pair: tuple[Tokenizer,
             for token in ids:
                 assert a.add(token) == b.add(token)
                 assert a.text == b.text and a.visible_text(False) == b.visible_text(False), text
-            a.flush(), b.flush()
+            a.flush()
+            b.flush()
             assert a.text == b.text
         assert [texts_ours.get(i) for i in ids] == [texts_hf.get(i) for i in ids]
 
@@ -239,10 +240,15 @@ def test_other_tokenizer_classes_stay_with_transformers(tmp_path: Path) -> None:
 def _configs() -> dict[str, Any]:
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    shape = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+    shape: dict[str, Any] = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip
     return {
-        "llama": LlamaConfig(**shape, rope_theta=50000.0, tie_word_embeddings=True, eos_token_id=[2, 7]),
+        "llama": LlamaConfig(
+            **shape,
+            rope_parameters={"rope_type": "default", "rope_theta": 5e4},
+            tie_word_embeddings=True,
+            eos_token_id=[2, 7],
+        ),
         "llama-bias": LlamaConfig(**shape, attention_bias=True, mlp_bias=True, head_dim=32, rms_norm_eps=0.1),
         "mistral": MistralConfig(**shape, sliding_window=128),
         "mistral-no-window": MistralConfig(**shape, sliding_window=None),
@@ -305,3 +311,24 @@ def test_the_serving_process_imports_no_transformers() -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_servers_fork_shares_the_rust_tokenizer_across_threads(pair: tuple[Tokenizer, Any]) -> None:
+    """The server's tokenizer thread encodes while the engine thread decodes, on one Rust tokenizer
+    (nothing changes it after loading, so no borrow is ever refused)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    ours, hf = pair
+    fork = ours.fork()
+    assert fork.backend_tokenizer is ours.backend_tokenizer
+    fork.chat_template = "{{ messages[0]['content'] }}"  # the server's own attribute: the engine's stays
+    assert ours.chat_template != fork.chat_template
+    texts = corpus(pair) * 20
+    ids = [hf.encode(t, add_special_tokens=False) for t in texts]
+    jobs: list[tuple[Any, Any]] = []
+    for text, text_ids in zip(texts, ids, strict=True):
+        jobs += [(fork.encode, text), (ours.decode, text_ids)]
+    with ThreadPoolExecutor(4) as pool:  # encodes and decodes interleaved, on 4 threads
+        results = list(pool.map(lambda job: job[0](job[1]), jobs))
+    assert results[0::2] == ids
+    assert results[1::2] == [hf.decode(i) for i in ids]
