@@ -25,7 +25,6 @@ from typing import Any
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as RustTokenizer
 
-from cachegw.backend.core import chat_template as templates
 from cachegw.backend.executor.host_memory import release_free_heap
 
 log = logging.getLogger("cachegw.backend")
@@ -157,6 +156,8 @@ class Tokenizer:
         """The conversation rendered by the model's template (or ``chat_template``: a template, or the
         name of one of the model's) as text or ids (no special tokens added: the template writes its
         own), as transformers' method of the same name answers."""
+        from cachegw.backend.core import chat_template as templates  # jinja2: after start-up's peak
+
         named: dict[str, str] = self.chat_template if isinstance(self.chat_template, dict) else {}
         if chat_template is None:
             template = templates.pick(self.chat_template, tools)
