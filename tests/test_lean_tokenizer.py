@@ -220,6 +220,36 @@ def test_llguidance_reads_the_same_vocabulary(pair: tuple[Tokenizer, Any]) -> No
         assert mine.tokenize_str(text) == theirs.tokenize_str(text)
 
 
+def test_hub_style_config_fields_read_as_transformers(tmp_path: Path) -> None:
+    """tokenizer_config.json as older and Hub folders write it: a special token as an AddedToken's
+    dict, ``additional_special_tokens``, named templates (``tool_use`` taken when tools are given)."""
+    from transformers import AutoTokenizer
+
+    folder = with_added_tokens(smol_folder(), tmp_path / "hub")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["additional_special_tokens"] = config.pop("extra_special_tokens")
+    config["bos_token"] = {"__type": "AddedToken", "content": "<|im_start|>", "special": True}
+    config["chat_template"] = [
+        {"name": "default", "template": "{{ messages[0]['content'] }}!"},
+        {"name": "tool_use", "template": "{{ tools | length if tools else 0 }}: {{ messages[0].content }}"},
+    ]
+    (folder / "chat_template.jinja").unlink()
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    ours, hf = open_tokenizer(folder), AutoTokenizer.from_pretrained(str(folder))
+    assert isinstance(ours, Tokenizer)
+    assert (
+        ours.all_special_tokens == hf.all_special_tokens and ours.special_tokens_map == hf.special_tokens_map
+    )
+    for tools in (None, [TOOL]):
+        for name in (None, "default", "tool_use"):
+            kw: dict[str, Any] = dict(tools=tools, chat_template=name, tokenize=False)
+            assert ours.apply_chat_template(CONVERSATIONS[0], **kw) == hf.apply_chat_template(
+                CONVERSATIONS[0], **kw
+            )
+    for text in CORPUS:
+        assert ours.encode(text, add_special_tokens=False) == hf.encode(text, add_special_tokens=False)
+
+
 def test_other_tokenizer_classes_stay_with_transformers(tmp_path: Path) -> None:
     """A model-specific class (transformers rebuilds its pipeline: Qwen2's NFC, for one) or settings
     that change the output are transformers' to read; a folder without a tokenizer has none."""
