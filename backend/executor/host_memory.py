@@ -45,7 +45,7 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 def release_free_heap() -> None:
     """Return the C heap's free pages to the system (glibc's ``malloc_trim``; elsewhere nothing):
-    about 17 MiB after the tokenizer loads, 11 MiB after the weights."""
+    about 14 MiB after the tokenizer loads, 11 MiB after the weights."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
