@@ -6,10 +6,13 @@ tokens), then reads its peak resident set (VmHWM in /proc/PID/status) and stops 
 decode step compiling in the background). llama.cpp is llama-cpp-python loading the same file in
 a process of its own (``--llama-path``: a folder holding the package, put on that process's
 PYTHONPATH only; it is a bench peer, never a dependency), with ``--llama-ctx`` positions of KV cache.
-Runs are interleaved (ours, llama.cpp, ours, ...), so the machine's state hits both alike.
+``--before DIR``: another build's tree (``git archive REV | tar -x -C DIR``), its `cachegw backend`
+measured the same way in the same runs. Runs are interleaved (before, ours, llama.cpp, before, ...),
+so the machine's state hits each alike.
 
     .venv/bin/python -m bench.engine_memory [--runs 3] [--llama-path /work/llama-peer] [--llama-ctx 2048]
-        [--out engine_memory]   (engine settings from CACHEGW_ENGINE__KEY=value, e.g. __COMPILE=off)
+        [--before DIR] [--out engine_memory]
+    (engine settings from CACHEGW_ENGINE__KEY=value, e.g. __COMPILE=off)
 """
 
 from __future__ import annotations
@@ -57,10 +60,11 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def ours() -> tuple[float, str]:
+def ours(root: Path = ROOT) -> tuple[float, str]:
+    """`cachegw backend` of the tree at ``root`` (its modules first on the path: run from there)."""
     port = free_port()
     cmd = [sys.executable, "-m", "cachegw.gateway.cli", "backend", "--port", str(port)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}/v1"
     try:
         deadline = time.monotonic() + 600
@@ -102,6 +106,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--llama-path", default="/work/llama-peer")
     ap.add_argument("--llama-ctx", type=int, default=2048)
+    ap.add_argument("--before", default=None, help="another build's tree, measured in the same runs")
     ap.add_argument("--out", default="engine_memory", help="bench/results/OUT.json")
     args = ap.parse_args()
     from cachegw.backend.executor.model_loader import embedded_gguf_path
@@ -111,8 +116,14 @@ def main() -> None:
     if not peer:
         say(f"llama-cpp-python is not in {args.llama_path}: measuring ours alone")
     runs: dict[str, list[float]] = {"cachegw backend": [], "llama.cpp": []}
+    if args.before:
+        runs = {"before": [], **runs}
     answers: dict[str, str] = {}
     for r in range(args.runs):
+        if args.before:
+            peak, answers["before"] = ours(Path(args.before))
+            runs["before"].append(round(peak, 1))
+            say(f"run {r + 1}: before ({args.before}) {peak:.0f} MiB")
         peak, answers["cachegw backend"] = ours()
         runs["cachegw backend"].append(round(peak, 1))
         say(f"run {r + 1}: cachegw backend {peak:.0f} MiB")
@@ -129,11 +140,13 @@ def main() -> None:
             "model": gguf.name,
             "what": "peak RSS (VmHWM) until one chat request (16 tokens) is answered, MiB",
             "llama_cpp": {"package": "llama-cpp-python", "n_ctx": args.llama_ctx, "n_threads": 2},
+            "before": args.before,
             "ours": "cachegw backend at its defaults"
             + "".join(f", {k}={v}" for k, v in os.environ.items() if k.startswith("CACHEGW_ENGINE__")),
             "runs": runs,
             "median_mib": median,
             "ratio": None if ratio is None else round(ratio, 2),
+            "ratios": {k: round(v / median["llama.cpp"], 2) for k, v in median.items()} if ratio else None,
             "answers": answers,
         },
     )

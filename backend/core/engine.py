@@ -30,6 +30,8 @@ from cachegw.backend.core.spec_verify import verify
 from cachegw.backend.core.speculative import DraftSource, Speculator
 from cachegw.backend.core.structured import GrammarCompiler
 from cachegw.backend.core.swap import SwapCounts, swap_space_for
+from cachegw.backend.core.tokenizer import open_tokenizer
+from cachegw.backend.executor.model_config import read_model_config
 from cachegw.backend.executor.model_loader import gguf_source, resolve_model_dir
 from cachegw.backend.executor.model_runner import ModelRunner
 from cachegw.backend.executor.model_weights import needs_weight_files
@@ -47,8 +49,6 @@ class ContextLengthExceeded(InvalidParameter):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        from transformers import AutoConfig, AutoTokenizer
-
         start = time.perf_counter()
         self.config, self.device = config, resolve_device(config.device)
         gguf = gguf_source(config.model)
@@ -56,13 +56,12 @@ class LLMEngine:
         weights = needs_weight_files(config, gguf, self.device)
         self.model_dir = resolve_model_dir(config.model, config.resolved_cache_dir, weights)
         self.dtype = resolve_dtype(config.dtype, self.device, kernels())
-        hf_config = AutoConfig.from_pretrained(str(self.model_dir))
+        hf_config = read_model_config(self.model_dir)  # no transformers where it can: model_config.py
         limit = hf_config.max_position_embeddings
         context = min(config.max_model_len, limit) if config.max_model_len else limit
         # With attention sinks a sequence may run past the context, up to streaming_max_len.
         self.max_model_len = max(context, config.streaming_max_len) if config.attention_sinks else context
-        has_tokenizer = any((self.model_dir / f).exists() for f in ("tokenizer.json", "tokenizer.model"))
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir)) if has_tokenizer else None
+        self.tokenizer = open_tokenizer(self.model_dir)  # None: prompts as token ids
         self.runner = ModelRunner(
             config,
             hf_config,

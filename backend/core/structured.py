@@ -13,6 +13,7 @@ sequence keeps its output tokens, so recomputing it after preemption leaves the 
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections import OrderedDict
 from typing import Any
@@ -75,13 +76,16 @@ class GrammarCompiler:
     @property
     def tokenizer(self) -> Any:
         if self._tokenizer is None:
-            import llguidance.hf
+            import llguidance
 
             if self.hf_tokenizer is None:
                 raise InvalidParameter(PARAM, "this model has no tokenizer: structured output needs one")
-            tokenizer = llguidance.hf.from_tokenizer(
-                self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_ids or None
-            )
+            # the Rust tokenizer's JSON, as llguidance.hf reads it (without importing transformers)
+            rust = copy.copy(self.hf_tokenizer.backend_tokenizer)
+            rust.no_padding()
+            rust.no_truncation()
+            eos = self.eos_ids or self.hf_tokenizer.eos_token_id
+            tokenizer = llguidance.LLTokenizer(rust.to_str(), n_vocab=self.vocab_size, eos_token=eos)
             # The first mask ever computed builds llguidance's token tables (~1.4 s here): pay it now,
             # with the tokenizer, not inside some request's first step.
             grammar = llguidance.LLMatcher.grammar_from_json_schema(ANY_OBJECT, defaults=JSON_OPTIONS)

@@ -124,9 +124,9 @@ class TokenTexts:
 
 
 def _is_byte_level(tokenizer: Any) -> bool:
-    try:
-        decoder = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") or {}
-    except Exception:  # slow tokenizer or no tokenizer: fall back to decoding
+    try:  # the decoder's own JSON: the whole tokenizer's (to_str) is MiBs of Python objects in passing
+        decoder = json.loads(tokenizer.backend_tokenizer.decoder.__getstate__()) or {}
+    except Exception:  # slow tokenizer or no tokenizer or decoder: fall back to decoding
         return False
     kinds = [decoder.get("type")] + [d.get("type") for d in decoder.get("decoders", [])]
     return "ByteLevel" in kinds

@@ -100,6 +100,8 @@ def _own_tokenizer(engine: AsyncEngine) -> Any:
     shared = engine.engine.tokenizer
     if shared is None:
         return None
+    if hasattr(shared, "fork"):  # ours: the Rust tokenizer shared, never changed (core/tokenizer.py)
+        return shared.fork()
     try:
         return copy.deepcopy(shared)
     except Exception:

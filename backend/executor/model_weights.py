@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -23,6 +25,7 @@ from torch import nn
 from cachegw.backend.config import EngineConfig
 from cachegw.backend.executor.gguf_table import string_field
 from cachegw.backend.executor.gguf_weights import GgufFile
+from cachegw.backend.executor.host_memory import release_free_heap
 from cachegw.backend.executor.layers.block_embedding import BlockEmbedding
 from cachegw.backend.executor.layers.rotary import RotaryEmbedding
 from cachegw.backend.executor.model_loader import iter_safetensors
@@ -61,6 +64,26 @@ def needs_weight_files(config: EngineConfig, gguf: Path | None, device: torch.de
     return config.load_format != "dummy" and not reads_gguf_blocks(config, gguf, device)
 
 
+# torch.nn.init's fills that modules' reset_parameters call
+_INITS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
+          "trunc_normal_", "zeros_", "ones_", "constant_")  # fmt: skip
+
+
+@contextmanager
+def _no_random_init() -> Iterator[None]:
+    """Modules built on the meta device skip their random init: it fills nothing there, and torch runs
+    a meta tensor's ``normal_``/``uniform_`` through its Python reference ops, which import Dynamo,
+    Inductor and sympy (about 60 MiB of a serving process that never compiles)."""
+    saved = {name: getattr(nn.init, name) for name in _INITS}
+    for name in _INITS:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fill in saved.items():
+            setattr(nn.init, name, fill)
+
+
 def build_model(
     config: EngineConfig,
     spec: ModelSpec,
@@ -76,7 +99,7 @@ def build_model(
     kind = family(hf_config)
     torch.set_default_dtype(dtype)
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), _no_random_init():
             model = kind.model.from_config(spec, placeholder, hf_config)
     finally:
         torch.set_default_dtype(torch.float32)
@@ -93,6 +116,7 @@ def build_model(
         assert gguf is not None
         formats = load_gguf_quantized(model, gguf, config.quantization, config.cpu_kernels)
         log_outcome(config.quantization, formats, gguf)
+        release_free_heap()  # the blocks' conversion: about 11 MiB of free pages otherwise kept
         return model.eval(), chosen_mode(formats)
     if config.load_format == "dummy":
         model.init_dummy_weights(config.seed)
