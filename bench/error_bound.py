@@ -99,15 +99,23 @@ def labelled_backend(answer_of: dict[str, str] | Callable[[dict[str, Any]], str]
 Replay = tuple[list[list[str]], dict[str, str], tuple[list[str], list[str], np.ndarray]]
 
 
-def qqp_replay(data: Path, pairs: int, seed: int, held_out: bool = False) -> Replay:
-    """Test-split pairs, question 1 then question 2; meanings are the classes duplicates connect.
-    Other test-split pairs (``SEED_PAIRS``, none sharing a replayed question) seed the evidence.
-    ``held_out``: replayed pairs only from the part the shipped prior did not count."""
+def qqp_order(
+    data: Path, seed: int, held_out: bool = False
+) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    """(the test split, its pairs in the replay's order): the first ``--pairs`` are replayed.
+    ``held_out``: only the part the shipped prior did not count (``bench/prior_split.py``)."""
     with open(data / "qqp_dev.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     _, test, _ = split_qqp(rows)
     pool = qqp_parts(rows)[1] if held_out else test
-    shuffled = random.Random(seed).sample(pool, len(pool))
+    return test, random.Random(seed).sample(pool, len(pool))
+
+
+def qqp_replay(data: Path, pairs: int, seed: int, held_out: bool = False) -> Replay:
+    """Test-split pairs, question 1 then question 2; meanings are the classes duplicates connect.
+    Other test-split pairs (``SEED_PAIRS``, none sharing a replayed question) seed the evidence.
+    ``held_out``: replayed pairs only from the part the shipped prior did not count."""
+    test, shuffled = qqp_order(data, seed, held_out)
     picked = shuffled[:pairs]
     replayed = {q for r in picked for q in (r["question1"], r["question2"])}
     seeds = [r for r in shuffled[pairs:] if r["question1"] not in replayed and r["question2"] not in replayed]
