@@ -236,7 +236,7 @@ def relabelled(
     }
     sizes, votes = {}, {}
     for name, mask in strata.items():
-        idx = np.flatnonzero(mask)
+        idx = [int(i) for i in np.flatnonzero(mask)]
         pool = [i for i in idx if i in draws[name.split("_")[0]]]  # only items drawn for this stratum
         v = [agreed[i] for i in pool if i in agreed]
         if name == "accepted_qqp_negative":
@@ -291,6 +291,30 @@ def relabelled(
     return out
 
 
+def replay_agreement(
+    items: list[dict[str, str]], votes: np.ndarray, lab: np.ndarray, drawn: np.ndarray
+) -> dict:
+    """The replay's new items (``sample --replay``): agreement, kappa, and how often both annotators
+    call duplicate what QQP's links join (label 1: the replay counted them right) and what they do not."""
+    m = drawn == "replay"
+    if not m.any():
+        return {}
+    v, both = votes[m], votes[m].all(axis=1)
+    return {
+        "items_judged_by_all": int(m.sum()),
+        "agreement": round(float((v[:, 0] == v[:, 1]).mean()), 4),
+        "cohen_kappa": round(_kappa(v[:, 0], v[:, 1]), 4),
+        **{
+            f"qqp_{name}": {
+                "items": int((lab[m] == y).sum()),
+                "both_call_duplicate": int(both[lab[m] == y].sum()),
+                "both_call_not_duplicate": int((~v.any(axis=1))[lab[m] == y].sum()),
+            }
+            for name, y in (("joined", 1), ("not_joined", 0))
+        },
+    }
+
+
 def score() -> int:
     key, judges = read_key(), read_judges()
     if len(judges) < 2:
@@ -316,7 +340,9 @@ def score() -> int:
             float(both[(lab == 1) & (drawn == "accepted")].mean()), 4
         ),
     }
-    agreed = {row[k["qqp_id"]]: int(b) for k, b in zip(items, both, strict=True)}
+    res["replay"] = replay_agreement(items, votes, lab, drawn)
+    # the precision strata are QQP's own pairs (replay rows may pair two QQP pairs' questions)
+    agreed = {row[k["qqp_id"]]: int(b) for k, b, d in zip(items, both, drawn, strict=True) if d != "replay"}
     y = np.array([r["is_duplicate"] == "1" for r in test])
     rng = np.random.default_rng(0)
     sets = accepted_sets(test)
