@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import hashlib
 import random
 import tempfile
 import threading
@@ -42,6 +43,7 @@ from fastapi import FastAPI, Request
 
 from bench.common import RESULTS, SHARED_DATA, save, say
 from bench.prior_split import banking_parts, meanings, qqp_parts
+from bench.relabel_meanings import relabelled_meanings
 from bench.verifier_quality import split_qqp
 from testkit.servers import serve_in_thread
 
@@ -99,27 +101,40 @@ def labelled_backend(answer_of: dict[str, str] | Callable[[dict[str, Any]], str]
 Replay = tuple[list[list[str]], dict[str, str], tuple[list[str], list[str], np.ndarray]]
 
 
-def qqp_replay(data: Path, pairs: int, seed: int, held_out: bool = False) -> Replay:
-    """Test-split pairs, question 1 then question 2; meanings are the classes duplicates connect.
-    Other test-split pairs (``SEED_PAIRS``, none sharing a replayed question) seed the evidence.
-    ``held_out``: replayed pairs only from the part the shipped prior did not count."""
+def qqp_order(
+    data: Path, seed: int, held_out: bool = False
+) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    """(the test split, its pairs in the replay's order): the first ``--pairs`` are replayed.
+    ``held_out``: only the part the shipped prior did not count (``bench/prior_split.py``)."""
     with open(data / "qqp_dev.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     _, test, _ = split_qqp(rows)
     pool = qqp_parts(rows)[1] if held_out else test
-    shuffled = random.Random(seed).sample(pool, len(pool))
+    return test, random.Random(seed).sample(pool, len(pool))
+
+
+def qqp_replay(data: Path, pairs: int, seed: int, held_out: bool = False, labels: str = "qqp") -> Replay:
+    """Test-split pairs, question 1 then question 2; meanings are the classes duplicates connect.
+    Other test-split pairs (``SEED_PAIRS``, none sharing a replayed question) seed the evidence.
+    ``held_out``: replayed pairs only from the part the shipped prior did not count. ``labels``:
+    "qqp" (QQP's duplicate links) or "relabelled" (``bench/relabel_meanings.py``)."""
+    test, shuffled = qqp_order(data, seed, held_out)
     picked = shuffled[:pairs]
     replayed = {q for r in picked for q in (r["question1"], r["question2"])}
     seeds = [r for r in shuffled[pairs:] if r["question1"] not in replayed and r["question2"] not in replayed]
     seeds = seeds[:SEED_PAIRS]
-    find = meanings(test)  # all of the test split's duplicates define meanings, not only the picked ones
+    # all of the test split's duplicates define meanings, not only the picked ones
+    find = meanings(test) if labels == "qqp" else relabelled_meanings(test).find
     units = [[r["question1"], r["question2"]] for r in picked]
     labelled = (
         [r["question1"] for r in seeds],
         [r["question2"] for r in seeds],
         np.array([r["is_duplicate"] == "1" for r in seeds]),
     )
-    return units, {q: f"answer {find(q)[:40]!r}" for u in units for q in u}, labelled
+    # the whole meaning's name: a prefix would give meanings that share one ("... in Maine?" / "... in
+    # Alaska?") one answer, and count their false hits right
+    answer = {q: f"answer {hashlib.sha1(find(q).encode()).hexdigest()[:16]}" for u in units for q in u}
+    return units, answer, labelled
 
 
 def banking_replay(data: Path, texts: int, seed: int, held_out: bool = False) -> Replay:
@@ -338,6 +353,12 @@ def main() -> None:
     p.add_argument("--data", type=Path, default=SHARED_DATA)
     p.add_argument("--seed", type=int, default=17)
     p.add_argument("--prior", action="store_true", help="the shipped prior against none, held-out pairs")
+    p.add_argument(
+        "--labels",
+        choices=("qqp", "relabelled"),
+        default="qqp",
+        help="--prior: QQP's meanings, or both",
+    )
     args = p.parse_args()
     if args.prior:
         from bench.prior_replay import prior_main

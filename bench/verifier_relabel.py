@@ -47,6 +47,8 @@ from cachegw.policies.verifier import DEFAULT_RULE, Verifier  # noqa: E402
 
 RELABEL_DIR = RESULTS_DIR / "qqp_relabel"
 KEY = RELABEL_DIR / "key.csv"
+# ref_a / ref_b ("<QQP id>:<1|2>", the question as shown to annotators first / second): replay rows only
+KEY_COLUMNS = ("item", "qqp_id", "qqp_label", "drawn", "ref_a", "ref_b")
 
 
 def accepted_sets(test: list[dict[str, str]]) -> dict[str, np.ndarray]:
@@ -119,6 +121,93 @@ def sample(out_dir: Path, seed: int, rejected: int) -> int:
     return 0
 
 
+def sample_replay(out_dir: Path, seed: int, pairs: int, replay_seed: int, batch: int) -> int:
+    """Every candidate of the held-out QQP replay scoring at least 0.50 (``bench/replay_candidates.py``)
+    not judged yet, in batches of about ``batch`` (out_dir/batch_NN.csv), key rows "replay"."""
+    from bench.common import SHARED_DATA
+    from bench.prior_split import meanings
+    from bench.replay_candidates import replay_candidates
+
+    test, cands = replay_test(), replay_candidates(SHARED_DATA, pairs, replay_seed)
+    key = read_key()
+    judged = judged_pairs(key, test)
+    by_pair = {frozenset((_norm(r["question1"]), _norm(r["question2"]))): r for r in test}
+    find = meanings(test)
+    todo, seen = [], set(judged)
+    for c in cands:
+        pair = frozenset((_norm(c.request), _norm(c.stored)))
+        if pair not in seen:
+            seen.add(pair)
+            todo.append(c)
+    rng = random.Random(seed)
+    rng.shuffle(todo)
+    start = max((int(k["item"]) for k in key), default=-1) + 1
+    rows = []
+    for n, c in enumerate(todo, start):
+        (a, ra), (b, rb) = (c.request, c.request_ref), (c.stored, c.stored_ref)
+        if rng.random() < 0.5:
+            (a, ra), (b, rb) = (b, rb), (a, ra)
+        qqp = by_pair.get(frozenset((_norm(a), _norm(b))))
+        label = int(find(a) == find(b))  # what the replay's labels-following backend answers
+        rows.append(([n, qqp["id"] if qqp else "", label, "replay", ra, rb], [n, a, b]))
+    write_key([r for r, _ in rows])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    n_batches = max(1, -(-len(rows) // batch))  # at most ``batch`` each
+    names = []
+    for b_i in range(n_batches):
+        part = rows[b_i * len(rows) // n_batches : (b_i + 1) * len(rows) // n_batches]
+        name = f"batch_{b_i + 1:02d}.csv"
+        with (out_dir / name).open("w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["item", "question_a", "question_b"])
+            w.writerows(j for _, j in part)
+        names.append((name, len(part), part[0][0][0], part[-1][0][0]))
+    distinct = {frozenset((_norm(c.request), _norm(c.stored))) for c in cands}
+    print(
+        f"{len(cands)} candidates scoring >= 0.50 ({len(distinct)} distinct pairs), "
+        f"{len(distinct & judged.keys())} already judged, {len(todo)} new -> {out_dir}"
+    )
+    for name, n, first, last in names:
+        print(f"  {name}: {n} pairs, items {first}-{last}")
+    return 0
+
+
+def _norm(t: str) -> str:
+    return " ".join(t.lower().split())
+
+
+def replay_test() -> list[dict[str, str]]:
+    return split_qqp(_read_csv("qqp_dev.csv"))[1]
+
+
+def judged_pairs(key: list[dict[str, str]], test: list[dict[str, str]]) -> dict[frozenset[str], str]:
+    """{normalized text pair: item} of every key row (QQP pairs by id, replay pairs by their refs)."""
+    by_id = {r["id"]: r for r in test}
+    out = {}
+    for k in key:
+        a, b = pair_texts(k, by_id)
+        out[frozenset((_norm(a), _norm(b)))] = k["item"]
+    return out
+
+
+def pair_texts(k: dict[str, str], by_id: dict[str, dict[str, str]]) -> tuple[str, str]:
+    """The two question texts of a key row: its refs ("<id>:<side>") or else its QQP pair."""
+    if k.get("ref_a"):
+        return tuple(by_id[r.split(":")[0]][f"question{r.split(':')[1]}"] for r in (k["ref_a"], k["ref_b"]))  # type: ignore[return-value]
+    r = by_id[k["qqp_id"]]
+    return r["question1"], r["question2"]
+
+
+def write_key(rows: list[list[Any]]) -> None:
+    """Append rows to key.csv, first widening an old file to the ref columns (empty for QQP pairs)."""
+    old = read_key()
+    with KEY.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(KEY_COLUMNS)
+        w.writerows([k.get(c) or "" for c in KEY_COLUMNS] for k in old)
+        w.writerows(rows)
+
+
 def _kappa(a: np.ndarray, b: np.ndarray) -> float:
     po = float((a == b).mean())
     pe = float(a.mean() * b.mean() + (1 - a.mean()) * (1 - b.mean()))
@@ -147,7 +236,7 @@ def relabelled(
     }
     sizes, votes = {}, {}
     for name, mask in strata.items():
-        idx = np.flatnonzero(mask)
+        idx = [int(i) for i in np.flatnonzero(mask)]
         pool = [i for i in idx if i in draws[name.split("_")[0]]]  # only items drawn for this stratum
         v = [agreed[i] for i in pool if i in agreed]
         if name == "accepted_qqp_negative":
@@ -202,6 +291,30 @@ def relabelled(
     return out
 
 
+def replay_agreement(
+    items: list[dict[str, str]], votes: np.ndarray, lab: np.ndarray, drawn: np.ndarray
+) -> dict:
+    """The replay's new items (``sample --replay``): agreement, kappa, and how often both annotators
+    call duplicate what QQP's links join (label 1: the replay counted them right) and what they do not."""
+    m = drawn == "replay"
+    if not m.any():
+        return {}
+    v, both = votes[m], votes[m].all(axis=1)
+    return {
+        "items_judged_by_all": int(m.sum()),
+        "agreement": round(float((v[:, 0] == v[:, 1]).mean()), 4),
+        "cohen_kappa": round(_kappa(v[:, 0], v[:, 1]), 4),
+        **{
+            f"qqp_{name}": {
+                "items": int((lab[m] == y).sum()),
+                "both_call_duplicate": int(both[lab[m] == y].sum()),
+                "both_call_not_duplicate": int((~v.any(axis=1))[lab[m] == y].sum()),
+            }
+            for name, y in (("joined", 1), ("not_joined", 0))
+        },
+    }
+
+
 def score() -> int:
     key, judges = read_key(), read_judges()
     if len(judges) < 2:
@@ -227,7 +340,9 @@ def score() -> int:
             float(both[(lab == 1) & (drawn == "accepted")].mean()), 4
         ),
     }
-    agreed = {row[k["qqp_id"]]: int(b) for k, b in zip(items, both, strict=True)}
+    res["replay"] = replay_agreement(items, votes, lab, drawn)
+    # the precision strata are QQP's own pairs (replay rows may pair two QQP pairs' questions)
+    agreed = {row[k["qqp_id"]]: int(b) for k, b, d in zip(items, both, drawn, strict=True) if d != "replay"}
     y = np.array([r["is_duplicate"] == "1" for r in test])
     rng = np.random.default_rng(0)
     sets = accepted_sets(test)
@@ -249,8 +364,14 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--out", type=Path, required=True, help="folder for judge_in.csv (keep it out of git)")
     s.add_argument("--seed", type=int, default=7)
     s.add_argument("--rejected", type=int, default=0, help="instead: N random rejected pairs per QQP label")
+    s.add_argument("--replay", action="store_true", help="instead: the held-out replay's candidates")
+    s.add_argument("--pairs", type=int, default=1500, help="--replay: pairs replayed (error_bound --prior)")
+    s.add_argument("--replay-seed", type=int, default=17, help="--replay: the replay's seed")
+    s.add_argument("--batch", type=int, default=150, help="--replay: pairs per batch file")
     sub.add_parser("score", help="agreement and precision against the re-annotation")
     args = ap.parse_args(argv)
+    if args.cmd == "sample" and args.replay:
+        return sample_replay(args.out, args.seed, args.pairs, args.replay_seed, args.batch)
     return sample(args.out, args.seed, args.rejected) if args.cmd == "sample" else score()
 
 
