@@ -15,6 +15,11 @@ trained on either). Held out (reported only): the families' ``heldout`` split, Q
 held-out halves. Every pair goes through the semantic tier's own steps: ``pair_diff.align``, then the
 verifier on the focus (re-embedded when it is part of a longer message, where no cross-encoder runs).
 Writes bench/results/hit_choice.json.
+
+With ``--candidate-mlp`` / ``--candidate-cross`` (other artifacts) or ``--before-rev`` (today's artifacts
+from an earlier revision, once a candidate ships), it adds the candidate column: the funnel of today's
+rule on the calibration sets, the candidate's rule chosen on calibration sets only, and both held out
+(``bench/recall_choice.py``).
 """
 
 from __future__ import annotations
