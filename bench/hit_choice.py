@@ -15,6 +15,11 @@ trained on either). Held out (reported only): the families' ``heldout`` split, Q
 held-out halves. Every pair goes through the semantic tier's own steps: ``pair_diff.align``, then the
 verifier on the focus (re-embedded when it is part of a longer message, where no cross-encoder runs).
 Writes bench/results/hit_choice.json.
+
+With ``--candidate-mlp`` / ``--candidate-cross`` (other artifacts) or ``--before-rev`` (today's artifacts
+from an earlier revision, once a candidate ships), it adds the candidate column: the funnel of today's
+rule on the calibration sets, the candidate's rule chosen on calibration sets only, and both held out
+(``bench/recall_choice.py``).
 """
 
 from __future__ import annotations
@@ -111,12 +116,17 @@ def embed_all(enc: Any, texts: list[str], name: str) -> dict[str, np.ndarray]:
 
 
 def score(
-    v: Verifier, ps: Pairs, vecs: dict[str, np.ndarray], cross_cache: dict[tuple[str, str], float]
+    v: Verifier,
+    ps: Pairs,
+    vecs: dict[str, np.ndarray],
+    cross_cache: dict[tuple[str, str], float],
+    rule: DecisionRule = WIDE,
 ) -> Scored:
+    """Scores kept for every rule at least as loose as ``rule`` (cosine floor, and the cross-encoder
+    asked where ``p_mlp >= rule.min_prob ** 2``)."""
     n = len(ps.y)
     flags = [np.zeros(n, dtype=bool) for _ in range(4)]
     s = Scored(flags[0], flags[1], flags[2], np.zeros(n), flags[3], np.zeros(n), np.full(n, np.nan))
-    rule = WIDE  # scores kept for every rule of the search below
     for i, (a, b) in enumerate(zip(ps.q1, ps.q2, strict=True)):
         al = align(a, b)
         if al.outcome != "judge":
@@ -241,11 +251,31 @@ def cpu_ms(encoders: dict[str, Any], v: Verifier, ps: Pairs, sample: int) -> dic
     return {k: round(float(np.median(x)), 3) for k, x in t.items() if x}
 
 
+def candidate_column(
+    args: argparse.Namespace, vecs: dict[str, np.ndarray], calib: dict[str, Pairs], held: dict[str, Pairs]
+) -> dict[str, Any]:
+    """Today's artifacts (``--before-rev``, else the shipped ones) against the candidate's, each at its
+    own rule, the candidate's chosen on calibration sets only (``bench/recall_choice.py``)."""
+    from bench.recall_choice import CROSS_FILE, MLP_FILE, artifacts_at, evaluate, verifier
+    from bench.recall_pairs import calibration_sets
+
+    root = Path(__file__).resolve().parents[1]
+    shipped = (root / MLP_FILE, root / CROSS_FILE)
+    b_mlp, b_cross = artifacts_at(args.before_rev) if args.before_rev else shipped
+    c_mlp, c_cross = args.candidate_mlp or root / MLP_FILE, args.candidate_cross or root / CROSS_FILE
+    c_calib, _ = calibration_sets()
+    res = evaluate(verifier(b_mlp, b_cross), verifier(c_mlp, c_cross), calib, c_calib, held, vecs)
+    return {"before_rev": args.before_rev, "candidate": [str(c_mlp), str(c_cross)], **res}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sample", type=int, default=200, help="questions timed per stage")
     ap.add_argument("--no-timing", action="store_true", help="quality only (no wait for the bench lock)")
     ap.add_argument("--timing-only", action="store_true", help="add the timing to the last results")
+    ap.add_argument("--before-rev", help="revision whose verifier artifacts are today's")
+    ap.add_argument("--candidate-mlp", type=Path, help="candidate MLP artifact (default: the shipped one)")
+    ap.add_argument("--candidate-cross", type=Path, help="candidate cross-encoder (default: the shipped one)")
     args = ap.parse_args()
     t_start = time.perf_counter()
     v = load_verifier(load_settings(None).cache)
@@ -269,6 +299,7 @@ def main() -> None:
     cross_cache: dict[tuple[str, str], float] = {}
     results: dict[str, Any] = {"machine": machine(), "rule": DEFAULT_RULE.__dict__, "encoders": {}}
     first: dict[str, tuple[Pairs, Scored]] = {}
+    vecs_by_encoder: dict[str, dict[str, np.ndarray]] = {}
     for name, enc in encoders.items():
         say(f"{name}: embedding {len(set(texts)):,} texts")
         vecs = embed_all(enc, texts, name)
@@ -294,6 +325,9 @@ def main() -> None:
                     for label, (m, t, r) in settings.items()
                 }
         results["encoders"][name] = res
+        vecs_by_encoder[name] = vecs
+    if args.before_rev or args.candidate_mlp or args.candidate_cross:
+        results["candidate"] = candidate_column(args, vecs_by_encoder["l6-fp32"], calib, held)
     results["seconds"] = round(time.perf_counter() - t_start, 1)
     save("hit_choice", results)  # the quality figures, before the wait for the lock
     if args.no_timing:

@@ -199,3 +199,22 @@ def test_default_verifier_accepts_a_question_retyped(
     u, v = encoder.encode([b]), encoder.encode([a])
     verdict = verifier.check_batch([b], [a], u, v)[0]
     assert verdict.accepted, verdict
+
+
+def test_training_can_continue_from_an_artifact(tmp_path: Path) -> None:
+    """``init`` starts from the shipped adapter (fine-tuning it on new pairs, as bench/recall_pairs.py
+    does with intents): with a zero learning rate the result scores as the shipped model does, while a
+    fresh adapter from the same step does not."""
+    from cachegw.embeddings.cross_encoder import CrossConfig, train_cross_encoder
+
+    q1, q2 = [SAME[0], DIFFERENT[0]] * 2, [SAME[1], DIFFERENT[1]] * 2
+    y = np.array([1, 0, 1, 0], dtype=np.float32)
+    cfg = CrossConfig(epochs=1, lr=0.0, identity_fraction=0.0)
+    kept, fresh = tmp_path / "kept.npz", tmp_path / "fresh.npz"
+    meta = train_cross_encoder(q1, q2, y, kept, cfg, progress=lambda _: None, init=ARTIFACT_PATH)
+    train_cross_encoder(q1, q2, y, fresh, cfg, progress=lambda _: None)
+    assert meta["init"] == ARTIFACT_PATH.name
+    pairs = ([SAME[0], DIFFERENT[0]], [SAME[1], DIFFERENT[1]])
+    shipped = CrossEncoder(ARTIFACT_PATH).score_batch(*pairs)
+    assert np.allclose(CrossEncoder(kept).score_batch(*pairs), shipped, atol=2e-3)
+    assert not np.allclose(CrossEncoder(fresh).score_batch(*pairs), shipped, atol=0.05)
