@@ -6,8 +6,8 @@ encoder call on a single worker thread, keeping the event loop free. While a bat
 requests queue and go out together as soon as the encoder is free: under load batches grow by themselves
 instead of piling up small ones behind each other.
 
-A free encoder takes at most half of a queue of more than two (``split``): the rest is the next batch, ready the
-moment this one ends. Taking the whole queue makes a closed loop of clients move in lockstep: every
+A free encoder takes at most half of a queue of more than two (``split``): the rest is the next batch,
+ready the moment this one ends. Taking the whole queue makes a closed loop of clients move in lockstep: every
 client waits in one batch while the event loop idles, then the loop answers them all while the encoder
 idles, so the two never work at once (230 hits/s at 32 connections where the encoder alone could do
 more). The encoder's time is nearly linear in the texts (a MiniLM call is compute-bound past a few), so
