@@ -14,12 +14,12 @@ from collections.abc import AsyncIterator, Callable
 from cachegw.embeddings.batcher import EmbeddingBatcher
 from cachegw.embeddings.encoder import make_encoder
 from cachegw.embeddings.index import ScopedIndex
+from cachegw.embeddings.memo import PairScores
 from cachegw.gateway.cache.audits import Auditor
 from cachegw.gateway.cache.error_control import ThresholdProvider
 from cachegw.gateway.cache.feedback import BadHitReports
 from cachegw.gateway.cache.follow import Follower
 from cachegw.gateway.cache.maintenance import HIT_FLUSH_S
-from cachegw.gateway.cache.model_memo import PairScores
 from cachegw.gateway.cache.prior_loader import load_priors
 from cachegw.gateway.cache.response_cache import ResponseCache
 from cachegw.gateway.cache.retention import RETENTION_EVERY_S, Retention

@@ -1,4 +1,4 @@
-"""A question asked again in the same words runs no model (gateway/cache/model_memo.py): the kept vector
+"""A question asked again in the same words runs no model (embeddings/memo.py): the kept vector
 and score are the ones the models gave, the verdicts are those of a gateway that keeps nothing, and the
 memo is bounded. Real models (the packaged MiniLM on ONNX Runtime, the shipped cross-encoder), a real
 gateway over HTTP in front of testkit's upstream.
@@ -16,8 +16,8 @@ import pytest
 
 from cachegw.embeddings.batcher import EmbeddingBatcher
 from cachegw.embeddings.encoder import make_encoder
+from cachegw.embeddings.memo import Lru, PairScores, QueryVectors
 from cachegw.gateway.api.app import build_app
-from cachegw.gateway.cache.model_memo import Lru, PairScores, QueryVectors
 from cachegw.gateway.cache.verifier_loader import load_verifier
 from cachegw.gateway.compose import started_gateway
 from cachegw.gateway.config import load_settings

@@ -18,10 +18,10 @@ from collections.abc import Callable
 import numpy as np
 
 from cachegw.embeddings.batcher import EmbeddingBatcher
+from cachegw.embeddings.memo import QueryVectors
 from cachegw.gateway.cache.error_control import ScopeLine, ThresholdProvider
 from cachegw.gateway.cache.lookup import Lookup
 from cachegw.gateway.cache.memo import EntryMemo
-from cachegw.gateway.cache.model_memo import QueryVectors
 from cachegw.gateway.config import CacheConfig
 from cachegw.gateway.storage.interfaces import VectorIndex
 from cachegw.gateway.storage.request_record import CacheResult
@@ -46,7 +46,7 @@ class SemanticTier:
         lines: ThresholdProvider | None = None,
     ) -> None:
         """``lines`` gives each scope's false-hit-bound line (None: static thresholds only); the vectors
-        of recent query texts are kept (``[cache] model_memo_entries``, gateway/cache/model_memo.py)."""
+        of recent query texts are kept (``[cache] model_memo_entries``, embeddings/memo.py)."""
         self.settings = settings
         self.lines = lines
         self.index = index

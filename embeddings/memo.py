@@ -19,15 +19,20 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 
 from cachegw.embeddings.batcher import EmbeddingBatcher
-from cachegw.policies.verifier import PairScorer
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
+
+
+class PairScorer(Protocol):
+    """A model that scores pairs of texts (the cross-encoder; policies.verifier.PairScorer's shape)."""
+
+    def score_batch(self, q_new: list[str], q_old: list[str]) -> np.ndarray: ...
 
 
 class Lru(Generic[K, V]):
