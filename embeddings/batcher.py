@@ -5,13 +5,6 @@ so concurrent lookups are gathered for at most ``window_ms`` (or until ``max_bat
 encoder call on a single worker thread, keeping the event loop free. While a batch is being encoded, new
 requests queue and go out together as soon as the encoder is free: under load batches grow by themselves
 instead of piling up small ones behind each other.
-
-A free encoder takes at most half of a queue of more than two (``split``): the rest is the next batch,
-ready the moment this one ends. Taking the whole queue makes a closed loop of clients move in lockstep: every
-client waits in one batch while the event loop idles, then the loop answers them all while the encoder
-idles, so the two never work at once (230 hits/s at 32 connections where the encoder alone could do
-more). The encoder's time is nearly linear in the texts (a MiniLM call is compute-bound past a few), so
-halves cost little and the first half is answered sooner.
 """
 
 from __future__ import annotations
@@ -39,9 +32,7 @@ class EmbeddingBatcher:
     Not thread-safe: use it from one event loop (the gateway's); the encoder runs on its own worker thread.
     """
 
-    def __init__(
-        self, encoder: SupportsEncode, window_ms: float = 2.0, max_batch: int = 64, split: bool = True
-    ) -> None:
+    def __init__(self, encoder: SupportsEncode, window_ms: float = 2.0, max_batch: int = 64) -> None:
         if window_ms < 0:
             raise ValueError(f"window_ms must be >= 0, got {window_ms}")
         if max_batch < 1:
@@ -49,7 +40,6 @@ class EmbeddingBatcher:
         self._encoder = encoder
         self._window_s = window_ms / 1000.0
         self._max_batch = max_batch
-        self._split = split
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embed")
         self._pending: list[_Pending] = []
         self._timer: asyncio.TimerHandle | None = None
@@ -110,12 +100,11 @@ class EmbeddingBatcher:
             self._timer = None
         if self._busy or self._closed:
             return
-        self._pending = [(t, f) for t, f in self._pending if not f.done()]  # drop cancelled
-        take = min(self._max_batch, len(self._pending))
-        if self._split and take > 2:  # (two: one request's pair, embed_many, stays one call)
-            take = min(take, (len(self._pending) + 1) // 2)  # the rest is the next batch, ready at once
-        batch, self._pending = self._pending[:take], self._pending[take:]
+        batch = [(t, f) for t, f in self._pending[: self._max_batch] if not f.done()]  # drop cancelled
+        self._pending = self._pending[self._max_batch :]
         if not batch:
+            if self._pending:
+                self._dispatch()
             return
         self._busy = True
         task = asyncio.get_running_loop().create_task(self._run(batch))

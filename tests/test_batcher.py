@@ -47,7 +47,7 @@ class Counting:
 
 async def test_concurrent_calls_share_encoder_calls_and_match_direct(encoder: Encoder) -> None:
     counting = Counting(encoder)
-    batcher = EmbeddingBatcher(counting, window_ms=20.0, max_batch=64, split=False)
+    batcher = EmbeddingBatcher(counting, window_ms=20.0, max_batch=64)
     vecs = await asyncio.gather(*(batcher.embed(t) for t in TEXTS))
     batcher.close()
     assert len(counting.calls) == 1 and sorted(counting.calls[0]) == sorted(TEXTS)
@@ -59,7 +59,7 @@ async def test_concurrent_calls_share_encoder_calls_and_match_direct(encoder: En
 
 async def test_max_batch_splits_and_dispatches_without_waiting(encoder: Encoder) -> None:
     counting = Counting(encoder)
-    batcher = EmbeddingBatcher(counting, window_ms=60_000.0, max_batch=4, split=False)  # max_batch triggers
+    batcher = EmbeddingBatcher(counting, window_ms=60_000.0, max_batch=4)  # only max_batch can trigger
     t0 = time.perf_counter()
     out = await asyncio.wait_for(batcher.embed_many(TEXTS), timeout=30)
     assert time.perf_counter() - t0 < 30
@@ -80,7 +80,7 @@ async def test_single_caller_only_waits_the_window(encoder: Encoder) -> None:
 
 async def test_requests_arriving_while_busy_go_out_together(encoder: Encoder) -> None:
     counting = Counting(encoder)
-    batcher = EmbeddingBatcher(counting, window_ms=0.0, split=False)
+    batcher = EmbeddingBatcher(counting, window_ms=0.0)
     first = asyncio.ensure_future(batcher.embed(TEXTS[0]))
     await asyncio.sleep(0.001)  # the first batch is now encoding in the worker thread
     rest = asyncio.gather(*(batcher.embed(t) for t in TEXTS[1:]))
@@ -89,28 +89,9 @@ async def test_requests_arriving_while_busy_go_out_together(encoder: Encoder) ->
     assert [len(c) for c in counting.calls] == [1, 7]
 
 
-async def test_split_takes_half_of_the_queue_and_keeps_the_rest_ready(encoder: Encoder) -> None:
-    """The default: a free encoder takes half of a queue of more than two, so the other half is the next
-    batch the moment it ends (clients in a closed loop then keep encoder and event loop busy at once);
-    every caller still gets its own text's vector."""
-    counting = Counting(encoder)
-    batcher = EmbeddingBatcher(counting, window_ms=0.0)
-    first = asyncio.ensure_future(batcher.embed(TEXTS[0]))
-    await asyncio.sleep(0.001)  # the first batch is now encoding in the worker thread
-    rest = asyncio.gather(*(batcher.embed(t) for t in TEXTS[1:]))
-    pair = asyncio.ensure_future(batcher.embed_many(["a question", "another question"]))
-    out = await asyncio.wait_for(asyncio.gather(first, rest), timeout=30)
-    await asyncio.wait_for(pair, timeout=30)
-    batcher.close()
-    # 7 + 2 queued behind the first: 5 (half of 9, rounded up), then 2 of the 4 left, then the last 2 at once
-    assert [len(c) for c in counting.calls] == [1, 5, 2, 2]
-    assert [t for c in counting.calls for t in c] == [*TEXTS, "a question", "another question"]
-    np.testing.assert_allclose(np.stack([out[0], *out[1]]), encoder.encode(TEXTS), atol=1e-5)
-
-
 async def test_errors_reach_every_caller_of_the_batch(encoder: Encoder) -> None:
     counting = Counting(encoder)
-    batcher = EmbeddingBatcher(counting, window_ms=20.0, split=False)  # the three in one batch
+    batcher = EmbeddingBatcher(counting, window_ms=20.0)
     results = await asyncio.gather(
         *(batcher.embed(t) for t in ["ok one", "boom", "ok two"]), return_exceptions=True
     )
