@@ -110,11 +110,11 @@ def main() -> None:
             await batcher.embed(RETYPED[i % 40])
             times.append((time.perf_counter() - t) * 1e3)
         out["batcher embed, one text (with its thread hop)"] = {"p50_ms": round(statistics.median(times), 4)}
-        await vectors.embed(RETYPED[3])
+        await vectors.embed(RETYPED[3], "scope")
         times = []
         for _ in range(n):
             t = time.perf_counter()
-            await vectors.embed(RETYPED[3])
+            await vectors.embed(RETYPED[3], "scope")
             times.append((time.perf_counter() - t) * 1e3)
         out["query vector, kept"] = {"p50_ms": round(statistics.median(times), 4)}
         batcher.close()

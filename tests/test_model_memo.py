@@ -16,7 +16,7 @@ import pytest
 
 from cachegw.embeddings.batcher import EmbeddingBatcher
 from cachegw.embeddings.encoder import make_encoder
-from cachegw.embeddings.memo import Lru, PairScores, QueryVectors
+from cachegw.embeddings.memo import MEMO_SCOPE, Lru, PairScores, QueryVectors
 from cachegw.gateway.api.app import build_app
 from cachegw.gateway.cache.verifier_loader import load_verifier
 from cachegw.gateway.compose import started_gateway
@@ -50,20 +50,22 @@ def test_lru_keeps_the_most_recent_and_zero_keeps_nothing() -> None:
 async def test_a_repeated_text_is_not_encoded_again(encoder) -> None:  # type: ignore[no-untyped-def]
     batcher = EmbeddingBatcher(encoder, window_ms=0.0)
     vectors = QueryVectors(batcher, size=8)
-    first = await vectors.embed(RETYPED[0])
+    first = await vectors.embed(RETYPED[0], "scope-a")
     assert batcher.texts == 1
-    again = await vectors.embed(RETYPED[0])
+    again = await vectors.embed(RETYPED[0], "scope-a")
     assert batcher.texts == 1 and again is first and not again.flags.writeable
     np.testing.assert_allclose(first, encoder.encode([RETYPED[0]])[0], atol=1e-5)
-    both = await vectors.embed_many([RETYPED[1], RETYPED[0], RETYPED[1]])  # one new text, encoded once
+    both = await vectors.embed_many([RETYPED[1], RETYPED[0], RETYPED[1]], "scope-a")  # one new text
     assert batcher.texts == 2 and both.shape == (3, encoder.dim)
     np.testing.assert_array_equal(both[1], first)
     np.testing.assert_array_equal(both[0], both[2])
     np.testing.assert_allclose(both[0], encoder.encode([RETYPED[1]])[0], atol=1e-5)
+    await vectors.embed(RETYPED[0], "scope-b")  # another tenant's scope: its own repeat, not a's
+    assert batcher.texts == 3
     off = QueryVectors(batcher, size=0)
-    await off.embed(RETYPED[0])
-    await off.embed(RETYPED[0])
-    assert batcher.texts == 4  # nothing kept: each call encodes
+    await off.embed(RETYPED[0], "scope-a")
+    await off.embed(RETYPED[0], "scope-a")
+    assert batcher.texts == 5  # nothing kept: each call encodes
     batcher.close()
 
 
@@ -92,6 +94,12 @@ def test_a_repeated_pair_is_not_scored_again() -> None:
     again = scores.score_batch([a[1], a[0], "What is the capital of France?"], [b[1], b[0], "Paris?"])
     assert counting.pairs == 3  # only the new pair was scored
     assert again[0] == got[1] and again[1] == got[0]
+    token = MEMO_SCOPE.set("another tenant's scope")
+    try:
+        np.testing.assert_array_equal(scores.score_batch(a, b), got)
+        assert counting.pairs == 5  # kept per scope: scored again
+    finally:
+        MEMO_SCOPE.reset(token)
 
 
 @contextlib.contextmanager
