@@ -12,7 +12,10 @@ hidden from it).
 
 ``--semantic`` asks each stored question re-typed (first letter lower-cased, " ?" appended: what a
 second user types, an exact-tier miss), so every answer is a semantic hit: query embedding, index,
-alignment and verifier. Results go to bench/results/hit_path_semantic.json.
+alignment and verifier. Results go to bench/results/hit_path_semantic.json. The re-typed questions are
+repeats: after its first asking each one's vector and cross-encoder score are kept (``[cache]
+model_memo_entries``), so a gateway with that memo runs no model for them; ``--this-config
+'[cache]\nmodel_memo_entries = 0\n'`` measures this side as a paraphrase never seen before costs.
 
 Needs `wrk` (Debian: `apt-get install wrk`) for the throughput part; without it only latency is taken.
 """

@@ -20,7 +20,9 @@ the layout (the decode step eager in both); "after, compiled" adds the default c
         [--layouts "after; after, cross-encoder always"]
 
 "after, cross-encoder always" is the split layout with the semantic hit as it was before the MLP could
-spare the cross-encoder (`[cache.verifier] skip_cross_from = 2.0`).
+spare the cross-encoder (`[cache.verifier] skip_cross_from = 2.0`); "after, no model memo" the split
+layout with every repeated paraphrase running its models again (`[cache] model_memo_entries = 0`), as a
+paraphrase never seen before does.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ LAYOUTS = {
     "after, compiled": '[engine]\ncompile = "startup"\n',  # and the compiled decode step
     # the split layout with the semantic hit as it was: the cross-encoder asked about every candidate
     "after, cross-encoder always": '[engine]\ncompile = "off"\n[cache.verifier]\nskip_cross_from = 2.0\n',
+    # the split layout with every repeat of a paraphrase running the models again (no model memo)
+    "after, no model memo": '[engine]\ncompile = "off"\n[cache]\nmodel_memo_entries = 0\n',
 }
 
 

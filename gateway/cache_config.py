@@ -206,6 +206,11 @@ class CacheConfig(Strict):
         description="exact keys each replica mirrors in memory, least recently used dropped (one not "
         "mirrored is one indexed query); 0 = all (read at start)",
     )
+    model_memo_entries: int = Field(
+        ge=0,
+        description="query vectors and cross-encoder scores kept by their exact text, least recently used "
+        "dropped: a repeated question runs no model; 0 = off (read at start)",
+    )
     encoder: EncoderConfig = Field(description="the query encoder")
     verifier: VerifierConfig = Field(description="the pair verifier")
     error_bound: ErrorBoundConfig = Field(description="the bounded false-hit rate")

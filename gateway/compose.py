@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from cachegw.embeddings.batcher import EmbeddingBatcher
 from cachegw.embeddings.encoder import make_encoder
 from cachegw.embeddings.index import ScopedIndex
+from cachegw.embeddings.memo import PairScores
 from cachegw.gateway.cache.audits import Auditor
 from cachegw.gateway.cache.error_control import ThresholdProvider
 from cachegw.gateway.cache.feedback import BadHitReports
@@ -49,6 +50,7 @@ from cachegw.gateway.storage.volatile_store import VolatileStore
 from cachegw.gateway.upstream.health import HealthProbes
 from cachegw.gateway.upstream.proxy import Backends
 from cachegw.gateway.upstream.supervisor import BuiltinBackend
+from cachegw.policies.verifier import Verifier
 
 log = logging.getLogger("cachegw.gateway")
 EXPIRY_EVERY_S = 60.0
@@ -86,6 +88,8 @@ async def started_gateway(
     await asyncio.to_thread(encoder.encode, ["warm-up"])
     # loaded even when switched off: the admin API can switch it on at run time
     verifier = await asyncio.to_thread(load_verifier, c, settings.engine.resolved_cache_dir)
+    if verifier.cross is not None and c.model_memo_entries:  # a repeated pair is not scored again
+        verifier = Verifier(verifier.params, verifier.meta, PairScores(verifier.cross, c.model_memo_entries))
     index = await asyncio.to_thread(vector_index, settings, store, encoder.dim)
     evidence = EvidenceStore(store.session)
     priors = await asyncio.to_thread(load_priors, c.error_bound.false_hit_prior)

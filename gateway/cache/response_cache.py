@@ -159,7 +159,7 @@ class ResponseCache:
         if scope is None:
             embedding = None
         elif keys.query and embedding is None:
-            embedding = await self.semantic.embed(keys.query)
+            embedding = await self.semantic.embed(keys.query, scope)
         usage = response.get("usage") or {}
         entry = self._entry(
             tenant,

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import numpy as np
 
 from cachegw.embeddings.batcher import EmbeddingBatcher
+from cachegw.embeddings.memo import MEMO_SCOPE, QueryVectors
 from cachegw.gateway.cache.error_control import ScopeLine, ThresholdProvider
 from cachegw.gateway.cache.lookup import Lookup
 from cachegw.gateway.cache.memo import EntryMemo
@@ -44,11 +45,13 @@ class SemanticTier:
         memo: EntryMemo,
         lines: ThresholdProvider | None = None,
     ) -> None:
-        """``lines`` gives each scope's false-hit-bound line (None: static thresholds only)."""
+        """``lines`` gives each scope's false-hit-bound line (None: static thresholds only); the vectors
+        of recent query texts are kept (``[cache] model_memo_entries``, embeddings/memo.py)."""
         self.settings = settings
         self.lines = lines
         self.index = index
         self.batcher = batcher
+        self.vectors = QueryVectors(batcher, settings().model_memo_entries) if batcher is not None else None
         self.verifier = verifier
         self.memo = memo
 
@@ -57,8 +60,8 @@ class SemanticTier:
         c = self.settings()
         return c.thresholds_by_tenant.get(tenant_name, c.thresholds_by_model.get(model, c.threshold))
 
-    async def embed(self, text: str) -> np.ndarray | None:
-        return await self.batcher.embed(text) if self.batcher is not None else None
+    async def embed(self, text: str, scope: str) -> np.ndarray | None:
+        return await self.vectors.embed(text, scope) if self.vectors is not None else None
 
     async def lookup(
         self,
@@ -72,9 +75,10 @@ class SemanticTier:
         """The nearest servable paraphrase in the request's scope (``keys.scope`` and ``keys.query``
         set, and a batcher: the caller checks), or a miss saying why the nearest was refused.
         ``max_rate``: the request's own false-hit target, tightening (or setting) its scope's."""
-        assert self.batcher is not None and keys.scope and keys.query
+        assert self.vectors is not None and keys.scope and keys.query
         t_embed = time.perf_counter()
-        vec = await self.batcher.embed(keys.query)
+        MEMO_SCOPE.set(keys.scope)  # the cross-encoder's kept scores are this scope's (embeddings/memo.py)
+        vec = await self.vectors.embed(keys.query, keys.scope)
         embed_ms = (time.perf_counter() - t_embed) * 1e3
         threshold = self.threshold_for(model, tenant_name)
         c = self.settings()
@@ -164,8 +168,8 @@ class SemanticTier:
         c = self.settings()
         if not c.verifier.enabled or self.verifier is None or entry.embedding is None:
             return by_line(sim)
-        if al.reembed and self.batcher is not None:
-            emb = await self.batcher.embed_many([al.focus_new, al.focus_old])
+        if al.reembed and self.vectors is not None:
+            emb = await self.vectors.embed_many([al.focus_new, al.focus_old], entry.scope)
             u, v = emb[0], emb[1]
         else:
             u, v = vec, np.frombuffer(entry.embedding, dtype=np.float32)
