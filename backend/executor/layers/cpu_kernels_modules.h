@@ -101,21 +101,31 @@ at::Tensor paged_attention_op(const at::Tensor& q_in, const at::Tensor& k_cache,
   const float* vp = v_cache.data_ptr<float>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
-  const int64_t tasks = static_cast<int64_t>(order.size()) * heads;
+  // a row's query heads of one KV head together where this build has the grouped kernel (the same bits)
+  const AttendGroup grouped = attend_group_for(group, d);
+  const int64_t per_row = grouped != nullptr ? kv_heads : heads;
+  const int64_t tasks = static_cast<int64_t>(order.size()) * per_row;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end_task) {
-    std::vector<float> scores(width * block_size);
+    const int64_t span = width * block_size;
+    std::vector<float> scores((grouped != nullptr ? group : 1) * span);
     for (int64_t task = begin; task < end_task; ++task) {
-      const auto [row, s] = order[task / heads];
-      const int64_t h = task % heads, kvh = h / group, at = row * heads + h;
+      const auto [row, s] = order[task / per_row];
+      const int64_t part = task % per_row;
       // this row's context: the sequence's, less the rows after it in the chunk
-      const int64_t end = std::min<int64_t>(lens[s] - (starts[s + 1] - 1 - row), width * block_size);
+      const int64_t end = std::min<int64_t>(lens[s] - (starts[s + 1] - 1 - row), span);
       const int64_t start = window > 0 ? std::max<int64_t>(0, end - window) : 0;
+      const int64_t first = grouped != nullptr ? part * group : part, count = grouped != nullptr ? group : 1;
+      const int64_t at = row * heads + first, kvh = first / group;
       if (end <= start) {
-        std::fill(op + at * d, op + (at + 1) * d, 0.0f);
+        std::fill(op + at * d, op + (at + count) * d, 0.0f);
         continue;
       }
-      attend_one(qp + at * d, kp + kvh * d, vp + kvh * d, tables + s * width, start, end, block_size, row_stride,
-                 static_cast<float>(scale), scores.data(), op + at * d, d);
+      if (grouped != nullptr)
+        grouped(qp + at * d, kp + kvh * d, vp + kvh * d, tables + s * width, start, end, block_size, row_stride,
+                static_cast<float>(scale), scores.data(), span, op + at * d);
+      else
+        attend_one(qp + at * d, kp + kvh * d, vp + kvh * d, tables + s * width, start, end, block_size, row_stride,
+                   static_cast<float>(scale), scores.data(), op + at * d, d);
     }
   });
   return out;
