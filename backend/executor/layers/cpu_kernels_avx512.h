@@ -154,6 +154,19 @@ void attend_one(const float* q, const float* kc, const float* vc, const int32_t*
   for (int64_t j = 0; j < nv; ++j) _mm512_storeu_ps(out + j * 16, _mm512_mul_ps(o[j], _mm512_set1_ps(inv)));
 }
 
+// _mm512_reduce_add_ps of 16 vectors at once, by its own tree (lanes i + 8, then i + 4, i + 2, i + 1),
+// so each result has its bits: lane 4c + m holds the sum of a[4m + c].
+inline __m512 reduce16(const __m512* a) {
+  __m512 p[8], u[4];
+  for (int m = 0; m < 8; ++m)
+    p[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0x44), _mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0xEE));
+  for (int j = 0; j < 4; ++j)
+    u[j] = _mm512_add_ps(_mm512_shuffle_f32x4(p[2 * j], p[2 * j + 1], 0x88), _mm512_shuffle_f32x4(p[2 * j], p[2 * j + 1], 0xDD));
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], 0x44), _mm512_shuffle_ps(u[0], u[1], 0xEE));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_ps(u[2], u[3], 0x44), _mm512_shuffle_ps(u[2], u[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(w0, w1, 0x88), _mm512_shuffle_ps(w0, w1, 0xDD));
+}
+
 // G query heads of one row that share a KV head (NV * 16 = D), each computed by attend_one's own
 // sequence of operations (so the same bits), with each key and value read once for all G and G
 // independent chains in flight: a prefill chunk's rows (cpu_kernels_modules.h). scores: G * span.
@@ -166,7 +179,25 @@ void attend_group(const float* q, const float* kc, const float* vc, const int32_
     for (int j = 0; j < NV; ++j) qv[g][j] = _mm512_mul_ps(_mm512_loadu_ps(q + g * d + j * 16), _mm512_set1_ps(scale));
   float best[G];
   for (int g = 0; g < G; ++g) best[g] = -INFINITY;
-  for (int64_t t = start; t < end; ++t) {
+  int64_t t = start;
+  for (; t + 16 <= end; t += 16) {  // 16 keys at once: their sums reduced together
+    const float* k16[16];
+    for (int i = 0; i < 16; ++i) {
+      const int64_t at = t + 4 * (i % 4) + i / 4;  // reduce16's lane order
+      k16[i] = kc + (static_cast<int64_t>(table[at / block_size]) * block_size + at % block_size) * row_stride;
+    }
+    for (int g = 0; g < G; ++g) {
+      __m512 acc[16];
+      for (int i = 0; i < 16; ++i) {
+        acc[i] = _mm512_mul_ps(qv[g][0], _mm512_loadu_ps(k16[i]));
+        for (int j = 1; j < NV; ++j) acc[i] = _mm512_fmadd_ps(qv[g][j], _mm512_loadu_ps(k16[i] + j * 16), acc[i]);
+      }
+      const __m512 sc = reduce16(acc);
+      _mm512_storeu_ps(scores + g * span + t - start, sc);
+      best[g] = std::max(best[g], _mm512_reduce_max_ps(sc));
+    }
+  }
+  for (; t < end; ++t) {
     const int64_t row = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
     const float* k = kc + row * row_stride;
     __m512 kv[NV];

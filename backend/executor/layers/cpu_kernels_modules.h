@@ -64,7 +64,7 @@ at::Tensor silu_mul_op(const at::Tensor& gu_in) {
 // (attend_one over the keys at positions [start, its own position]): q [T, H, D]; sequence s holds rows
 // query_start_loc[s] .. [s + 1], the last of them at position seq_lens[s] - 1. The K/V of the step are
 // in the caches already. Rows are handed to threads in pairs from both ends of each sequence, so a
-// causal prefill's short and long rows share the work evenly.
+// causal prefill's short and long rows share the work evenly, one KV head after another.
 at::Tensor paged_attention_op(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
                               const at::Tensor& query_start_loc, double scale, int64_t window) {
@@ -109,8 +109,10 @@ at::Tensor paged_attention_op(const at::Tensor& q_in, const at::Tensor& k_cache,
     const int64_t span = width * block_size;
     std::vector<float> scores((grouped != nullptr ? group : 1) * span);
     for (int64_t task = begin; task < end_task; ++task) {
-      const auto [row, s] = order[task / per_row];
-      const int64_t part = task % per_row;
+      // one KV head's rows after another: a thread's keys and values stay in its cache
+      const int64_t rows_n = static_cast<int64_t>(order.size());
+      const auto [row, s] = order[task % rows_n];
+      const int64_t part = task / rows_n;
       // this row's context: the sequence's, less the rows after it in the chunk
       const int64_t end = std::min<int64_t>(lens[s] - (starts[s + 1] - 1 - row), span);
       const int64_t start = window > 0 ? std::max<int64_t>(0, end - window) : 0;
