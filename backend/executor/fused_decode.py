@@ -172,4 +172,17 @@ def fused_decode_for(
         return None
     log.info("decode-only steps run fused in cachegw's CPU kernels (one call a step, nothing to compile)")
     assert ops is not None
+    share_arithmetic(model, ops)
     return FusedDecode(model, ops)
+
+
+def share_arithmetic(model: LlamaForCausalLM, ops: str) -> None:
+    """The modules' norms, SiLU and attention on the fused step's own ops (``cpu_kernels_modules.h``),
+    so that a token gives the same bits decoded fused, decoded eagerly, or inside a prefill (any chunk,
+    after any prefix-cache hit): the rest of a layer (projections, rotary, adds) has the same bits
+    already."""
+    cast(RMSNorm, model.norm).ops = ops
+    for layer in cast(list[LlamaDecoderLayer], list(model.layers)):
+        layer.input_layernorm.ops = layer.post_attention_layernorm.ops = ops
+        cast(LlamaMLP, layer.mlp).ops = ops
+        cast(PagedAttention, layer.self_attn.attn).row_ops = ops

@@ -319,14 +319,9 @@ class ModelRunner:
             assert self.graphs is not None
             hidden = self.graphs.replay(graph_size, inputs)
             return StepOutput(self.model.compute_logits(hidden), inputs.sample_seq_indices, {})
-        # A prompt's tokens (a prefix hit's last one too) always run the modules, so a prompt's logits do
-        # not depend on how much of it the prefix cache held: the fused step rounds a little differently.
-        decode_only = (
-            not lora
-            and inputs.meta.max_query_len == 1
-            and not inputs.prompt_rows
-            and all(seq.num_computed_tokens >= seq.num_prompt_tokens for seq in batch.seqs)
-        )
+        # The modules share the fused step's arithmetic (fused_decode.share_arithmetic), so a prefix
+        # hit's last prompt token may run fused too: the same bits as in the prompt's prefill.
+        decode_only = not lora and inputs.meta.max_query_len == 1 and not inputs.prompt_rows
         if self.fused is not None and decode_only and inputs.sample_seq_indices:
             fused_hidden = self.fused(inputs.input_ids, inputs.positions, inputs.meta)
             if fused_hidden is not None:  # None: it failed (logged), the modules run

@@ -322,6 +322,9 @@ class PagedAttention(torch.nn.Module):
         # torch's); the runner sets it where ``[engine] cpu_kernels``, the CPU, the head size and
         # float32 caches allow
         self.native_decode: str | None = None
+        # every query row on cachegw's decode kernel (the op namespace), where the fused decode step runs:
+        # a row's result then follows neither the step's row count nor what the prefix cache held
+        self.row_ops: str | None = None
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
@@ -354,6 +357,12 @@ class PagedAttention(torch.nn.Module):
             return decode_attention_torch(
                 q, self.k_cache, self.v_cache, meta, self.scale, window, self.softcap
             )
+        if self.row_ops is not None:
+            store_kv_torch(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            return getattr(torch.ops, self.row_ops).paged_attention(
+                q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                self.scale, self.sliding_window or 0,
+            )  # fmt: skip
         if meta.key_mass is not None:  # H2O: weights spelled out, each key's share summed
             from cachegw.backend.executor.layers.scored_attention import scored_attention
 

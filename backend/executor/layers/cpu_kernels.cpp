@@ -196,6 +196,7 @@ at::Tensor paged_decode_attention_impl(const at::Tensor&, const at::Tensor&, con
 }  // namespace
 #endif
 #include "cpu_kernels_decode.h"
+#include "cpu_kernels_modules.h"
 
 namespace {
 
@@ -279,10 +280,18 @@ CACHEGW_LIBRARY(CACHEGW_OPS, lib) {
       "decode_step(Tensor x, Tensor positions, Tensor slots, Tensor block_tables, Tensor seq_lens, "
       "Tensor[] weights, Tensor[] caches, Tensor final_norm, int[] ints, int heads, int kv_heads, float eps, "
       "float scale) -> Tensor");
+  lib.def("rms_norm(Tensor x, Tensor residual, Tensor w, float eps) -> Tensor[]");
+  lib.def("silu_mul(Tensor gate_up) -> Tensor");
+  lib.def(
+      "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+      "Tensor query_start_loc, float scale, int window) -> Tensor");
 }
 
 CACHEGW_LIBRARY_IMPL(CACHEGW_OPS, CPU, lib) {
   lib.impl("block_linear", &block_linear);
   lib.impl("paged_decode_attention", &paged_decode_attention);
   lib.impl("decode_step", &decode_step_op);
+  lib.impl("rms_norm", &rms_norm_op);
+  lib.impl("silu_mul", &silu_mul_op);
+  lib.impl("paged_attention", &paged_attention_op);
 }

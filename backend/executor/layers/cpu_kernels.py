@@ -37,6 +37,7 @@ SOURCES = tuple(
         "cpu_kernels_avx2.h",
         "cpu_kernels_prefill.h",
         "cpu_kernels_decode.h",
+        "cpu_kernels_modules.h",
     )
 )
 SETTINGS = ("auto", "avx512", "avxvnni", "avx2", "torch")

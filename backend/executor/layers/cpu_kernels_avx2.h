@@ -165,6 +165,11 @@ void attend_one(const float* q, const float* kc, const float* vc, const int32_t*
   for (int64_t j = 0; j < nv; ++j) _mm256_storeu_ps(out + j * 8, _mm256_mul_ps(o[j], _mm256_set1_ps(inv)));
 }
 
+// No grouped attention here: the modules' chunks run attend_one per head (cpu_kernels_modules.h).
+using AttendGroup = void (*)(const float*, const float*, const float*, const int32_t*, int64_t, int64_t, int64_t,
+                             int64_t, float, float*, int64_t, float*);
+inline AttendGroup attend_group_for(int64_t, int64_t) { return nullptr; }
+
 // --- prefill (cpu_kernels_prefill.h): 8 activation rows per vector, 4 x 1 accumulators ---
 constexpr int64_t kPrefillRows = 4, kPrefillTiles = 1;
 

@@ -154,6 +154,113 @@ void attend_one(const float* q, const float* kc, const float* vc, const int32_t*
   for (int64_t j = 0; j < nv; ++j) _mm512_storeu_ps(out + j * 16, _mm512_mul_ps(o[j], _mm512_set1_ps(inv)));
 }
 
+// _mm512_reduce_add_ps of 16 vectors at once, by its own tree (lanes i + 8, then i + 4, i + 2, i + 1),
+// so each result has its bits: lane 4c + m holds the sum of a[4m + c].
+inline __m512 reduce16(const __m512* a) {
+  __m512 p[8], u[4];
+  for (int m = 0; m < 8; ++m)
+    p[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0x44), _mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0xEE));
+  for (int j = 0; j < 4; ++j)
+    u[j] = _mm512_add_ps(_mm512_shuffle_f32x4(p[2 * j], p[2 * j + 1], 0x88), _mm512_shuffle_f32x4(p[2 * j], p[2 * j + 1], 0xDD));
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], 0x44), _mm512_shuffle_ps(u[0], u[1], 0xEE));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_ps(u[2], u[3], 0x44), _mm512_shuffle_ps(u[2], u[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(w0, w1, 0x88), _mm512_shuffle_ps(w0, w1, 0xDD));
+}
+
+// G query heads of one row that share a KV head (NV * 16 = D), each computed by attend_one's own
+// sequence of operations (so the same bits), with each key and value read once for all G and G
+// independent chains in flight: a prefill chunk's rows (cpu_kernels_modules.h). scores: G * span.
+template <int G, int NV>
+void attend_group(const float* q, const float* kc, const float* vc, const int32_t* table, int64_t start, int64_t end,
+                  int64_t block_size, int64_t row_stride, float scale, float* scores, int64_t span, float* out) {
+  constexpr int64_t d = NV * 16;
+  __m512 qv[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < NV; ++j) qv[g][j] = _mm512_mul_ps(_mm512_loadu_ps(q + g * d + j * 16), _mm512_set1_ps(scale));
+  float best[G];
+  for (int g = 0; g < G; ++g) best[g] = -INFINITY;
+  int64_t t = start;
+  for (; t + 16 <= end; t += 16) {  // 16 keys at once: their sums reduced together
+    const float* k16[16];
+    for (int i = 0; i < 16; ++i) {
+      const int64_t at = t + 4 * (i % 4) + i / 4;  // reduce16's lane order
+      k16[i] = kc + (static_cast<int64_t>(table[at / block_size]) * block_size + at % block_size) * row_stride;
+    }
+    for (int g = 0; g < G; ++g) {
+      __m512 acc[16];
+      for (int i = 0; i < 16; ++i) {
+        acc[i] = _mm512_mul_ps(qv[g][0], _mm512_loadu_ps(k16[i]));
+        for (int j = 1; j < NV; ++j) acc[i] = _mm512_fmadd_ps(qv[g][j], _mm512_loadu_ps(k16[i] + j * 16), acc[i]);
+      }
+      const __m512 sc = reduce16(acc);
+      _mm512_storeu_ps(scores + g * span + t - start, sc);
+      best[g] = std::max(best[g], _mm512_reduce_max_ps(sc));
+    }
+  }
+  for (; t < end; ++t) {
+    const int64_t row = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+    const float* k = kc + row * row_stride;
+    __m512 kv[NV];
+    for (int j = 0; j < NV; ++j) kv[j] = _mm512_loadu_ps(k + j * 16);
+    for (int g = 0; g < G; ++g) {
+      __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
+      for (int j = 1; j < NV; ++j) acc = _mm512_fmadd_ps(qv[g][j], kv[j], acc);
+      const float sc = _mm512_reduce_add_ps(acc);
+      scores[g * span + t - start] = sc;
+      best[g] = std::max(best[g], sc);
+    }
+  }
+  const int64_t len = end - start;
+  float inv[G];
+  for (int g = 0; g < G; ++g) {
+    float* sg = scores + g * span;
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t i = 0; i < len; i += 16) {
+      const __mmask16 m = len - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (len - i)) - 1);
+      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + i), _mm512_set1_ps(best[g])));
+      _mm512_mask_storeu_ps(sg + i, m, e);
+      total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
+    }
+    inv[g] = 1.0f / _mm512_reduce_add_ps(total);
+  }
+  __m512 o[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < NV; ++j) o[g][j] = _mm512_setzero_ps();
+  for (int64_t t = start; t < end; ++t) {
+    const int64_t row = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+    const float* v = vc + row * row_stride;
+    __m512 vv[NV];
+    for (int j = 0; j < NV; ++j) vv[j] = _mm512_loadu_ps(v + j * 16);
+    for (int g = 0; g < G; ++g) {
+      const __m512 w = _mm512_set1_ps(scores[g * span + t - start]);
+      for (int j = 0; j < NV; ++j) o[g][j] = _mm512_fmadd_ps(w, vv[j], o[g][j]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(out + g * d + j * 16, _mm512_mul_ps(o[g][j], _mm512_set1_ps(inv[g])));
+}
+
+// attend_group for this shape, or nullptr (then attend_one per head).
+using AttendGroup = void (*)(const float*, const float*, const float*, const int32_t*, int64_t, int64_t, int64_t,
+                             int64_t, float, float*, int64_t, float*);
+template <int NV>
+AttendGroup attend_group_for(int64_t group) {
+  switch (group) {
+    case 1: return &attend_group<1, NV>;
+    case 2: return &attend_group<2, NV>;
+    case 3: return &attend_group<3, NV>;
+    case 4: return &attend_group<4, NV>;
+    case 5: return &attend_group<5, NV>;
+    case 6: return &attend_group<6, NV>;
+    case 7: return &attend_group<7, NV>;
+    case 8: return &attend_group<8, NV>;
+    default: return nullptr;
+  }
+}
+inline AttendGroup attend_group_for(int64_t group, int64_t d) {
+  return d == 64 ? attend_group_for<4>(group) : d == 128 ? attend_group_for<8>(group) : nullptr;
+}
+
 // --- prefill (cpu_kernels_prefill.h): 16 activation rows per vector, 4 x 2 accumulators ---
 constexpr int64_t kPrefillRows = 4, kPrefillTiles = 2;
 

@@ -23,6 +23,7 @@ from cachegw.backend.executor.layers.rotary import RotaryEmbedding
 
 # Architectures whose sliding window (when set) applies to every layer, as transformers' own models do.
 WINDOW_EVERY_LAYER = ("MistralForCausalLM", "Phi3ForCausalLM")
+_NONE = torch.empty(0)
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,9 @@ def layer_windows(config, arch: str) -> tuple[int | None, ...]:
 class RMSNorm(nn.Module):
     """RMSNorm in float32 whatever the weights' dtype; optionally adds the residual first."""
 
+    # cachegw's kernels' op namespace where the fused decode step runs: the norm as it computes it
+    ops: str | None = None
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
@@ -137,6 +141,10 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.ops is not None:
+            added = _NONE if residual is None else residual
+            parts = getattr(torch.ops, self.ops).rms_norm(x, added, self.weight, self.eps)
+            return parts[0] if residual is None else (parts[0], parts[1])
         if residual is not None:
             x = x + residual
             residual = x
@@ -186,8 +194,11 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
         self.act: Callable[[torch.Tensor], torch.Tensor] = F.silu  # Gemma: GeLU (tanh)
+        self.ops: str | None = None  # as RMSNorm.ops: SiLU(gate) * up in cachegw's kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None:
+            return self.down_proj(getattr(torch.ops, self.ops).silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
