@@ -176,13 +176,22 @@ def fused_decode_for(
     return FusedDecode(model, ops)
 
 
+# builds whose paged_attention puts a KV head's query heads together (cpu_kernels_modules.h): fast
+# enough to run every prefill chunk
+ROW_ATTENTION = ("cachegw_avx512",)
+
+
 def share_arithmetic(model: LlamaForCausalLM, ops: str) -> None:
     """The modules' norms, SiLU and attention on the fused step's own ops (``cpu_kernels_modules.h``),
     so that a token gives the same bits decoded fused, decoded eagerly, or inside a prefill (any chunk,
     after any prefix-cache hit): the rest of a layer (projections, rotary, adds) has the same bits
-    already."""
+    already. Steps of one row per sequence (decodes, a prefix hit's one-token tail) always run the row
+    kernel; longer prefill chunks only on builds with the grouped one (``ROW_ATTENTION``): elsewhere it
+    made a 2,000-token prompt 1.44x slower than torch's attention (AVX2, docs/benchmarks.md), so there a
+    prompt's logits may depend on the prefix cache by rounding."""
     cast(RMSNorm, model.norm).ops = ops
     for layer in cast(list[LlamaDecoderLayer], list(model.layers)):
         layer.input_layernorm.ops = layer.post_attention_layernorm.ops = ops
         cast(LlamaMLP, layer.mlp).ops = ops
-        cast(PagedAttention, layer.self_attn.attn).row_ops = ops
+        attn = cast(PagedAttention, layer.self_attn.attn)
+        attn.row_ops, attn.row_prefill = ops, ops in ROW_ATTENTION

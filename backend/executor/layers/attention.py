@@ -325,6 +325,7 @@ class PagedAttention(torch.nn.Module):
         # every query row on cachegw's decode kernel (the op namespace), where the fused decode step runs:
         # a row's result then follows neither the step's row count nor what the prefix cache held
         self.row_ops: str | None = None
+        self.row_prefill = True  # False: prefill chunks keep torch's attention (builds without a fast one)
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
@@ -357,7 +358,7 @@ class PagedAttention(torch.nn.Module):
             return decode_attention_torch(
                 q, self.k_cache, self.v_cache, meta, self.scale, window, self.softcap
             )
-        if self.row_ops is not None:
+        if self.row_ops is not None and (self.row_prefill or q.shape[0] == meta.seq_lens.shape[0]):
             store_kv_torch(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
             return getattr(torch.ops, self.row_ops).paged_attention(
                 q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
