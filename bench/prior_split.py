@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import csv
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +86,11 @@ def nearest_pairs(rows: Rows) -> tuple[list[str], list[str], np.ndarray]:
 def meanings(rows: Rows) -> Callable[[str], str]:
     """Each question's meaning: the class QQP's duplicate links among ``rows`` join it to
     (transitively); a pair no link joins is not a duplicate."""
+    return union_find((r["question1"], r["question2"]) for r in rows if r["is_duplicate"] == "1")
+
+
+def union_find(links: Iterable[tuple[str, str]]) -> Callable[[str], str]:
+    """A text -> the representative of the class ``links`` join it to (itself where none does)."""
     parent: dict[str, str] = {}
 
     def find(x: str) -> str:
@@ -95,9 +100,9 @@ def meanings(rows: Rows) -> Callable[[str], str]:
             x = parent[x]
         return x
 
-    for r in rows:
-        a, b = find(r["question1"]), find(r["question2"])
-        if r["is_duplicate"] == "1":
+    for x, y in links:
+        a, b = find(x), find(y)
+        if a != b:
             parent[a] = b
     return find
 

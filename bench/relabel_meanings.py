@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from bench.prior_split import union_find
+
 Rows = list[dict[str, str]]
 
 
@@ -23,23 +25,6 @@ class Relabelled:
     links_removed: int  # QQP duplicate links both call not duplicate
     links_added: int  # pairs both call duplicate that QQP did not link directly
     still_joined: int  # pairs both call not duplicate that other links still join
-
-
-def _union_find(edges: set[frozenset[str]]) -> Callable[[str], str]:
-    parent: dict[str, str] = {}
-
-    def find(x: str) -> str:
-        parent.setdefault(x, x)
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    for e in sorted(tuple(sorted(e)) for e in edges):
-        a, b = find(e[0]), find(e[-1])
-        if a != b:
-            parent[a] = b
-    return find
 
 
 def agreed_votes(test: Rows) -> tuple[dict[frozenset[str], int], int]:
@@ -70,6 +55,6 @@ def relabelled_meanings(test: Rows) -> Relabelled:
     qqp = {e for e in qqp if len(e) == 2}
     removed = {e for e in qqp if agreed.get(e) == 0}
     added = {e for e, v in agreed.items() if v == 1 and e not in qqp and len(e) == 2}
-    find = _union_find((qqp - removed) | added)
+    find = union_find((e[0], e[-1]) for e in sorted(tuple(sorted(e)) for e in (qqp - removed) | added))
     still = sum(1 for e, v in agreed.items() if v == 0 and len(e) == 2 and find(min(e)) == find(max(e)))
     return Relabelled(find, len(agreed), split, len(removed), len(added), still)
