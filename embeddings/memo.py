@@ -17,53 +17,20 @@ beside its two texts.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from contextvars import ContextVar
-from typing import Generic, Protocol, TypeVar
+from typing import Protocol
 
 import numpy as np
 
+from cachegw.configtools.lru import Lru
 from cachegw.embeddings.batcher import EmbeddingBatcher
-
-K = TypeVar("K", bound=Hashable)
-V = TypeVar("V")
 
 
 class PairScorer(Protocol):
     """A model that scores pairs of texts (the cross-encoder; policies.verifier.PairScorer's shape)."""
 
     def score_batch(self, q_new: list[str], q_old: list[str]) -> np.ndarray: ...
-
-
-class Lru(Generic[K, V]):
-    """At most ``size`` values, the least recently used dropped first (``size`` 0 keeps nothing)."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._values: OrderedDict[K, V] = OrderedDict()
-        self.hits = 0
-        self.misses = 0
-
-    def get(self, key: K) -> V | None:
-        value = self._values.get(key)
-        if value is None:
-            self.misses += 1
-            return None
-        self.hits += 1
-        self._values.move_to_end(key)
-        return value
-
-    def put(self, key: K, value: V) -> None:
-        if self.size <= 0:
-            return
-        self._values[key] = value
-        self._values.move_to_end(key)
-        if len(self._values) > self.size:
-            self._values.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._values)
 
 
 class QueryVectors:
@@ -82,7 +49,7 @@ class QueryVectors:
         if vec is None:
             vec = await self.batcher.embed(text)
             vec.flags.writeable = False  # shared by every later hit of the text
-            self.memo.put((scope, text), vec)
+            self.memo[scope, text] = vec
         return vec
 
     async def embed_many(self, texts: Sequence[str], scope: str) -> np.ndarray:
@@ -92,7 +59,7 @@ class QueryVectors:
             for t, v in zip(missing, await self.batcher.embed_many(missing), strict=True):
                 v.flags.writeable = False
                 found[t] = v
-                self.memo.put((scope, t), v)
+                self.memo[scope, t] = v
         return np.stack([found[t] for t in texts]) if texts else await self.batcher.embed_many([])
 
 
@@ -125,5 +92,5 @@ class PairScores:
             with self._lock:
                 for p, score in zip(missing, fresh, strict=True):
                     found[p] = float(score)
-                    self.memo.put(p, found[p])
+                    self.memo[p] = found[p]
         return np.array([found[p] for p in pairs], dtype=np.float32)

@@ -101,6 +101,13 @@ async def test_entry_memo_keeps_the_most_recently_used(tmp_path):
     await memo.get([ids[0]])  # now the most recent
     assert set(await memo.get([ids[2], 999_999])) == {ids[2]}  # an unknown id is not found
     assert ids[0] in memo and ids[1] not in memo and ids[2] in memo
+    # the least recently used kept entry, asked with one only the database has: both found, and the
+    # loaded one evicts the other kept entry, not the one just read
+    memo.forget(ids[2])
+    await memo.get([ids[1]])
+    assert ids[0] in memo and ids[1] in memo  # ids[0] is the least recently used
+    assert set(await memo.get([ids[0], ids[2]])) == {ids[0], ids[2]}
+    assert ids[0] in memo and ids[1] not in memo and ids[2] in memo
     db.close()
 
 

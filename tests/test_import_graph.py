@@ -25,7 +25,7 @@ ALLOWED = {
     "configtools": set(),
     "protocol": set(),
     "backend": {"protocol", "configtools"},
-    "embeddings": set(),
+    "embeddings": {"configtools"},
     "policies": {"protocol", "configtools"},  # pure: models reach a policy as arguments
     "gateway": {"policies", "embeddings", "protocol", "configtools"},
 }

@@ -16,7 +16,7 @@ import pytest
 
 from cachegw.embeddings.batcher import EmbeddingBatcher
 from cachegw.embeddings.encoder import make_encoder
-from cachegw.embeddings.memo import MEMO_SCOPE, Lru, PairScores, QueryVectors
+from cachegw.embeddings.memo import MEMO_SCOPE, PairScores, QueryVectors
 from cachegw.gateway.api.app import build_app
 from cachegw.gateway.cache.verifier_loader import load_verifier
 from cachegw.gateway.compose import started_gateway
@@ -33,18 +33,6 @@ def encoder():  # type: ignore[no-untyped-def]
     enc = make_encoder("onnx")
     enc.encode(["warm up"])
     return enc
-
-
-def test_lru_keeps_the_most_recent_and_zero_keeps_nothing() -> None:
-    lru: Lru[str, int] = Lru(2)
-    lru.put("a", 1)
-    lru.put("b", 2)
-    assert lru.get("a") == 1  # "b" is now the least recently used
-    lru.put("c", 3)
-    assert lru.get("b") is None and lru.get("a") == 1 and lru.get("c") == 3 and len(lru) == 2
-    off: Lru[str, int] = Lru(0)
-    off.put("a", 1)
-    assert off.get("a") is None and len(off) == 0
 
 
 async def test_a_repeated_text_is_not_encoded_again(encoder) -> None:  # type: ignore[no-untyped-def]

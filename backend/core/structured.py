@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 import torch
 
 from cachegw.backend.core.sampling_params import ANY_OBJECT, InvalidParameter, StructuredOutput
+from cachegw.configtools.lru import Lru
 
 log = logging.getLogger("cachegw.backend")
 
@@ -69,9 +69,8 @@ class GrammarCompiler:
         self.hf_tokenizer = hf_tokenizer
         self.vocab_size = vocab_size
         self.eos_ids = sorted(eos_ids)
-        self.cache_size = cache_size
         self._tokenizer: Any = None
-        self._compiled: OrderedDict[tuple[bool, str, bool], Any] = OrderedDict()
+        self._compiled: Lru[tuple[bool, str, bool], Any] = Lru(cache_size)  # least recently used out first
 
     @property
     def tokenizer(self) -> Any:
@@ -100,9 +99,8 @@ class GrammarCompiler:
         if spec.embedded is not None:  # a bad response_format inside the tools' grammar is named as such
             self.compile(spec.embedded)
         key = (spec.kind == "lark", spec.schema, spec.strict)
-        hit = self._compiled.get(key)
+        hit = self._compiled.get(key)  # made recently used
         if hit is not None:
-            self._compiled.move_to_end(key)
             return hit
         options: Any = {**JSON_OPTIONS, "lenient": not spec.strict}
         what = "Invalid tool definitions" if spec.kind == "lark" else "Invalid JSON schema in response_format"
@@ -117,8 +115,6 @@ class GrammarCompiler:
         if matcher.is_error():
             raise InvalidParameter(spec.param, f"{what}: {matcher.get_error()}")
         self._compiled[key] = matcher
-        if len(self._compiled) > self.cache_size:
-            self._compiled.popitem(last=False)
         return matcher
 
     def grammar(self, spec: StructuredOutput) -> Grammar:

@@ -19,12 +19,13 @@ import json
 import logging
 import random
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
+from cachetools import FIFOCache
 
 from cachegw.embeddings.batcher import EmbeddingBatcher
 from cachegw.gateway.cache.error_control import ThresholdProvider
@@ -102,15 +103,14 @@ class Auditor:
         self.counts: Counter[str] = Counter()  # right | wrong | failed | dropped
         self.backend_tokens = 0  # spent by this replica's re-asks
         self.backend_requests = 0  # this replica's re-asks (near misses need none)
-        self._recent: OrderedDict[str, tuple[str, str, float, int | None]] = OrderedDict()
+        # the last RECENT hits by request id (ids are unique: first in, first out)
+        self._recent: FIFOCache[str, tuple[str, str, float, int | None]] = FIFOCache(RECENT)
 
     def offer(self, job: AuditJob) -> str:
         """Sample, budget, enqueue: never waits. Returns what happened (for tests and logs)."""
         c = self.config()
         if job.kind == "hit":
             self._recent[job.request_id] = (job.model, job.tenant, job.score, job.entry.id)
-            if len(self._recent) > RECENT:
-                self._recent.popitem(last=False)
         # a near miss costs no backend request: with links on, every one is compared (within the budget)
         fraction = 1.0 if job.kind == "near-miss" and c.near_miss_links else c.audits.fraction
         if fraction <= 0 or self.rng() >= fraction:

@@ -29,11 +29,13 @@ tighten its scope's target (``x-cache-max-false-hit-rate``).
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from cachetools import FIFOCache
+
+from cachegw.configtools.lru import Lru
 from cachegw.gateway.cache.links import EntryLinks
 from cachegw.gateway.cache.prior_loader import Priors
 from cachegw.gateway.config import CacheConfig
@@ -120,13 +122,14 @@ class ThresholdProvider:
         self.clock = clock
         self.ageing = ageing or Ageing()
         self.windows: dict[Scope, WindowedEvidence] = {}
-        self.entries: OrderedDict[int, WindowedEvidence] = OrderedDict()
+        # per entry, the least recently audited evicted first (the scope's line then decides for it)
+        self.entries: Lru[int, WindowedEvidence] = Lru(ENTRIES, self._evicted)
         self.entry_scope: dict[int, Scope] = {}
         self._choices: dict[tuple[int, float, float, float], Choice] = {}  # entries' own lines
         # per (scope, target, confidence, score kind, prior weight): the choice, pseudo-audits, families
         self._scoped: dict[tuple[Scope, float, float, str, PriorWeight], ScopedChoice] = {}
         # ids counted here, oldest first: this replica's own rows come back through the change log
-        self._seen: OrderedDict[int, None] = OrderedDict()
+        self._seen: FIFOCache[int, None] = FIFOCache(SEEN_IDS)
         self.links = EntryLinks()  # near misses that became hits: read from the same rows
 
     @property
@@ -186,7 +189,7 @@ class ThresholdProvider:
         return self._choices[k]
 
     def _entry_choice(self, entry_id: int | None, target: float, conf: float) -> Choice | None:
-        window = self.entries.get(entry_id) if entry_id is not None else None
+        window = self.entries.peek(entry_id) if entry_id is not None else None  # a lookup, not an audit
         if window is None or entry_id is None:
             return None
         if window.expire(self.clock()):
@@ -194,6 +197,11 @@ class ThresholdProvider:
         if window.evidence.total < min_audits(target, conf):
             return None  # too little of its own: the scope's line decides
         return self._choice(entry_id, window.evidence, target, conf)
+
+    def _evicted(self, entry_id: int, _: WindowedEvidence) -> None:
+        """An entry's own evidence left (``ENTRIES``): its scope's line decides for it from now on."""
+        self.entry_scope.pop(entry_id, None)
+        self._forget(entry_id)
 
     def _forget(self, key: Scope | int) -> None:
         self._choices = {k: v for k, v in self._choices.items() if k[0] != key}
@@ -206,23 +214,17 @@ class ThresholdProvider:
             if r.id is not None:
                 if r.id in self._seen:
                     continue
-                self._seen[r.id] = None
-                if len(self._seen) > SEEN_IDS:
-                    self._seen.popitem(last=False)
+                self._seen[r.id] = None  # the oldest id leaves past SEEN_IDS
             self.links.apply((r,))
             scope = (r.model, r.tenant)
             self.windows.setdefault(scope, WindowedEvidence(self.ageing)).add(r.ts, r.score, r.right)
             self._forget(scope)
             if r.entry_id is not None:
-                window = self.entries.pop(r.entry_id, None) or WindowedEvidence(self.ageing)
-                self.entries[r.entry_id] = window  # most recently audited last
+                window = self.entries.get(r.entry_id) or WindowedEvidence(self.ageing)
+                self.entries[r.entry_id] = window  # the most recently audited (past ENTRIES, one leaves)
                 window.add(r.ts, r.score, r.right)
                 self._forget(r.entry_id)
                 self.entry_scope[r.entry_id] = scope
-                if len(self.entries) > ENTRIES:
-                    gone = self.entries.popitem(last=False)[0]
-                    self.entry_scope.pop(gone, None)
-                    self._forget(gone)
             new += 1
         return new
 
@@ -260,7 +262,7 @@ class ThresholdProvider:
                 self._forget(scope)
         view = rates(self.evidence, config, self.line)
         own: dict[str, int] = {}
-        for entry_id, window in self.entries.items():
+        for entry_id, window in self.entries.peek_items():  # items() would make each recently audited
             model, tenant = self.entry_scope[entry_id]
             target = config.error_bound.false_hit_target(model, tenant)
             if target > 0 and window.evidence.total >= min_audits(

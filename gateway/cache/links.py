@@ -17,9 +17,9 @@ miss's candidate is one, and the tier checks both entries' scope again before se
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable
 
+from cachegw.configtools.lru import Lru
 from cachegw.gateway.storage.evidence_store import EvidenceRow
 
 LINKS = 100_000  # links kept at most per replica (oldest dropped: the tier then refuses as before)
@@ -27,8 +27,8 @@ LINKS = 100_000  # links kept at most per replica (oldest dropped: the tier then
 
 class EntryLinks:
     def __init__(self, limit: int = LINKS) -> None:
-        self.limit = limit
-        self._pairs: OrderedDict[tuple[int, int], None] = OrderedDict()  # (low id, high id), oldest first
+        # (low id, high id), the least recently linked evicted first (and unlinked)
+        self._pairs: Lru[tuple[int, int], None] = Lru(limit, lambda pair, _: self._unlink(*pair))
         self._of: dict[int, set[int]] = {}
 
     def __len__(self) -> int:
@@ -45,13 +45,9 @@ class EntryLinks:
                 self.link(r.entry_id, r.linked_entry_id)
 
     def link(self, a: int, b: int) -> None:
-        pair = (min(a, b), max(a, b))
-        self._pairs[pair] = None
-        self._pairs.move_to_end(pair)
         self._of.setdefault(a, set()).add(b)
         self._of.setdefault(b, set()).add(a)
-        while len(self._pairs) > self.limit:
-            self._unlink(*self._pairs.popitem(last=False)[0])
+        self._pairs[min(a, b), max(a, b)] = None  # past the limit: the least recently linked pair goes
 
     def drop(self, entry_id: int) -> None:
         for other in list(self._of.get(entry_id, ())):

@@ -43,6 +43,10 @@ class LearnedTemplate:
 
 @dataclass
 class _TenantState:
+    """Ordered dicts, not ``configtools.lru.Lru`` (as the tenants too): they are bounded by the
+    ``[canonicalize.learn]`` in force at each call, and read newest first, an order cachetools keeps
+    to itself."""
+
     samples: OrderedDict[str, None] = field(default_factory=OrderedDict)  # oldest first
     templates: OrderedDict[str, LearnedTemplate] = field(default_factory=OrderedDict)  # LRU first
     snapshot: tuple[Template, ...] = ()  # most recently matched first: what requests are given

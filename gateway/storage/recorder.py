@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import OrderedDict
 
+from cachetools import FIFOCache
 from sqlalchemy.orm import Session, sessionmaker
 
 from cachegw.gateway.storage.interfaces import RequestLogSink
@@ -55,7 +55,8 @@ class Recorder:
         self.max_batch = max_batch
         self.queue: asyncio.Queue[RequestRecord] = asyncio.Queue()
         self.task: asyncio.Task | None = None
-        self._recent: OrderedDict[str, RequestRecord] = OrderedDict()  # by request id and by response id
+        # by request id and by response id, the oldest written out first
+        self._recent: FIFOCache[str, RequestRecord] = FIFOCache(2 * RECENT)
         self._batch: list[RequestRecord] = []  # taken off the queue, not written yet
         self._writing: asyncio.Future[None] | None = None
 
@@ -74,8 +75,6 @@ class Recorder:
         for key in (record.id, record.response_id):
             if key is not None:
                 self._recent[key] = record
-        while len(self._recent) > 2 * RECENT:
-            self._recent.popitem(last=False)
 
     def recent(self, request_id: str) -> RequestRecord | None:
         """A row recorded by this process lately, by request id or response id (maybe not yet written)."""
