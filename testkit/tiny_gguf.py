@@ -95,3 +95,76 @@ def write_tiny_gguf(model, path: Path, arch: str = "qwen3") -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# Tokens a chat model's vocabulary marks as control (whole, special) and user-defined (whole, plain).
+_CHAT_TOKENS = {
+    "bpe": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+    "spm": ["<start_of_turn>", "<end_of_turn>"],
+}
+_SPM_PIECES = [
+    *("\u2581", "\u2581\u2581", "he", "ll", "llo", "\u2581he", "\u2581hello", "\u2581world", "or", "ld"),
+    *("\u2581the", "in", "ing", "\u2581a", "é", "ü", "中", "\u2581int", "\u2581def", "\u2581return"),
+]
+
+
+def write_tokenizer_gguf(path: Path, arch: str, kind: str, chat_template: str | None = None) -> Path:
+    """A GGUF of one small model's shape with its tokenizer only (no tensors): what transformers reads
+    to write a converted folder's config and tokenizer. ``kind`` "bpe": the byte-level vocabulary of
+    ``write_tiny_gguf`` with Qwen's chat tokens and a user-defined ``<think>``; "spm": a sentencepiece
+    vocabulary as Gemma's and Llama's files hold one (``<0xNN>`` byte tokens, ``▁`` for spaces, scores
+    in merge order, no merges, BOS added)."""
+    import gguf
+
+    types = gguf.TokenType
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_context_length(256)
+    writer.add_embedding_length(256)
+    writer.add_feed_forward_length(512)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(1)
+    writer.add_key_length(128)
+    writer.add_value_length(128)
+    writer.add_rope_dimension_count(128)
+    writer.add_layer_norm_rms_eps(1e-6)
+    if arch.startswith("gemma"):
+        writer.add_sliding_window(16)
+    if kind == "bpe":
+        tokens, merges = _tokenizer(400)
+        kinds = [types.NORMAL] * len(tokens)
+        tokens += [*_CHAT_TOKENS["bpe"], "<think>"]
+        kinds += [types.CONTROL] * 3 + [types.USER_DEFINED]
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("qwen2")
+        writer.add_token_merges(merges)
+        writer.add_bos_token_id(tokens.index("<|endoftext|>"))
+        writer.add_eos_token_id(tokens.index("<|im_end|>"))
+        writer.add_pad_token_id(tokens.index("<|endoftext|>"))
+    else:
+        tokens = ["<pad>", "<eos>", "<bos>", "<unk>", *_CHAT_TOKENS["spm"]]
+        kinds = [types.CONTROL, types.CONTROL, types.CONTROL, types.UNKNOWN, types.CONTROL, types.CONTROL]
+        tokens += [f"<0x{b:02X}>" for b in range(256)]
+        kinds += [types.BYTE] * 256
+        letters = [chr(c) for c in range(ord("a"), ord("z") + 1)] + list(
+            "ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,:!?'\"()"
+        )
+        pieces = list(dict.fromkeys([*letters, *_SPM_PIECES, *("\u2581" + c for c in letters[:26])]))
+        tokens += pieces
+        kinds += [types.NORMAL] * len(pieces)
+        writer.add_tokenizer_model("llama")
+        writer.add_token_scores([0.0] * (len(tokens) - len(pieces)) + [-float(i) for i in range(len(pieces))])
+        writer.add_bos_token_id(2)
+        writer.add_eos_token_id(1)
+        writer.add_unk_token_id(3)
+        writer.add_pad_token_id(0)
+        writer.add_add_bos_token(True)
+    writer.add_token_list(tokens)
+    writer.add_token_types(kinds)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -122,8 +122,9 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 
 def corpus(pair: tuple[Tokenizer, Any]) -> list[str]:
-    extra = ["<tool_call>\n{}</tool_call> and <plain> glued<plain>x"] if len(pair[0]) > 49152 else []
-    return CORPUS + extra
+    """The corpus, and the tokenizer's own added and special tokens in text, spaced and glued."""
+    added = [t.content for t in pair[0].backend_tokenizer.get_added_tokens_decoder().values()]
+    return CORPUS + [f"{' '.join(added)} and {''.join(added)}x {added[-1]} "] if added else CORPUS
 
 
 def test_ids_and_text_are_transformers(pair: tuple[Tokenizer, Any]) -> None:
@@ -251,10 +252,16 @@ def test_hub_style_config_fields_read_as_transformers(tmp_path: Path) -> None:
 
 
 def test_other_tokenizer_classes_stay_with_transformers(tmp_path: Path) -> None:
-    """A model-specific class (transformers rebuilds its pipeline: Qwen2's NFC, for one) or settings
-    that change the output are transformers' to read; a folder without a tokenizer has none."""
+    """A class not rebuilt here, settings that change the output or a tokenizer from remote code are
+    transformers' to read; a folder without a tokenizer has none."""
     folder = smol_folder()
-    for change in ({"tokenizer_class": "Qwen2Tokenizer"}, {"add_bos_token": True}, {"tokenizer_class": None}):
+    changes: list[dict[str, Any]] = [
+        {"tokenizer_class": "T5Tokenizer"},
+        {"split_special_tokens": True},
+        {"tokenizer_class": None},
+        {"auto_map": {"AutoTokenizer": [None, "tok.OwnTokenizer"]}},
+    ]
+    for change in changes:
         target = tmp_path / str(len(list(tmp_path.iterdir())))
         shutil.copytree(folder, target, ignore=shutil.ignore_patterns("*.safetensors", "*.gguf"))
         config = {**json.loads((target / "tokenizer_config.json").read_text()), **change}

@@ -1,15 +1,19 @@
 """The model's tokenizer on the `tokenizers` library alone: transformers stays out of the serving process.
 
 transformers' fast tokenizer is a wrapper over the same Rust tokenizer; importing it (and the config
-classes beside it) costs the engine about 135 MiB of its 573. A folder with a ``tokenizer.json``
-whose ``tokenizer_config.json`` names the generic class (what transformers writes for the embedded
-model, and for a GGUF's tokenizer) is read here: the Rust tokenizer from the file, the added tokens
-the config lists beside it, the named and extra special tokens, the chat template (rendered by
-``chat_template.py``). Anything else (a model-specific tokenizer class, a ``tokenizer.model`` only,
-spaces cleaned up after decoding) is transformers' ``AutoTokenizer``, as before: ``open_tokenizer``.
+classes beside it) costs the engine about 135 MiB of its 573. A folder with a ``tokenizer.json`` is
+read here when the class AutoTokenizer would pick for it is the generic one (what transformers
+writes for the embedded model and for Llama and Phi-3 GGUFs) or one whose rebuild of the file's
+pipeline ``tokenizer_classes.py`` repeats (Qwen2's for Qwen2/3, Gemma's, Llama 2's): the Rust
+tokenizer from the file, the added tokens the config lists beside it, the named and extra special
+tokens, the chat template (rendered by ``chat_template.py``). Anything else (another class, remote
+code, a ``tokenizer.model`` only, special tokens split as text, clean-up after a WordPiece or
+Unigram model, a default special token the vocabulary lacks) is transformers' ``AutoTokenizer``, as
+before: ``open_tokenizer``.
 
 Only what the engine, the server, the tool prompts and structured output use is here, with
-transformers' names and results (``tests/test_lean_tokenizer.py`` compares them on a corpus). The
+transformers' names and results (``tests/test_lean_tokenizer.py`` and ``test_lean_tokenizer_classes.py``
+compare them on a corpus). The
 Rust tokenizer is never changed after loading, so threads may share it; the server takes a ``fork``
 (its own chat template, the same Rust tokenizer) rather than a second copy.
 """
@@ -24,18 +28,22 @@ from typing import Any
 
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as RustTokenizer
+from tokenizers.models import BPE
 
+from cachegw.backend.core.tokenizer_classes import CLASSES, GENERIC, chosen_class, post_processor
 from cachegw.backend.executor.host_memory import release_free_heap
 
 log = logging.getLogger("cachegw.backend")
 
 # transformers' named special tokens, in its order (``special_tokens_map``, ``all_special_tokens``)
 NAMED = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-# tokenizer classes that are the Rust tokenizer of tokenizer.json as it is (transformers 5 and 4 names)
-GENERIC = {"TokenizersBackend", "PreTrainedTokenizerFast"}
-# tokenizer_config.json settings by which transformers changes the file's tokenizer or its output
 _ADDED_FIELDS = ("single_word", "lstrip", "rstrip", "normalized")
-_REWRITES = ("clean_up_tokenization_spaces", "add_bos_token", "add_eos_token", "add_prefix_space")
+# tokenizer_config.json settings by which transformers changes the file's tokenizer in ways not done here
+_REWRITES = (
+    "split_special_tokens",
+    "fix_mistral_regex",
+    "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output",
+)
 
 
 def _text(token: Any) -> str | None:
@@ -53,6 +61,11 @@ def _chat_template(folder: Path, config: dict) -> str | dict[str, str] | None:
     if isinstance(template, list):  # several named templates
         return {t["name"]: t["template"] for t in template}
     return template
+
+
+def _model_type(folder: Path) -> str | None:
+    path = folder / "config.json"
+    return json.loads(path.read_text(encoding="utf-8")).get("model_type") if path.exists() else None
 
 
 class Tokenizer:
@@ -74,11 +87,21 @@ class Tokenizer:
         if not path.exists() or (folder / "additional_chat_templates").exists():
             return None
         config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.exists() else {}
-        if config.get("tokenizer_class") not in GENERIC:
+        named, model = config.get("tokenizer_class"), _model_type(folder)
+        if not isinstance(named, str) or "auto_map" in config or any(config.get(k) for k in _REWRITES):
             return None
-        if any(config.get(k) for k in _REWRITES):
+        name = chosen_class(named, model, lambda: '"ByteLevel"' in path.read_text(encoding="utf-8"))
+        own = CLASSES.get(name) if name is not None else None
+        if name not in GENERIC and own is None:
             return None
         rust = RustTokenizer.from_file(str(path))
+        if own is not None:
+            if not isinstance(rust.model, BPE):  # the classes here rebuild a BPE model only
+                return None
+            own.rebuild(rust, config)
+            config = {**own.defaults, **config}
+        if config.get("clean_up_tokenization_spaces") and not isinstance(rust.model, BPE):
+            return None  # transformers cleans up only after a WordPiece or Unigram model
         rust.no_truncation()
         rust.no_padding()
         listed = config.get("added_tokens_decoder") or {}
@@ -88,8 +111,14 @@ class Tokenizer:
                 added = AddedToken(token["content"], special=bool(token.get("special")), **fields)
                 (rust.add_special_tokens if token.get("special") else rust.add_tokens)([added])
         tokenizer = cls(rust, config, _chat_template(folder, config))
-        missing = [t for t in tokenizer.all_special_tokens if rust.token_to_id(t) is None]
-        return None if missing else tokenizer
+        if any(rust.token_to_id(t) is None for t in tokenizer.all_special_tokens):
+            return None
+        whole = {t.content for t in rust.get_added_tokens_decoder().values()}
+        for token in tokenizer.all_special_tokens:  # transformers makes each one a special added token
+            if token not in whole:
+                rust.add_special_tokens([AddedToken(token, special=True, normalized=False)])
+        post_processor(rust)
+        return tokenizer
 
     def fork(self) -> Tokenizer:
         """A tokenizer for another thread: its own attributes, the same (unchanging) Rust tokenizer."""
