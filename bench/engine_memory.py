@@ -137,7 +137,7 @@ def main() -> None:
     save(
         args.out,
         {
-            "model": gguf.name,
+            "model": Path(os.environ.get("CACHEGW_ENGINE__MODEL") or gguf).name,
             "what": "peak RSS (VmHWM) until one chat request (16 tokens) is answered, MiB",
             "llama_cpp": {"package": "llama-cpp-python", "n_ctx": args.llama_ctx, "n_threads": 2},
             "before": args.before,

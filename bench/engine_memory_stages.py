@@ -2,12 +2,13 @@
 
 The stages are the engine's own steps, taken one at a time (`compile = "off"`, the embedded GGUF at
 the defaults otherwise): python and torch, the engine's modules, the model's config, the tokenizer,
-the weights (the model runner), then the HTTP server's modules. VmRSS after each, and VmHWM (the
+the weights (the model runner), then the HTTP server's modules; ``--model`` another model or GGUF
+file (its folder converted first, in a child process, as the engine does). VmRSS after each, and VmHWM (the
 peak so far) where a stage passed above its end. ``--tree DIR`` runs another build's tree (its config
 and tokenizer read by transformers where it has no reader of its own). End-to-end peaks, with a
 request answered, are ``bench/engine_memory.py``'s.
 
-    .venv/bin/python -m bench.engine_memory_stages [--tree DIR] [--out engine_memory_stages]
+    .venv/bin/python -m bench.engine_memory_stages [--tree DIR] [--model PATH] [--out engine_memory_stages]
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from cachegw.backend.executor.model_loader import gguf_source, resolve_model_dir
 from cachegw.backend.executor.model_runner import ModelRunner
 from cachegw.backend.executor.model_weights import needs_weight_files
 from cachegw.backend.executor.platform import block_weights, resolve_device, resolve_dtype
-config = load_engine_config(None, compile="off")
+config = load_engine_config(None, compile="off", **({"model": sys.argv[1]} if sys.argv[1:] else {}))
 device, gguf = resolve_device(config.device), gguf_source(config.model)
 kernels = block_weights(config, gguf, device)
 folder = resolve_model_dir(config.model, config.resolved_cache_dir, needs_weight_files(config, gguf, device))
@@ -61,10 +62,9 @@ print(json.dumps(out))
 """
 
 
-def stages(tree: Path) -> list[list]:
-    done = subprocess.run(
-        [sys.executable, "-c", _STAGES], cwd=tree, capture_output=True, text=True, timeout=600, check=False
-    )
+def stages(tree: Path, model: str | None = None) -> list[list]:
+    cmd = [sys.executable, "-c", _STAGES, *([model] if model else [])]
+    done = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, timeout=600, check=False)
     if done.returncode != 0:
         raise RuntimeError(done.stderr[-3000:])
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -73,13 +73,15 @@ def stages(tree: Path) -> list[list]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tree", default=None, help="another build's tree (default: this one)")
+    ap.add_argument("--model", default=None, help="a model or GGUF file (default: the embedded model)")
     ap.add_argument("--out", default="engine_memory_stages", help="bench/results/OUT.json")
     args = ap.parse_args()
     tree = Path(args.tree) if args.tree else ROOT
-    rows = stages(tree)
+    rows = stages(tree, args.model)
     for row in rows:
         say(" | ".join(str(x) for x in row))
-    save(args.out, {"tree": str(tree), "what": "VmRSS, VmHWM after each stage, MiB", "stages": rows})
+    what = "VmRSS, VmHWM after each stage, MiB"
+    save(args.out, {"tree": str(tree), "model": args.model, "what": what, "stages": rows})
 
 
 if __name__ == "__main__":

@@ -37,11 +37,11 @@ def _tokenizer(vocab: int) -> tuple[list[str], list[str]]:
     raise ValueError(f"vocab {vocab} is more than this tokenizer makes")
 
 
-def write_tiny_gguf(model, path: Path, arch: str = "qwen3") -> Path:
+def write_tiny_gguf(model, path: Path, arch: str = "qwen3", chat_template: str | None = None) -> Path:
     """``model``: a transformers causal LM of ``arch`` (qwen2/3, gemma2/3, phi3) with a vocabulary of
     256-932 tokens, and dimensions that are multiples of 32 (Q8_0 blocks). Gemma's settings that
     transformers' GGUF reader does not take (soft-caps, query scale, local rope base) are its
-    config defaults, so the model should keep them."""
+    config defaults, so the model should keep them. ``chat_template``: the file's, if any."""
     import gguf
     import numpy as np
     from gguf.quants import quantize
@@ -74,6 +74,8 @@ def write_tiny_gguf(model, path: Path, arch: str = "qwen3") -> Path:
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_pad_token_id(0)  # Phi-3's config would otherwise keep its 32000, past a tiny vocabulary
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, _ARCHS[arch]), config.num_hidden_layers)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
