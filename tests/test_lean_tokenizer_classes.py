@@ -53,7 +53,7 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {  # source, toke
             "add_eos_token": True,
         },
         {},
-    ),  # fmt: skip
+    ),
     "qwen2-generic-name": ("qwen2", {"tokenizer_class": "PreTrainedTokenizerFast"}, {}),
     "gemma3": ("gemma3", {}, {}),
     "gemma2-settings": ("gemma2", {"add_bos_token": False, "add_eos_token": True, "unk_token": None}, {}),
@@ -71,10 +71,12 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {  # source, toke
         {
             "tokenizer_class": "LlamaTokenizerFast",
             "add_bos_token": True,
+            "add_prefix_space": True,
             "clean_up_tokenization_spaces": True,
         },
         {},
-    ),  # fmt: skip
+    ),
+    "qwen3-fast-name": ("qwen3", {"tokenizer_class": "Qwen2TokenizerFast", "add_prefix_space": False}, {}),
 }
 
 
