@@ -1,15 +1,17 @@
 """What transformers' own tokenizer classes make of a folder's tokenizer.json, done on the Rust tokenizer.
 
-transformers 5 reads a folder whose ``tokenizer_config.json`` names a model's class (``Qwen2Tokenizer``
-for Qwen2/2.5/3, ``GemmaTokenizer`` for Gemma 1-3, ``LlamaTokenizer`` for Llama 2, Mistral and Phi-3's
-sentencepiece files; what a GGUF's conversion writes for those families) by taking only the BPE
-vocabulary and merges from ``tokenizer.json`` and building everything else as the class defines it:
-its normalizer, pre-tokenizer, decoder and BPE settings (a Qwen GGUF's file has no NFC normalizer, the
-class adds one), and its default special tokens where the config names none. ``rebuild`` does the same
-to the tokenizer read from the file. For every class, transformers then keeps the file's
-post-processor unless the config sets ``add_bos_token``/``add_eos_token`` (or the file has none), in
-which case it writes a BOS/EOS template (``post_processor``); ``clean_up_tokenization_spaces`` is
-ignored for a BPE model, and each named special token becomes a special added token.
+transformers 5 reads a folder with the class ``AutoTokenizer`` picks from ``tokenizer_config.json``'s
+name and the model's type (``chosen_class``: a Qwen2 model naming the generic class gets Qwen2's, a
+Phi-3 or Mistral folder naming Llama's gets the generic one, as does a byte-level file under Llama's
+name). A model's own class (``Qwen2Tokenizer`` for Qwen2/2.5/3, ``GemmaTokenizer`` for Gemma 1-3,
+``LlamaTokenizer`` for Llama 2-style sentencepiece folders) takes only the BPE vocabulary and merges
+from ``tokenizer.json`` and builds everything else as it defines it: normalizer, pre-tokenizer,
+decoder and BPE settings (a Qwen GGUF's file has no NFC normalizer, the class adds one), and its
+default special tokens where the config names none. ``TokenizerClass.rebuild`` does the same to the
+tokenizer read from the file. For every class, transformers drops ``add_bos_token``/``add_eos_token``
+from the config of a folder with a tokenizer.json (the file's post-processor decides:
+``post_processor``), ignores ``clean_up_tokenization_spaces`` after a BPE model, and makes each named
+special token a special added token (``tokenizer.py``).
 
 Any class or setting not handled here stays transformers' to read (``tokenizer.py``);
 ``tests/test_lean_tokenizer_classes.py`` compares both readings on a corpus for each class here.
