@@ -1,13 +1,17 @@
 """Rotary position embeddings, with the rope settings read from the Hugging Face config.
 
-Scaled variants (llama3, linear, yarn, longrope) are computed by transformers' own rope
-initialisers from the config, so that every model family gets the frequencies it was trained with.
+Scaled variants (llama3, linear, yarn, longrope) of a config the engine read itself are computed in
+``rope_scaling.py``, equal to transformers' initialisers bit for bit; a config transformers read (a
+family or setting ``model_config.py`` leaves to it) keeps transformers' own initialisers.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from cachegw.backend.executor.layers.rope_scaling import scaled_frequencies
+from cachegw.backend.executor.model_config import ModelConfig
 
 
 def inverse_frequencies(config, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
@@ -26,6 +30,11 @@ def inverse_frequencies(config, head_dim: int, layer_type: str | None = None) ->
         return inv, 1.0
     if rope_type == "dynamic":
         raise ValueError("dynamic NTK rope scaling depends on the sequence length and is not supported")
+    if isinstance(config, ModelConfig):
+        top = config.rope_parameters  # yarn's "truncate" is read from the top level, as transformers does
+        return scaled_frequencies(
+            params, config.head_dim, config.max_position_embeddings, top.get("truncate", True)
+        )
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     extra = {"layer_type": layer_type} if per_type else {}
