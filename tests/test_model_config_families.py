@@ -93,6 +93,38 @@ CASES: dict[str, dict[str, Any]] = {
         **PUBLISHED["vicuna-7b-v1.5-16k (linear)"],
         "rope_scaling": {"type": "dynamic", "factor": 2.0},
     },
+    # Yarn-Llama-2-7b-64k's rope block (an unknown key, "finetuned", which transformers keeps)
+    "Llama 2 with YaRN 16x": {
+        **PUBLISHED["vicuna-7b-v1.5-16k (linear)"],
+        "max_position_embeddings": 65536,
+        "rope_scaling": {
+            "factor": 16.0,
+            "finetuned": True,
+            "original_max_position_embeddings": 4096,
+            "type": "yarn",
+        },
+    },
+    # DeepSeek-V3's yarn block (mscale over mscale_all_dim) on a Qwen3 shape
+    "Qwen3 yarn with mscales": {
+        **PUBLISHED["Qwen3-8B (yarn)"],
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 40,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.5,
+            "original_max_position_embeddings": 4096,
+        },
+    },
+    # the current format, nested by layer type, yarn on the global layers ("truncate" there is not read)
+    "gemma-3-1b-it, nested rope_parameters with yarn": {
+        **without(_GEMMA3, "rope_theta", "rope_local_base_freq", "rope_scaling"),
+        "rope_parameters": {
+            "full_attention": {**_QWEN25["rope_scaling"], "rope_theta": 1e6, "truncate": False},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+    },
 }
 
 
@@ -286,5 +318,6 @@ def test_an_engine_on_gemma3_and_llama32_imports_no_transformers(tmp_path: Path)
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
-    converted = json.loads(next((tmp_path / "cache").rglob("config.json")).read_text())
-    assert converted["architectures"] == ["Gemma3ForCausalLM"]  # the GGUF's folder was read by us
+    converted = next((tmp_path / "cache").rglob("config.json")).parent
+    assert json.loads((converted / "config.json").read_text())["architectures"] == ["Gemma3ForCausalLM"]
+    _same_reading(converted)  # the GGUF's folder, as transformers' converter wrote it
