@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-_LLAMA3 = {
+LLAMA3_ROPE = {
     "rope_type": "llama3",
     "factor": 32.0,
     "low_freq_factor": 1.0,
@@ -153,7 +153,7 @@ PUBLISHED: dict[str, dict[str, Any]] = {
         "num_hidden_layers": 16,
         "num_key_value_heads": 8,
         "rms_norm_eps": 1e-05,
-        "rope_scaling": _LLAMA3,
+        "rope_scaling": LLAMA3_ROPE,
         "rope_theta": 500000.0,
         "tie_word_embeddings": True,
         "vocab_size": 128256,
@@ -170,7 +170,7 @@ PUBLISHED: dict[str, dict[str, Any]] = {
         "num_hidden_layers": 28,
         "num_key_value_heads": 8,
         "rms_norm_eps": 1e-05,
-        "rope_scaling": _LLAMA3,
+        "rope_scaling": LLAMA3_ROPE,
         "rope_theta": 500000.0,
         "tie_word_embeddings": True,
         "vocab_size": 128256,
@@ -186,7 +186,7 @@ PUBLISHED: dict[str, dict[str, Any]] = {
         "num_hidden_layers": 32,
         "num_key_value_heads": 8,
         "rms_norm_eps": 1e-05,
-        "rope_scaling": {**_LLAMA3, "factor": 8.0},
+        "rope_scaling": {**LLAMA3_ROPE, "factor": 8.0},
         "rope_theta": 500000.0,
         "tie_word_embeddings": False,
         "vocab_size": 128256,

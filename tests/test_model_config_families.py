@@ -25,7 +25,7 @@ from cachegw.backend.executor.model_config import ModelConfig, read_model_config
 from cachegw.backend.executor.models.gemma import GemmaOptions
 from cachegw.backend.executor.models.llama import ModelSpec
 from cachegw.backend.executor.models.phi3 import check_rope
-from tests.published_configs import _LLAMA3, PUBLISHED, without
+from tests.published_configs import LLAMA3_ROPE, PUBLISHED, without
 
 _LLAMA32, _QWEN25 = PUBLISHED["Llama-3.2-1B-Instruct"], PUBLISHED["Qwen2.5-7B-Instruct (yarn)"]
 _GEMMA2, _GEMMA3 = PUBLISHED["gemma-2-2b-it"], PUBLISHED["gemma-3-1b-it"]
@@ -69,7 +69,7 @@ CASES: dict[str, dict[str, Any]] = {
     # the current format (rope_parameters) and the variants' optional keys
     "Llama-3.2-1B-Instruct, rope_parameters": {
         **without(_LLAMA32, "rope_scaling", "rope_theta"),
-        "rope_parameters": {**_LLAMA3, "rope_theta": 500000.0},
+        "rope_parameters": {**LLAMA3_ROPE, "rope_theta": 500000.0},
     },
     "Qwen2.5 yarn, attention factor and betas": {
         **_QWEN25,
@@ -201,7 +201,7 @@ def test_a_published_config_reads_as_transformers_reads_it(name: str, tmp_path: 
 
 FALLBACK: dict[str, dict[str, Any]] = {
     # transformers' Phi-3 class renames these to longrope and then lacks the original context: it fails
-    "Phi-3 'su' (the first 128k configs' name)": {
+    "Phi-3 'su' (the legacy name, as Phi-3-vision-128k's config has it)": {
         **_PHI35,
         "rope_scaling": {**_PHI35["rope_scaling"], "type": "su"},
     },
@@ -213,7 +213,7 @@ FALLBACK: dict[str, dict[str, Any]] = {
         **_PHI35,
         "rope_scaling": {**_PHI35["rope_scaling"], "short_factor": [1.0] * 8},
     },
-    "llama3 without low_freq_factor": {**_LLAMA32, "rope_scaling": without(_LLAMA3, "low_freq_factor")},
+    "llama3 without low_freq_factor": {**_LLAMA32, "rope_scaling": without(LLAMA3_ROPE, "low_freq_factor")},
     "a rope type not computed here": {
         **_LLAMA32,
         "rope_scaling": {"rope_type": "proportional", "factor": 2.0},
@@ -240,7 +240,7 @@ def _tiny_llama32(folder: Path) -> Path:
     """A Llama 3.2-shaped model (tied head, llama3 rope) small enough for a test, no tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    rope = {**_LLAMA3, "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+    rope = {**LLAMA3_ROPE, "original_max_position_embeddings": 64, "rope_theta": 500000.0}
     config = LlamaConfig(
         vocab_size=256,
         hidden_size=64,
