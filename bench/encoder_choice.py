@@ -33,7 +33,7 @@ import numpy as np
 from bench.common import RESULTS, SHARED_DATA, save, say
 from bench.encoder_models import CACHE, ENCODERS, PACKAGES, CachedVectors, make_encoder
 from bench.hit_choice import Pairs, Scored, pair_sets, score
-from bench.prior_split import read
+from bench.prior_split import qqp_parts, read
 from bench.recall_choice import CROSS_FILE, MLP_FILE, report, today_rule
 from bench.recall_rule import Rule, derive_sure, search
 from bench.verifier_quality import split_qqp
@@ -96,10 +96,42 @@ def mlp_for(name: str, vecs: CachedVectors) -> Path:
     return out
 
 
+CROSS_CACHE = CACHE / "cross-scores.json"
+
+
+def load_cross_cache() -> dict[tuple[str, str], float]:
+    if not CROSS_CACHE.exists():
+        return {}
+    return {(a, b): p for a, b, p in json.loads(CROSS_CACHE.read_text())}
+
+
+def save_cross_cache(cache: dict[tuple[str, str], float]) -> None:
+    CROSS_CACHE.write_text(json.dumps([[a, b, p] for (a, b), p in cache.items()]))
+
+
 def scored_sets(
     v: Verifier, sets: dict[str, Pairs], vecs: dict[str, np.ndarray], cache: dict[tuple[str, str], float]
 ) -> dict[str, tuple[Pairs, Scored]]:
     return {k: (ps, score(v, ps, vecs, cache, SCORED)) for k, ps in sets.items()}
+
+
+def cosine_auc(held: dict[str, Pairs]) -> dict[str, dict[str, float]]:
+    """The embedding alone, no verifier: the ROC AUC of the two texts' cosine on each held-out half
+    (QQP, banking77), for every encoder whose vectors of those texts are at hand (mpnet's training
+    texts need not be)."""
+    from cachegw.policies.verifier_training import _auc
+
+    out = {}
+    for name in ENCODERS:
+        vecs = CachedVectors(name)
+        sets = {k: held[k] for k in HELD_BAR}
+        if not vecs.has(pair_texts(list(sets.values()))):
+            continue
+        out[name] = {
+            k: round(_auc(ps.y.astype(float), (vecs.encode(ps.q1) * vecs.encode(ps.q2)).sum(1)), 4)
+            for k, ps in sets.items()
+        }
+    return out
 
 
 def sha(path: Path) -> str:
@@ -127,7 +159,7 @@ def quality(args: argparse.Namespace) -> dict[str, Any]:
     from cachegw.embeddings.cross_onnx import CrossScorer
 
     cross = CrossScorer(ROOT / CROSS_FILE).load()
-    cache: dict[tuple[str, str], float] = {}  # the cross-encoder reads text only: shared by every encoder
+    cache = load_cross_cache()  # the cross-encoder reads text only: shared by every encoder and run
     out: dict[str, Any] = {"texts_embedded": len(texts), "encoders": {}}
     scored: dict[str, tuple[Any, Any]] = {}
     for name in ("l6", *args.candidates):
@@ -138,8 +170,10 @@ def quality(args: argparse.Namespace) -> dict[str, Any]:
         v = Verifier.load(mlp, cross)
         say(f"{name}: scoring")
         scored[name] = (scored_sets(v, calib, vmap, cache), scored_sets(v, held, vmap, cache))
+        save_cross_cache(cache)
         out["encoders"][name] = {"package": PACKAGES[enc], "dim": int(next(iter(vmap.values())).shape[0]),
                                  "mlp": str(mlp), "mlp_sha256": sha(mlp)}  # fmt: skip
+    out["cosine_auc_heldout"] = cosine_auc(held)
     t_cal, t_held = scored["l6"]
     base = {k: today_rule().accepted(s) for k, (_, s) in t_cal.items()}
     out["today"] = {"rule": today_rule().__dict__, "calibration": report(t_cal, today_rule()),
@@ -161,47 +195,48 @@ def quality(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def timing(sample: int) -> dict[str, Any]:
-    """Interleaved over ``sample`` held-out QQP questions, one ORT thread: each encoder's model call alone
-    (tokenized beforehand) and its whole call (tokenizer, model, pooling); alignment + guards + its MLP;
-    one cross-encoder call. Medians, ms."""
+def timing(sample: int, rounds: int = 2) -> dict[str, Any]:
+    """Over ``sample`` held-out QQP questions, one ORT thread, each encoder in turn (so that one model's
+    weights do not evict another's from the CPU caches between calls), ``rounds`` times: its model call
+    alone (tokenized beforehand), its whole call (tokenizer, model, pooling), and alignment + guards + its
+    MLP; then one cross-encoder call per pair. Medians, ms."""
     from cachegw.embeddings.cross_onnx import CrossScorer
     from cachegw.policies.pair_guards import guard_reason
     from cachegw.policies.verifier_features import pair_features
 
-    _, held = pair_sets()
-    ps = held["qqp"]
-    idx = np.random.default_rng(0).choice(len(ps.q1), size=min(sample, len(ps.q1)), replace=False)
+    _, rows = qqp_parts(read(SHARED_DATA, "qqp_dev.csv"))
+    idx = np.random.default_rng(0).choice(len(rows), size=min(sample, len(rows)), replace=False)
+    pairs = [(rows[i]["question1"], rows[i]["question2"]) for i in idx]
     encs = {n: make_encoder(n, threads=1) for n in ENCODERS}
-    mlps = {n: Verifier.load(CACHE / f"mlp-{n}.npz" if n != "l6" else ROOT / MLP_FILE) for n in ENCODERS}
-    cross = CrossScorer(ROOT / CROSS_FILE).load()
+    files = {n: CACHE / f"mlp-{n}.npz" if n != "l6" else ROOT / MLP_FILE for n in ENCODERS}
+    mlps = {n: Verifier.load(f) for n, f in files.items() if f.exists()}  # an MLP not fitted: not timed
     t: dict[str, list[float]] = {}
-    for i in idx:
-        a, b = ps.q1[i], ps.q2[i]
+    for _ in range(rounds):
         for n, enc in encs.items():
-            ids, mask = enc._tokenizer.batch([a])
-            t0 = time.perf_counter()
-            enc._session.run([enc._output], {"input_ids": ids, "attention_mask": mask})
-            t1 = time.perf_counter()
-            u = enc.encode([a])
-            t2 = time.perf_counter()
-            w = enc.encode([b])
-            t3 = time.perf_counter()
-            align(a, b)
-            guard_reason(a, b, mlps[n].units)
-            mlps[n]._mlp(pair_features([a], [b], u, w))
-            t4 = time.perf_counter()
-            for key, x in (
-                (f"model:{n}", t1 - t0),
-                (f"embed:{n}", t2 - t1),
-                (f"align+guards+mlp:{n}", t4 - t3),
-            ):
-                t.setdefault(key, []).append(x * 1e3)
+            enc.encode([pairs[0][0]])  # warm
+            for a, b in pairs:
+                ids, mask = enc._tokenizer.batch([a])
+                t0 = time.perf_counter()
+                enc._session.run([enc._output], {"input_ids": ids, "attention_mask": mask})
+                t1 = time.perf_counter()
+                u = enc.encode([a])
+                t2 = time.perf_counter()
+                t.setdefault(f"model:{n}", []).append((t1 - t0) * 1e3)
+                t.setdefault(f"embed:{n}", []).append((t2 - t1) * 1e3)
+                if n in mlps:
+                    w = enc.encode([b])
+                    t3 = time.perf_counter()
+                    align(a, b)
+                    guard_reason(a, b, mlps[n].units)
+                    mlps[n]._mlp(pair_features([a], [b], u, w))
+                    t.setdefault(f"align+guards+mlp:{n}", []).append((time.perf_counter() - t3) * 1e3)
+    cross = CrossScorer(ROOT / CROSS_FILE).load()
+    for a, b in pairs:
         t0 = time.perf_counter()
         cross.score_batch([a], [b])
         t.setdefault("cross", []).append((time.perf_counter() - t0) * 1e3)
-    return {"ms": {k: round(float(np.median(x)), 3) for k, x in t.items()}, "sample": len(idx),
-            "load_average": [round(x, 2) for x in os.getloadavg()]}  # fmt: skip
+    return {"ms": {k: round(float(np.median(x)), 3) for k, x in t.items()}, "sample": len(pairs),
+            "rounds": rounds, "load_average": [round(x, 2) for x in os.getloadavg()]}  # fmt: skip
 
 
 def per_hit(res: dict[str, Any]) -> dict[str, Any]:

@@ -100,6 +100,9 @@ class CachedVectors:
             self._texts_file.write_text(json.dumps(list(self._row)))
         return self._vecs[[self._row[t] for t in texts]]
 
+    def has(self, texts: list[str]) -> bool:
+        return all(t in self._row for t in texts)
+
     def lookup(self, texts: list[str]) -> dict[str, np.ndarray]:
         vecs = self.encode(texts)
         return {t: vecs[i] for i, t in enumerate(texts)}
