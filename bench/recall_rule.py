@@ -64,13 +64,17 @@ def qualifies(sets: dict[str, tuple[Pairs, Scored]], base: dict[str, np.ndarray]
 
 
 def search(
-    sets: dict[str, tuple[Pairs, Scored]], base: dict[str, np.ndarray], sure: float = 2.0
+    sets: dict[str, tuple[Pairs, Scored]],
+    base: dict[str, np.ndarray],
+    sure: float = 2.0,
+    floors: np.ndarray = FLOORS,
+    weights: tuple[float, ...] = WEIGHTS,
 ) -> tuple[Rule | None, list[dict[str, Any]]]:
     """The best qualifying rule on the grid, and every qualifying rule's recall gains (for the JSON)."""
     best: tuple[float, int, Rule] | None = None
     table = []
-    for w in WEIGHTS:
-        for floor in FLOORS:
+    for w in weights:
+        for floor in floors:
             for p in PROBS:
                 rule = Rule(float(floor), float(p), w, sure)
                 if not qualifies(sets, base, rule):
