@@ -279,3 +279,53 @@ def test_a_restarted_backend_is_seen_when_the_connection_is_made_again(ports) ->
     assert index.cached_tokens("b", list(range(16)), None) == 8 and index.cached(
         "b", list(range(9)), None
     ) == (8, 8)
+
+
+def test_a_restart_is_counted_once_when_the_old_engines_last_batches_are_read_late(ports) -> None:
+    """A feed that fell behind still holds the old engine's last batches when the new connection is
+    made: they are applied before the replay socket is asked, so the restart is seen once and the new
+    engine's first batches, arriving live too, are not taken for a second one."""
+
+    async def follow() -> tuple[EventFeed, KvIndex, list[bytes]]:
+        tokens = list(range(16))
+        hashes = list(block_hashes(tokens, BS, None))
+        pub = KVEventPublisher(f"tcp://*:{ports[0]}", f"tcp://*:{ports[1]}", buffer=100)
+        index = KvIndex()
+        feed = EventFeed("b", f"tcp://127.0.0.1:{ports[0]}", f"tcp://127.0.0.1:{ports[1]}", index)
+        task = asyncio.create_task(feed.run())
+        try:
+            for _ in range(500):  # subscribed: the old engine's pool holds the first two blocks
+                if index.blocks("b").held >= set(hashes[:2]):
+                    break
+                pub.stored(hashes[:2], root_hash(None), tokens[:8], BS)
+                await asyncio.sleep(0.01)
+            # The feed's loop is held up (a busy gateway): what follows reaches its socket unread.
+            for i in range(30):
+                pub.removed([bytes([i]) * 32])
+            time.sleep(0.3)
+            pub.close()
+            time.sleep(0.3)
+            pub = KVEventPublisher(f"tcp://*:{ports[0]}", f"tcp://*:{ports[1]}", buffer=100)
+            time.sleep(0.5)  # the subscription is made again meanwhile: the new batches arrive live
+            pub.cleared()
+            pub.stored(hashes[:2], None, [], BS, "REDIS")
+            time.sleep(0.3)
+            for _ in range(300):
+                await asyncio.sleep(0.01)
+                if (
+                    feed.restarts
+                    and feed.next_seq == 2
+                    and index.blocks("b").tiered.keys() >= set(hashes[:2])
+                ):
+                    break
+            await asyncio.sleep(0.3)  # anything still to come would count a second restart
+            return feed, index, hashes
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            pub.close()
+
+    feed, index, hashes = asyncio.run(follow())
+    assert feed.restarts == 1
+    assert index.blocks("b").held == set()
+    assert index.blocks("b").tiered.keys() >= set(hashes[:2])

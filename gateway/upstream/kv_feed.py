@@ -95,9 +95,8 @@ class EventFeed:
                     if sub is self._sub:  # not closed by disconnect: back off a little
                         await asyncio.sleep(0.1)
                     continue
-                if len(frames) != 3:
-                    continue
-                await self._receive(seq_of(frames[1]), frames[2])
+                if len(frames) == 3:
+                    await self._receive(seq_of(frames[1]), frames[2])
         finally:
             self.disconnect()
             for stale in self._stale:
@@ -112,7 +111,10 @@ class EventFeed:
             event = parse_monitor_message(await mon.recv_multipart())["event"]
         except (zmq.ZMQError, ValueError, KeyError):
             return
-        if event != zmq.EVENT_CONNECTED or self.next_seq is None:
+        if event != zmq.EVENT_CONNECTED:
+            return
+        await self._drain()
+        if self.next_seq is None:
             return
         last = self.next_seq - 1
         got = await self._replay(last)
@@ -127,6 +129,18 @@ class EventFeed:
                 if seq >= self.next_seq:
                     self._apply(seq, payload)
             self._replayed = range(last, self.next_seq)
+
+    async def _drain(self) -> None:
+        """Apply the batches already received: a slow feed may still hold the old engine's last ones,
+        and asking for the last applied before them would count the restart again once they are read."""
+        sub = self._sub
+        while sub is not None and sub is self._sub and await sub.poll(0):
+            try:
+                frames = await sub.recv_multipart()
+            except zmq.ZMQError:
+                return
+            if len(frames) == 3:
+                await self._receive(seq_of(frames[1]), frames[2])
 
     def _restarted(self, seq: int) -> None:
         log.info("kv events of %s restarted at %d: its entries are dropped", self.url, seq)
