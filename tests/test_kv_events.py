@@ -235,23 +235,32 @@ def test_the_score_weighs_the_cached_prefix_against_the_load() -> None:
     assert queued_sequences(text) == 5
 
 
+async def _following_an_engine(
+    ports: tuple[int, int],
+) -> tuple[KVEventPublisher, KvIndex, EventFeed, asyncio.Task[None], list[bytes]]:
+    """A feed subscribed to an engine whose pool holds the first two blocks of 16 tokens (the restart
+    tests' old engine); the caller cancels the task and closes the publisher."""
+    tokens = list(range(16))
+    hashes = list(block_hashes(tokens, BS, None))
+    pub = KVEventPublisher(f"tcp://*:{ports[0]}", f"tcp://*:{ports[1]}", buffer=100)
+    index = KvIndex()
+    feed = EventFeed("b", f"tcp://127.0.0.1:{ports[0]}", f"tcp://127.0.0.1:{ports[1]}", index)
+    task = asyncio.create_task(feed.run())
+    for _ in range(500):
+        if index.blocks("b").held >= set(hashes[:2]):
+            break
+        pub.stored(hashes[:2], root_hash(None), tokens[:8], BS)
+        await asyncio.sleep(0.01)
+    return pub, index, feed, task, hashes
+
+
 def test_a_restarted_backend_is_seen_when_the_connection_is_made_again(ports) -> None:
     """The restarted engine's first batches (cleared, then its tier's blocks) go out before the feed is
     subscribed again; the feed finds out from the replay socket at once, with no later event needed."""
 
     async def follow() -> tuple[EventFeed, KvIndex, list[bytes]]:
-        tokens = list(range(16))
-        hashes = list(block_hashes(tokens, BS, None))
-        pub = KVEventPublisher(f"tcp://*:{ports[0]}", f"tcp://*:{ports[1]}", buffer=100)
-        index = KvIndex()
-        feed = EventFeed("b", f"tcp://127.0.0.1:{ports[0]}", f"tcp://127.0.0.1:{ports[1]}", index)
-        task = asyncio.create_task(feed.run())
+        pub, index, feed, task, hashes = await _following_an_engine(ports)
         try:
-            for _ in range(500):  # the old engine: its pool holds the first two blocks
-                if index.blocks("b").held >= set(hashes[:2]):
-                    break
-                pub.stored(hashes[:2], root_hash(None), tokens[:8], BS)
-                await asyncio.sleep(0.01)
             for i in range(30):  # a long history: the new engine's numbering starts far below it
                 sent = pub.sent
                 pub.removed([bytes([i]) * 32])  # a block it never held: one batch each
@@ -287,18 +296,8 @@ def test_a_restart_is_counted_once_when_the_old_engines_last_batches_are_read_la
     engine's first batches, arriving live too, are not taken for a second one."""
 
     async def follow() -> tuple[EventFeed, KvIndex, list[bytes]]:
-        tokens = list(range(16))
-        hashes = list(block_hashes(tokens, BS, None))
-        pub = KVEventPublisher(f"tcp://*:{ports[0]}", f"tcp://*:{ports[1]}", buffer=100)
-        index = KvIndex()
-        feed = EventFeed("b", f"tcp://127.0.0.1:{ports[0]}", f"tcp://127.0.0.1:{ports[1]}", index)
-        task = asyncio.create_task(feed.run())
+        pub, index, feed, task, hashes = await _following_an_engine(ports)
         try:
-            for _ in range(500):  # subscribed: the old engine's pool holds the first two blocks
-                if index.blocks("b").held >= set(hashes[:2]):
-                    break
-                pub.stored(hashes[:2], root_hash(None), tokens[:8], BS)
-                await asyncio.sleep(0.01)
             # The feed's loop is held up (a busy gateway): what follows reaches its socket unread.
             for i in range(30):
                 pub.removed([bytes([i]) * 32])
