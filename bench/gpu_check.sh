@@ -105,7 +105,8 @@ summary = {
     "steps": steps,
     "parity": {k: parity.get(k) for k in ("ok", "passed", "engines")}
     | {k: {f: parity[k][f] for f in ("all_equal", "share", "max_logprob_difference")}
-       for k in ("float32_vs_hf", "bfloat16_vs_hf", "fp8_kv_vs_bfloat16", "graphs_vs_eager") if k in parity},
+       for k in ("float32_vs_hf", "bfloat16_vs_hf", "fp8_kv_vs_bfloat16", "int8_kv_vs_bfloat16",
+                 "graphs_vs_eager_float32", "graphs_vs_eager") if k in parity},
     "decode": {k: decode.get(k) for k in ("bound_tok_per_s", "batch1_decode_tok_per_s", "fraction_of_bound", "runs")},
 }
 (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -26,6 +26,7 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 SCALE_DTYPE = torch.float16
 SCALE_BYTES = 2
 FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ def check_supported(kind: str, device: torch.device) -> None:
         return
     try:
         x = torch.tensor([1.5, 1000.0], device=device)
-        ok = x.to(FP8).to(torch.float32).tolist() == [1.5, 448.0]
+        ok = decode(encode(x, FP8), FP8, torch.empty_like(x)).tolist() == [1.5, FP8_MAX]
     except (RuntimeError, TypeError):
         ok = False
     if not ok:
@@ -81,7 +82,8 @@ def indexable(cache: torch.Tensor) -> torch.Tensor:
 def encode(x: torch.Tensor, storage: torch.dtype) -> torch.Tensor:
     """Rows ``[..., head_dim]`` in the cache's storage, as ``indexable`` sees it."""
     if storage == FP8:
-        return x.to(FP8).view(torch.uint8)
+        # saturate here: torch's CPU conversion does, its CUDA one turns out-of-range values into NaN
+        return x.clamp(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8)
     scale = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True, dtype=torch.float32)
     scale = scale.div_(127.0).clamp_min_(1e-8)
     d = x.shape[-1]
