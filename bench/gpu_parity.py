@@ -14,7 +14,8 @@ same device:
    the KV range differently from an eager step's (``kv_splits.py``) and sum in another order.
 
 Exits 1 when float32 tokens differ (ours against HF's, or graphs against eager), or when CUDA runs
-without the Triton kernels or without graphs. ``--device cpu --tiny`` runs the same code in seconds (tests/test_gpu_parity.py).
+without the Triton kernels or without graphs. ``--device cpu --tiny`` runs the same code in seconds
+(tests/test_gpu_parity.py).
 
     python -m bench.gpu_parity [--device cuda] [--out results.json] [--tiny]
 """
@@ -203,8 +204,14 @@ def main(argv: list[str] | None = None) -> int:
         say("no CUDA device: use --device cpu (with --tiny) off a GPU machine; nothing written")
         return 2
     payload = check(args.device, TINY if args.tiny else GPU, args.seed)
-    for name in ("float32_vs_hf", "bfloat16_vs_hf", "fp8_kv_vs_bfloat16", "int8_kv_vs_bfloat16",
-                 "graphs_vs_eager_float32", "graphs_vs_eager"):
+    for name in (
+        "float32_vs_hf",
+        "bfloat16_vs_hf",
+        "fp8_kv_vs_bfloat16",
+        "int8_kv_vs_bfloat16",
+        "graphs_vs_eager_float32",
+        "graphs_vs_eager",
+    ):
         r = payload[name]
         diff = r["max_logprob_difference"]
         say(f"{name}: all equal {r['all_equal']}, share {r['share']}, max logprob difference {diff}")
