@@ -71,6 +71,7 @@ step triton-attention 150 pytest_attention.log "${PYTEST[@]}" "${XDIST[@]}" test
     -k "not test_cuda_decode_speed"
 step triton-speed 60 pytest_attention.log "${PYTEST[@]}" -s tests/test_triton_attention.py -k test_cuda_decode_speed
 step triton-engine 90 pytest_engine.log "${PYTEST[@]}" tests/test_triton_engine.py
+step triton-fused 90 pytest_engine.log "${PYTEST[@]}" tests/test_triton_fused.py
 # (b) our tokens against HF's: float32, bfloat16, fp8 KV, CUDA graphs against eager
 step parity 150 parity.log "$PY" -m bench.gpu_parity --device cuda --out "$OUT/parity.json"
 # (c) Llama-3-8B-shaped decode against the bandwidth bound and HF generate (sizes cut to fit)
@@ -107,7 +108,8 @@ summary = {
     | {k: {f: parity[k][f] for f in ("all_equal", "share", "max_logprob_difference")}
        for k in ("float32_vs_hf", "bfloat16_vs_hf", "fp8_kv_vs_bfloat16", "int8_kv_vs_bfloat16",
                  "graphs_vs_eager_float32", "graphs_vs_eager") if k in parity},
-    "decode": {k: decode.get(k) for k in ("bound_tok_per_s", "batch1_decode_tok_per_s", "fraction_of_bound", "runs")},
+    "decode": {k: decode.get(k) for k in ("bound_tok_per_s", "batch1_decode_tok_per_s", "fraction_of_bound",
+                                          "fused_elementwise", "batch1_unfused_tok_per_s", "runs")},
 }
 (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 PY

@@ -113,8 +113,13 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="cachegw-llama3-8b-"))
     (tmp / "config.json").write_text(json.dumps(LLAMA3_8B))
     say("building a Llama-3-8B-shaped engine with dummy bf16 weights")
-    llm = LLM(model=str(tmp), load_format="dummy", dtype="bfloat16", max_num_seqs=max(args.concurrency),
-              max_model_len=4096, gpu_memory_utilization=0.45)  # fmt: skip
+
+    def engine():
+        return LLM(model=str(tmp), load_format="dummy", dtype="bfloat16", max_num_seqs=max(args.concurrency),
+                   max_model_len=4096, gpu_memory_utilization=0.45)  # fmt: skip
+
+    llm = engine()
+    fused = llm.engine.runner.fused_elementwise
     weight_bytes = sum(p.nbytes for p in llm.engine.runner.model.parameters())
     bandwidth = measured_bandwidth()
     say(f"weights {weight_bytes / 1e9:.2f} GB, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
@@ -130,6 +135,17 @@ def main() -> None:
     del llm
     gc.collect()
     torch.cuda.empty_cache()
+    unfused = None
+    if fused:  # the same engine with norms, rotary and SiLU in torch's kernels: what the fusion buys
+        from unittest import mock
+
+        with mock.patch("cachegw.backend.executor.layers.triton_fused.enable", return_value=False):
+            llm = engine()
+        unfused = decode_rate(llm, 128, args.batch1_tokens, 1)
+        say(f"batch-1 decode without the fused kernels {unfused:.1f} tok/s = {unfused / bound:.0%} of bound")
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
     model = hf_model(tmp)
     runs = []
     for n in args.concurrency:
@@ -141,7 +157,8 @@ def main() -> None:
         "model": "Llama-3-8B shape, dummy weights, bfloat16", "weight_bytes": weight_bytes,
         "copy_bandwidth_bytes_per_s": bandwidth, "bound_tok_per_s": round(bound, 1),
         "batch1_decode_tok_per_s": round(rate1, 1), "batch1_tokens": args.batch1_tokens,
-        "fraction_of_bound": round(rate1 / bound, 3), "max_num_seqs": max(args.concurrency),
+        "fraction_of_bound": round(rate1 / bound, 3), "fused_elementwise": fused,
+        "batch1_unfused_tok_per_s": unfused and round(unfused, 1), "max_num_seqs": max(args.concurrency),
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "runs": runs,
         "targets": {"fraction_of_bound": ">= 0.70", "speedup": ">= 5x"},
     }, args.out)  # fmt: skip

@@ -76,7 +76,7 @@ def ours(model_dir: Path, device: str, dtype: str, prompts: list[list[int]], new
     run = Run(
         tokens=[list(o.token_ids) for o in outs],
         logprobs=[[dict(e["top"]) | {e["token_id"]: e["logprob"]} for e in o.logprobs or []] for o in outs],
-        attention=runner.attention_backend,
+        attention=runner.attention_backend + ("+fused" if runner.fused_elementwise else ""),
         graphs=len(runner.graphs or ()),
     )
     del llm, runner
@@ -179,7 +179,7 @@ def check(device: str, sizes: Sizes, seed: int = 0) -> dict:
         # on CUDA the kernels and graphs must really run (the engine falls back silently otherwise)
         # (an int8 KV cache has no Triton kernel: it runs torch's attention, eager, by design)
         "triton_used": not on_cuda
-        or all(e["attention"] == "triton" for name, e in engines.items() if "int8" not in name),
+        or all(e["attention"].startswith("triton") for name, e in engines.items() if "int8" not in name),
         "graphs_captured": not on_cuda or runs["ours_bfloat16"].graphs > 0,
     }
     return {

@@ -45,16 +45,25 @@ def inverse_frequencies(config, head_dim: int, layer_type: str | None = None) ->
 class RotaryEmbedding(nn.Module):
     """Rotates q and k by position (the rotate-half layout of Hugging Face checkpoints)."""
 
+    cos: torch.Tensor  # [max_positions, head_dim / 2], float32, times the rope's attention scaling
+    sin: torch.Tensor
+
     def __init__(self, config, head_dim: int, max_positions: int, layer_type: str | None = None) -> None:
         super().__init__()
         inv_freq, scaling = inverse_frequencies(config, head_dim, layer_type)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         self.register_buffer("cos", freqs.cos() * scaling, persistent=False)
         self.register_buffer("sin", freqs.sin() * scaling, persistent=False)
+        self.triton = False  # set by layers/triton_fused.py's ``enable`` on CUDA
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # CUDA: one kernel each
+        if self.triton and q.dim() == k.dim() == 3 and q.stride(-1) == k.stride(-1) == 1:
+            from cachegw.backend.executor.layers.triton_fused import rotate
+
+            return rotate(q, positions, self.cos, self.sin), rotate(k, positions, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

@@ -132,6 +132,7 @@ class RMSNorm(nn.Module):
 
     # cachegw's kernels' op namespace where the fused decode step runs: the norm as it computes it
     ops: str | None = None
+    triton = False  # CUDA: layers/triton_fused.py's one kernel for 2-D rows (set by its ``enable``)
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -141,6 +142,11 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        rows = x.dim() == 2 and x.stride(-1) == 1 and (residual is None or residual.stride(-1) == 1)
+        if self.triton and rows:
+            from cachegw.backend.executor.layers import triton_fused
+
+            return triton_fused.rms_norm(x, residual, self.weight, self.eps)
         if self.ops is not None:
             added = _NONE if residual is None else residual
             parts = getattr(torch.ops, self.ops).rms_norm(x, added, self.weight, self.eps)
@@ -195,10 +201,15 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
         self.act: Callable[[torch.Tensor], torch.Tensor] = F.silu  # Gemma: GeLU (tanh)
         self.ops: str | None = None  # as RMSNorm.ops: SiLU(gate) * up in cachegw's kernels
+        self.triton = False  # as RMSNorm.triton
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ops is not None:
             return self.down_proj(getattr(torch.ops, self.ops).silu_mul(self.gate_up_proj(x)))
+        if self.triton:
+            from cachegw.backend.executor.layers import triton_fused
+
+            return self.down_proj(triton_fused.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
