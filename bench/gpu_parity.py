@@ -177,9 +177,7 @@ def check(device: str, sizes: Sizes, seed: int = 0) -> dict:
         "float32_equal": results["float32_vs_hf"]["all_equal"],
         "graphs_equal_eager": results["graphs_vs_eager_float32"]["all_equal"],
         # on CUDA the kernels and graphs must really run (the engine falls back silently otherwise)
-        # (an int8 KV cache has no Triton kernel: it runs torch's attention, eager, by design)
-        "triton_used": not on_cuda
-        or all(e["attention"].startswith("triton") for name, e in engines.items() if "int8" not in name),
+        "triton_used": not on_cuda or all(e["attention"].startswith("triton") for e in engines.values()),
         "graphs_captured": not on_cuda or runs["ours_bfloat16"].graphs > 0,
     }
     return {

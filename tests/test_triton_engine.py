@@ -27,6 +27,8 @@ SCRIPT = textwrap.dedent(
     """
     import json, tempfile, torch
     from pathlib import Path
+    from testkit import triton_interpreter
+    triton_interpreter.patch()  # numpy >= 2.4 in the interpreter (a no-op for compiled kernels)
     torch.set_num_threads(2)
     from cachegw.backend import LLM, SamplingParams
     from cachegw.backend.executor.layers.kernel_check import self_check
@@ -70,6 +72,53 @@ def test_engine_with_triton_attention_matches_torch_path():
     # on CUDA the engine itself picked the kernels (their start-up self-check passed); on CPU, the torch path
     assert result["chosen"] == ("triton" if ON_CUDA else "torch")
     assert result["self_check"] is True  # the start-up check the engine runs on CUDA
+    assert result["cold"] == result["torch"]
+    assert result["warm"] == result["torch"]
+    assert result["warm_cached"] == [32, 16]
+
+
+INT8_SCRIPT = textwrap.dedent(
+    """
+    import json, tempfile, torch
+    from pathlib import Path
+    from testkit import triton_interpreter
+    triton_interpreter.patch()
+    from cachegw.backend import LLM, SamplingParams
+    from testkit.random_llama import LlamaShape, save_random_llama
+    model = save_random_llama(Path(tempfile.mkdtemp()), LlamaShape(576, 2, 9, 3, 64, 1536, 4096))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    llm = LLM(str(model), device=device, dtype="float32", quantization="none", kv_cache_tokens=1024,
+              max_num_seqs=4, compile="off", enforce_eager=True, kv_cache_dtype="int8")
+    runner = llm.engine.runner
+    chosen = runner.attention_backend
+    def use_triton(on):
+        for layer in runner.model.layers:
+            layer.self_attn.attn.use_triton = on
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = [list(range(100, 140)), list(range(100, 120)) + list(range(300, 310))]
+    use_triton(False)
+    torch_out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, cache_salt="torch")]
+    use_triton(True)
+    cold = llm.generate(prompts, params, cache_salt="triton")
+    warm = llm.generate(prompts, params, cache_salt="triton")  # over int8 rows the kernel wrote
+    print(json.dumps({"chosen": chosen, "torch": torch_out, "cold": [o.outputs[0].token_ids for o in cold],
+                      "warm": [o.outputs[0].token_ids for o in warm],
+                      "warm_cached": [o.num_cached_tokens for o in warm]}))
+    """
+)
+
+
+@pytest.mark.slow
+def test_engine_with_an_int8_cache_on_the_kernels_matches_the_torch_path():
+    """An int8 KV cache (values and per-row scales) written and read by the Triton kernels gives the
+    torch path's tokens; on CUDA the engine picks the kernels for it itself."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"} | ({} if ON_CUDA else {"TRITON_INTERPRET": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-c", INT8_SCRIPT], cwd=ROOT, capture_output=True, text=True, env=env, timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["chosen"] == ("triton" if ON_CUDA else "torch")
     assert result["cold"] == result["torch"]
     assert result["warm"] == result["torch"]
     assert result["warm_cached"] == [32, 16]

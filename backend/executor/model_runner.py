@@ -164,16 +164,10 @@ class ModelRunner:
     def _choose_attention_backend(self) -> str:
         """ "triton" on CUDA when the kernels pass a self-check against the torch path, else "torch"."""
         use = False
-        # Attention sinks, H2O's scores, an int8 KV cache and latent attention (one part per layer): torch
-        # path only.
+        # Attention sinks, H2O's scores and latent attention (one part per layer): torch path only.
         if self.device.type == "cuda" and self.softcapped:
             log.warning("the Triton kernels cannot soft-cap attention scores: torch path, no CUDA graphs")
-        elif (
-            self.device.type == "cuda"
-            and not (self.sinks or self.scores_keys)
-            and self.kv_format.kind != "int8"
-            and self.spec.kv_parts == 2
-        ):
+        elif self.device.type == "cuda" and not (self.sinks or self.scores_keys) and self.spec.kv_parts == 2:
             from cachegw.backend.executor.layers.kernel_check import self_check
             from cachegw.backend.executor.layers.triton_attention import triton_available
 

@@ -1,6 +1,8 @@
-"""Triton kernels for the paged-KV path on CUDA: cache store and one unified attention kernel.
+"""Triton kernels for the paged-KV path on CUDA: one unified attention kernel (the cache store is in
+``triton_store.py``).
 
-Same contract as ``store_kv_torch`` / ``paged_attention_torch`` in ``attention.py``. Everything
+Same contract as ``store_kv_torch`` / ``paged_attention_torch`` in ``attention.py``, for a cache in
+the compute dtype, fp8 (read 1 byte a value) or int8 (values and each row's float16 scale). Everything
 here launches with grid sizes taken from Python ints (tensor shapes and ``AttentionMetadata``'s
 ``*_cpu`` / ``max_*`` fields), never from tensor values, so the decode path can be captured in a
 CUDA graph.
@@ -27,6 +29,9 @@ import torch
 
 from cachegw.backend.executor.layers.attention import AttentionMetadata
 from cachegw.backend.executor.layers.kv_splits import default_splits
+from cachegw.backend.executor.layers.triton_store import check_caches, store_kvcache
+
+__all__ = ["paged_attention_triton", "store_kvcache", "triton_available"]
 
 try:
     import triton
@@ -46,45 +51,6 @@ def triton_available() -> bool:
 
 
 if triton is not None:
-
-    @triton.jit
-    def _store_kv_kernel(
-        key_ptr,
-        value_ptr,
-        k_cache_ptr,
-        v_cache_ptr,
-        slot_ptr,
-        stride_kt,
-        stride_kh,
-        stride_vt,
-        stride_vh,
-        stride_cb,
-        stride_co,
-        stride_ch,
-        NUM_KV_HEADS: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
-        H_PAD: tl.constexpr,
-        D_PAD: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr,
-        FP8: tl.constexpr,
-    ):
-        t = tl.program_id(0).to(tl.int64)
-        slot = tl.load(slot_ptr + t).to(tl.int64)
-        if slot < 0:  # padding token (CUDA-graph batches): nothing to store
-            return
-        blk = slot // BLOCK_SIZE
-        off = slot % BLOCK_SIZE
-        h = tl.arange(0, H_PAD)
-        d = tl.arange(0, D_PAD)
-        mask = (h[:, None] < NUM_KV_HEADS) & (d[None, :] < HEAD_DIM)
-        dst = blk * stride_cb + off * stride_co + h[:, None] * stride_ch + d[None, :]
-        k = tl.load(key_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
-        v = tl.load(value_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-        if FP8:  # e4m3 has no inf: saturate at +-448 as torch's conversion does
-            k = tl.minimum(tl.maximum(k.to(tl.float32), -448.0), 448.0)
-            v = tl.minimum(tl.maximum(v.to(tl.float32), -448.0), 448.0)
-        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _attn_kernel(
@@ -120,6 +86,7 @@ if triton is not None:
         UPCAST: tl.constexpr,
         WINDOW: tl.constexpr,
         KV_FP8: tl.constexpr,
+        KV_INT8: tl.constexpr,
     ):
         BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
         seq = tl.program_id(0)
@@ -182,6 +149,9 @@ if triton is not None:
             if KV_FP8:  # an fp8 cache: read 1 byte a value, compute in the queries' dtype
                 k = k.to(q.dtype)
                 v = v.to(q.dtype)
+            if KV_INT8:  # int8 values times their row's float16 scale, rounded to the queries' dtype
+                k = (k.to(tl.float32) * _row_scale(k_cache_ptr, base, k_ok, HEAD_DIM)[:, None]).to(q.dtype)
+                v = (v.to(tl.float32) * _row_scale(v_cache_ptr, base, k_ok, HEAD_DIM)[:, None]).to(q.dtype)
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
@@ -218,6 +188,15 @@ if triton is not None:
             tl.store(acc_ws_ptr + ws_row[:, None] * D_PAD + d[None, :], acc, mask=row_ok[:, None])
 
     @triton.jit
+    def _row_scale(cache_ptr, base, ok, HEAD_DIM: tl.constexpr):
+        """Each int8 row's scale: the float16 whose two bytes (little-endian) follow its values."""
+        lo = tl.load(cache_ptr + base + HEAD_DIM, mask=ok, other=0).to(tl.uint8, bitcast=True).to(tl.int32)
+        hi = (
+            tl.load(cache_ptr + base + HEAD_DIM + 1, mask=ok, other=0).to(tl.uint8, bitcast=True).to(tl.int32)
+        )
+        return (lo | (hi << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
     def _merge_splits_kernel(
         out_ptr,
         acc_ws_ptr,
@@ -251,45 +230,6 @@ if triton is not None:
 _INTERPRETED = triton is not None and type(_attn_kernel).__name__ == "InterpretedFunction"
 
 
-def store_kvcache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Write key/value [T, KVH, D] into caches [num_blocks, block_size, KVH, D]; slot -1 is skipped.
-    An fp8 (e4m3) cache gets the values converted, saturated at +-448 (``kv_quant.py``)."""
-    num_tokens, kv_heads, head_dim = key.shape
-    if num_tokens == 0:
-        return
-    if key.stride(-1) != 1:
-        key = key.contiguous()
-    if value.stride(-1) != 1:
-        value = value.contiguous()
-    _check_caches(k_cache, v_cache)
-    _store_kv_kernel[(num_tokens,)](
-        key,
-        value,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        key.stride(0),
-        key.stride(1),
-        value.stride(0),
-        value.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        NUM_KV_HEADS=kv_heads,
-        HEAD_DIM=head_dim,
-        H_PAD=triton.next_power_of_2(kv_heads),
-        D_PAD=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=k_cache.shape[1],
-        FP8=k_cache.dtype == torch.float8_e4m3fn,
-    )
-
-
 def paged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -313,7 +253,7 @@ def paged_attention_triton(
         return out
     if q.stride(-1) != 1:
         q = q.contiguous()
-    _check_caches(k_cache, v_cache)
+    check_caches(k_cache, v_cache)
     group = num_heads // kv_heads
     group_pad = triton.next_power_of_2(group)
     d_pad = max(16, triton.next_power_of_2(head_dim))
@@ -367,6 +307,7 @@ def paged_attention_triton(
         UPCAST=upcast,
         WINDOW=window or 0,
         KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
+        KV_INT8=k_cache.dtype == torch.int8,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
@@ -382,9 +323,3 @@ def paged_attention_triton(
             NUM_SPLITS=num_splits,
         )
     return out
-
-
-def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """The kernels address both caches with one set of strides and a unit-stride head_dim."""
-    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
-        raise ValueError("k_cache and v_cache must have equal shapes/strides and a contiguous last dim")
