@@ -78,7 +78,7 @@ def settle_for_script(cfg: EngineConfig) -> ThreadPlan:
     cores and the thread count are still set)."""
     p = plan(cfg, frozenset(os.sched_getaffinity(0)))
     late = "torch" in sys.modules and os.environ.get("OMP_WAIT_POLICY", "").upper() != p.wait_policy
-    if late and p.wait_policy:
+    if late and p.wait_policy and not _on_gpu(cfg.device):
         log.warning(
             "torch was imported before LLM(): its OpenMP threads keep their default waiting (spinning, "
             "which loses most of the engine's speed beside other busy processes). Set OMP_WAIT_POLICY=%s "
@@ -88,3 +88,10 @@ def settle_for_script(cfg: EngineConfig) -> ThreadPlan:
     apply(p)
     set_threads(p)
     return p
+
+
+def _on_gpu(device: str) -> bool:
+    """A GPU engine's steps do not wait on OpenMP threads: the warning above does not concern it."""
+    import torch  # already imported where this is asked
+
+    return device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
