@@ -17,6 +17,7 @@ from cachegw.backend.core.block_manager import FREED, cdiv
 from cachegw.backend.core.h2o import check_h2o
 from cachegw.backend.core.lora_ref import LoRARef, UnknownModel
 from cachegw.backend.core.scheduler import ScheduledBatch
+from cachegw.backend.executor import gpu_kernels
 from cachegw.backend.executor.compiled_decode import CompiledDecode, start_compiling, will_compile
 from cachegw.backend.executor.cuda_graphs import DecodeGraphs
 from cachegw.backend.executor.fused_decode import fused_decode_for
@@ -94,9 +95,20 @@ class ModelRunner:
             log.info("kv_eviction h2o: attention on the scored torch path (no compiled decode, no Triton)")
         if config.attention_sinks and not self.scores_keys:
             self._use_sinks(config.attention_sinks, context or max_model_len)
-        self.attention_backend = self._choose_attention_backend()
-        # CUDA: norms, rotary and SiLU as one Triton kernel each (about 40 fewer launches a layer)
-        self.fused_elementwise = device.type == "cuda" and _enable_fused(self.model, device, dtype)
+        # Soft-capped scores, attention sinks, H2O's scores and latent attention: the torch path only.
+        torch_only = (
+            "the Triton kernels cannot soft-cap attention scores"
+            if self.softcapped
+            else "attention sinks, H2O or latent attention"
+            if self.sinks or self.scores_keys or self.spec.kv_parts != 2
+            else None
+        )
+        self.attention_backend = gpu_kernels.choose_attention(
+            self.model, device, dtype, self.spec, self.block_size, self.kv_format.storage_dtype, torch_only
+        )
+        self.fused_elementwise = gpu_kernels.enable_fused(
+            self.model, device, dtype
+        )  # ~40 fewer launches a layer
         self.num_blocks = self._num_kv_blocks()
         # Decode-only steps in one call into cachegw's kernels where the model allows: nothing to compile.
         plain = not (self.sinks or self.scores_keys or self.loras)
@@ -160,28 +172,6 @@ class ModelRunner:
             windows.append(attn.sliding_window)
         self.window_everywhere = windows[0] if len(set(windows)) == 1 else None
         self.sinks = sinks
-
-    def _choose_attention_backend(self) -> str:
-        """ "triton" on CUDA when the kernels pass a self-check against the torch path, else "torch"."""
-        use = False
-        # Attention sinks, H2O's scores and latent attention (one part per layer): torch path only.
-        if self.device.type == "cuda" and self.softcapped:
-            log.warning("the Triton kernels cannot soft-cap attention scores: torch path, no CUDA graphs")
-        elif self.device.type == "cuda" and not (self.sinks or self.scores_keys) and self.spec.kv_parts == 2:
-            from cachegw.backend.executor.layers.kernel_check import self_check
-            from cachegw.backend.executor.layers.triton_attention import triton_available
-
-            try:
-                use = triton_available() and self_check(
-                    self.device, self.dtype, self.spec, self.block_size, self.kv_format.storage_dtype
-                )
-            except Exception:
-                log.exception("Triton attention failed its self-check")
-        if self.device.type == "cuda" and not use:
-            log.warning("using the torch attention path on CUDA (slower; no CUDA graphs)")
-        for layer in self.model.layers:
-            layer.self_attn.attn.use_triton = use
-        return "triton" if use else "torch"
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -386,9 +376,3 @@ class ModelRunner:
         for parts, layer in zip(self.kv_caches, data, strict=True):
             for cache, stored in zip(parts, layer, strict=True):
                 cache[block_id].copy_(stored)
-
-
-def _enable_fused(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
-    from cachegw.backend.executor.layers import triton_fused  # imports triton: CUDA only
-
-    return triton_fused.enable(model, device, dtype)
