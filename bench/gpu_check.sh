@@ -109,7 +109,8 @@ summary = {
        for k in ("float32_vs_hf", "bfloat16_vs_hf", "fp8_kv_vs_bfloat16", "int8_kv_vs_bfloat16",
                  "graphs_vs_eager_float32", "graphs_vs_eager") if k in parity},
     "decode": {k: decode.get(k) for k in ("bound_tok_per_s", "batch1_decode_tok_per_s", "fraction_of_bound",
-                                          "fused_elementwise", "batch1_unfused_tok_per_s", "runs")},
+                                          "fused_elementwise", "batch1_unfused_tok_per_s", "kv_dtype_decode",
+                                          "runs")},
 }
 (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 PY

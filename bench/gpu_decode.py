@@ -6,6 +6,9 @@
 2. Throughput at each concurrency (64 by default) against Hugging Face `generate` (one static batch
    of that many, its best case) on the same GPU, side by side in one run. One engine (sized for the
    largest concurrency) and one HF model serve every concurrency given.
+3. Without the fused element-wise kernels (batch 1), and with each quantized KV cache (``--kv-dtypes``:
+   decode tokens/s at ``--kv-batch`` sequences of ``--kv-context`` tokens, where the cache's reads are
+   a large part of a step), each a fresh engine measured right after the default one.
 
 Needs CUDA and triton; exits with a message and status 2 (and writes nothing) elsewhere.
 
@@ -103,6 +106,10 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--batch1-tokens", type=int, default=256, help="tokens the batch-1 decode times")
+    ap.add_argument("--kv-dtypes", nargs="*", default=["int8", "fp8"], help="quantized caches to time")
+    ap.add_argument("--kv-batch", type=int, default=64)
+    ap.add_argument("--kv-context", type=int, default=1024, help="prompt tokens of each sequence")
+    ap.add_argument("--kv-tokens", type=int, default=64, help="decoded tokens timed")
     ap.add_argument("--out", type=Path, default=None, help="JSON file (default: bench/results/)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -114,9 +121,9 @@ def main() -> None:
     (tmp / "config.json").write_text(json.dumps(LLAMA3_8B))
     say("building a Llama-3-8B-shaped engine with dummy bf16 weights")
 
-    def engine():
+    def engine(**kw):
         return LLM(model=str(tmp), load_format="dummy", dtype="bfloat16", max_num_seqs=max(args.concurrency),
-                   max_model_len=4096, gpu_memory_utilization=0.45)  # fmt: skip
+                   max_model_len=4096, gpu_memory_utilization=0.45, **kw)  # fmt: skip
 
     llm = engine()
     fused = llm.engine.runner.fused_elementwise
@@ -125,6 +132,9 @@ def main() -> None:
     say(f"weights {weight_bytes / 1e9:.2f} GB, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     bound = bandwidth / weight_bytes
     rate1 = decode_rate(llm, 128, args.batch1_tokens, 1)
+    kv_rates = (
+        {"auto": decode_rate(llm, args.kv_context, args.kv_tokens, args.kv_batch)} if args.kv_dtypes else {}
+    )
     say(f"batch-1 decode {rate1:.1f} tok/s = {rate1 / bound:.0%} of the {bound:.0f} tok/s bound")
     rng = random.Random(0)
     prompts = {n: [[rng.randrange(1000, 100000) for _ in range(args.prompt_len)] for _ in range(n)]
@@ -146,6 +156,17 @@ def main() -> None:
         del llm
         gc.collect()
         torch.cuda.empty_cache()
+    for kv in args.kv_dtypes:  # the same decode with each quantized cache, a fresh engine each
+        llm = engine(kv_cache_dtype=kv)
+        kv_rates[kv] = decode_rate(llm, args.kv_context, args.kv_tokens, args.kv_batch)
+        say(
+            f"{args.kv_batch} x {args.kv_context}-token contexts, {kv} KV cache: {kv_rates[kv]:.0f} tok/s "
+            f"({kv_rates[kv] / kv_rates['auto']:.2f}x the bfloat16 cache's {kv_rates['auto']:.0f}; "
+            f"attention {llm.engine.runner.attention_backend}, {len(llm.engine.runner.graphs or ())} graphs)"
+        )
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
     model = hf_model(tmp)
     runs = []
     for n in args.concurrency:
@@ -159,6 +180,8 @@ def main() -> None:
         "batch1_decode_tok_per_s": round(rate1, 1), "batch1_tokens": args.batch1_tokens,
         "fraction_of_bound": round(rate1 / bound, 3), "fused_elementwise": fused,
         "batch1_unfused_tok_per_s": unfused and round(unfused, 1), "max_num_seqs": max(args.concurrency),
+        "kv_dtype_decode": {"batch": args.kv_batch, "context": args.kv_context,
+                            "tok_per_s": {k: round(v, 1) for k, v in kv_rates.items()}},
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "runs": runs,
         "targets": {"fraction_of_bound": ">= 0.70", "speedup": ">= 5x"},
     }, args.out)  # fmt: skip
