@@ -68,7 +68,7 @@ XDIST=()
 "$PY" -c "import xdist" 2>/dev/null && XDIST=(-n 4)
 PYTEST=("$PY" -m pytest -q -rs -p no:cacheprovider)
 step triton-attention 150 pytest_attention.log "${PYTEST[@]}" "${XDIST[@]}" tests/test_triton_attention.py \
-    -k "not test_cuda_decode_speed"
+    tests/test_triton_kv_formats.py -k "not test_cuda_decode_speed"
 step triton-speed 60 pytest_attention.log "${PYTEST[@]}" -s tests/test_triton_attention.py -k test_cuda_decode_speed
 step triton-engine 90 pytest_engine.log "${PYTEST[@]}" tests/test_triton_engine.py
 step triton-fused 90 pytest_engine.log "${PYTEST[@]}" tests/test_triton_fused.py
