@@ -73,9 +73,10 @@ step triton-attention 150 pytest_attention.log "${PYTEST[@]}" "${XDIST[@]}" test
 step triton-speed 60 pytest_attention.log "${PYTEST[@]}" -s tests/test_triton_attention.py -k test_cuda_decode_speed
 step triton-engine 90 pytest_engine.log "${PYTEST[@]}" tests/test_triton_engine.py
 step triton-fused 90 pytest_engine.log "${PYTEST[@]}" tests/test_triton_fused.py
-# the engine's features (prefix cache, preemption, speculation, grammars, seeds, LoRA, RAM tier, int8/fp8
-# KV, stops, prompt logprobs) against the same engine without them; -v names each test as it ends, so a run cut short
-# still says how far it got; a test hanging past 45 s fails with its stack; -s: the KV dtypes' figures
+# the engine's features (prefix cache, preemption, speculation, grammars, seeds, LoRA, RAM tier, H2O,
+# int8/fp8 KV, stops, prompt logprobs) against the same engine without them; -v names each test as it
+# ends, so a run cut short still says how far it got; a test hanging past 45 s fails with its stack;
+# -s: the KV dtypes' agreement figures land in the log
 PER_TEST=()
 "$PY" -c "import pytest_timeout" 2>/dev/null && PER_TEST=(--timeout 45)
 step engine-features 90 pytest_engine.log "$PY" -m pytest -v -s -rs -p no:cacheprovider "${PER_TEST[@]}" \

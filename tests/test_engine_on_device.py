@@ -271,6 +271,20 @@ def test_a_prefix_evicted_from_the_pool_comes_back_from_the_ram_tier(engines: En
     assert tokens(others) == [reference[1], reference[3]]
 
 
+def test_h2o_drops_a_long_sequences_kv_and_leaves_a_short_one_exact(engines: Engines, reference) -> None:
+    """A 48-token budget: the 76-token sequence drops K/V as it goes (its first token comes from the
+    full prefill, so it is the reference's), the 36-token one never reaches it and decodes exactly."""
+    llm = engines(kv_eviction="h2o", kv_budget_tokens=48, max_num_batched_tokens=64)
+    h2o = llm.engine.h2o
+    assert h2o is not None
+    outs = tokens(llm.generate([PROMPTS[0], PROMPTS[2]], GREEDY))
+    assert h2o.evictions > 0 and h2o.dropped_tokens >= len(PROMPTS[0]) + NEW - 48 - 16
+    assert outs[0][0] == reference[0][0] and len(outs[0]) == NEW
+    assert outs[1] == reference[2]
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
 @pytest.mark.parametrize(("kv_dtype", "bound"), [("int8", 0.5), ("fp8", 1.5)])
 def test_a_quantized_kv_cache_runs_and_stays_near_the_float_cache(
     engines: Engines, base: LLM, kv_dtype: str, bound: float
