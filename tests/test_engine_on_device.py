@@ -215,12 +215,14 @@ def test_a_seed_repeats_its_sample_and_another_seed_differs(base: LLM, reference
     def sampled(seed: int, **kw: Any) -> SamplingParams:
         return replace(GREEDY, temperature=1.0, seed=seed, **kw)
 
-    batch = [sampled(7), sampled(7), sampled(8), sampled(7, top_p=0.9, top_k=50)]
-    outs = tokens(base.generate([PROMPTS[0]] * 4, batch))
+    batch = [sampled(7), sampled(7), sampled(8), sampled(7, top_p=0.9, top_k=20, logprobs=20)]
+    results = base.generate([PROMPTS[0]] * 4, batch)
+    outs = tokens(results)
     alone = tokens(base.generate(PROMPTS[0], sampled(7)))[0]
     assert outs[0] == outs[1] == alone  # its own generator: the batch around it changes nothing
     assert outs[2] != outs[0] and outs[0] != reference[0]  # another seed, and not greedy
-    assert outs[3] != outs[0] and len(outs[3]) == NEW
+    steps = results[3].outputs[0].logprobs or []
+    assert len(steps) == NEW and all(e["token_id"] in {t for t, _ in e["top"]} for e in steps)  # top-k
     forked = base.generate([PROMPTS[1]] * 2, replace(sampled(9), n=2))  # two samples of one prompt each
     twins = [[c.token_ids for c in o.outputs] for o in forked]
     assert twins[0] == twins[1] and twins[0][0] != twins[0][1]
@@ -308,7 +310,7 @@ def test_a_quantized_kv_cache_runs_and_stays_near_the_float_cache(
     assert worst < bound and max(firsts) > 0  # a broken cache would part every prompt at once
 
 
-def test_logprobs_and_stops_behave_as_on_the_reference(base: LLM, reference) -> None:
+def test_stop_token_ids_and_stop_strings_end_the_reference_where_they_occur(base: LLM, reference) -> None:
     text = base.generate(PROMPTS[0], GREEDY, cache_salt="stops")[0].outputs[0].text
     stop_at = next(i for i, t in enumerate(reference[0]) if i >= 4 and t not in reference[0][:i])
     stop = next(m.group() for m in re.finditer(r"[A-Za-z0-9]{2}", text) if m.start() >= 4)
@@ -319,10 +321,8 @@ def test_logprobs_and_stops_behave_as_on_the_reference(base: LLM, reference) -> 
     by_id, by_text = outs[0].outputs[0], outs[1].outputs[0]
     assert by_id.token_ids == reference[0][: stop_at + 1]
     assert (by_id.finish_reason, by_id.stop_reason) == ("stop", reference[0][stop_at])
-    assert by_text.text == text[: text.index(stop)] and (by_text.finish_reason, by_text.stop_reason) == (
-        "stop",
-        stop,
-    )
+    assert by_text.text == text[: text.index(stop)]
+    assert (by_text.finish_reason, by_text.stop_reason) == ("stop", stop)
     assert by_text.token_ids == reference[0][: len(by_text.token_ids)]
 
 
