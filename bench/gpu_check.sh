@@ -2,8 +2,9 @@
 # Runs THERE: on a lent GPU machine, from the repo root, as the device tool's one command, after
 # bench/gpu_prepare.sh filled .whl/ here:   run(command="bash bench/gpu_check.sh", carry=[".whl"], timeout_s=600)
 # Installs the wheels into /tmp/site, then runs each step under its own time limit, never stopping at
-# a failure: the Triton attention tests and the engine's Triton test natively on CUDA, the parity check
-# (bench/gpu_parity.py) and the decode benchmark (bench/gpu_decode.py). Everything lands in $OUT
+# a failure: the Triton attention tests and the engine's Triton test natively on CUDA, the engine's
+# features on CUDA (tests/test_engine_on_device.py), the parity check (bench/gpu_parity.py) and the
+# decode benchmark (bench/gpu_decode.py). Everything lands in $OUT
 # (default ./gpu-results): one log per step, parity.json, decode.json and summary.json, 8 files (what
 # the tool brings back). No step starts past the deadline: the whole run ends within 8 minutes.
 set -uo pipefail
@@ -72,6 +73,17 @@ step triton-attention 150 pytest_attention.log "${PYTEST[@]}" "${XDIST[@]}" test
 step triton-speed 60 pytest_attention.log "${PYTEST[@]}" -s tests/test_triton_attention.py -k test_cuda_decode_speed
 step triton-engine 90 pytest_engine.log "${PYTEST[@]}" tests/test_triton_engine.py
 step triton-fused 90 pytest_engine.log "${PYTEST[@]}" tests/test_triton_fused.py
+# the engine's features (prefix cache, preemption, speculation, grammars, seeds, LoRA, RAM tier, H2O,
+# int8/fp8 KV, stops, prompt logprobs) against the same engine without them; -v names each test as it
+# ends, so a run cut short still says how far it got; a test hanging past 45 s fails with its stack;
+# -s: the KV dtypes' agreement figures land in the log
+PER_TEST=()
+"$PY" -c "import pytest_timeout" 2>/dev/null && PER_TEST=(--timeout 45)
+step engine-features 90 pytest_engine.log "$PY" -m pytest -v -s -rs -p no:cacheprovider "${PER_TEST[@]}" \
+    tests/test_engine_on_device.py
+# the families beyond Llama (Qwen3 q/k norms, Gemma 2 soft-caps and windows, Gemma 3 rope per layer kind,
+# Phi-3) on CUDA against transformers on the CPU: tokens and logprobs, again from the prefix cache
+step families 45 pytest_engine.log "${PYTEST[@]}" tests/test_model_families.py -k test_new_family_matches_transformers
 # (b) our tokens against HF's: float32, bfloat16, fp8 KV, CUDA graphs against eager
 step parity 150 parity.log "$PY" -m bench.gpu_parity --device cuda --out "$OUT/parity.json"
 # (c) Llama-3-8B-shaped decode against the bandwidth bound and HF generate (sizes cut to fit)

@@ -50,7 +50,8 @@ real_find_spec = importlib.util.find_spec
 importlib.util.find_spec = lambda name, package=None: None if refused(name) else real_find_spec(name, package)
 try:
     import pytest
-    import tests.conftest, tests.test_triton_attention, bench.gpu_decode
+    import tests.conftest, tests.test_triton_attention, tests.test_engine_on_device, bench.gpu_decode
+    import llguidance.torch  # test_engine_on_device's structured output: the engine imports it lazily
     try:
         import tests.test_triton_engine  # skips itself (at import) where triton is missing
     except pytest.skip.Exception:

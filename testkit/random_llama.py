@@ -47,6 +47,38 @@ def save_random_llama(folder: Path, shape: LlamaShape, seed: int = 0, max_positi
     return folder
 
 
+SPECIAL = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2: the config's pad, bos and eos
+
+
+def save_byte_tokenizer(folder: Path, vocab: int) -> Path:
+    """A byte-level BPE tokenizer of exactly ``vocab`` ids beside a random Llama, written by the
+    ``tokenizers`` library alone (no file has to travel to a GPU machine): the three special tokens,
+    the 256 bytes, then merged pairs of ASCII letters, digits and the space until the vocabulary is
+    full. Every id decodes to text, so stop strings, drafts and structured output (whose grammar needs
+    a tokenizer) run on the random model."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = sorted(ByteLevel.alphabet())
+    ids = {token: i for i, token in enumerate((*SPECIAL, *alphabet))}
+    common = [c for c in alphabet if c.isascii() and c.isalnum()] + ["\u0120"]  # Ġ: the space
+    merges = [(a, b) for a in common for b in common][: max(0, vocab - len(ids))]
+    ids |= {a + b: len(ids) + i for i, (a, b) in enumerate(merges)}
+    if len(ids) != vocab:
+        raise ValueError(f"a byte tokenizer has {len(SPECIAL) + 256} to {len(ids)} ids, not {vocab}")
+    tokenizer = Tokenizer(models.BPE(ids, merges))
+    tokenizer.pre_tokenizer = ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    names = dict(zip(("pad_token", "bos_token", "eos_token"), SPECIAL, strict=True))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **names}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
+    return folder
+
+
 # The tiny model of the KV tier and event tests: 2 layers, 2 KV heads of 16, loads in well under a second.
 TINY = LlamaShape(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=256)
 TINY_BLOCK = 8  # tokens per KV block in those tests
