@@ -44,10 +44,12 @@ test: install
 test-fast: install
 	$(BIN)/python -m pytest -q -x -m "not slow"
 
-# The Triton attention kernels in Triton's CPU interpreter (without triton, `make test` skips these files).
+# The Triton kernels (attention, KV formats, fused norm/rotary/SiLU) in Triton's CPU interpreter
+# (without triton, `make test` skips these files).
 test-triton: install
 	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e '.[cuda]'
-	$(BIN)/python -m pytest -q -ra tests/test_triton_attention.py tests/test_triton_engine.py
+	$(BIN)/python -m pytest -q -ra tests/test_triton_attention.py tests/test_triton_kv_formats.py \
+		tests/test_triton_engine.py tests/test_triton_fused.py
 
 lint: install
 	$(BIN)/ruff check .
