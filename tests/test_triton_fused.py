@@ -9,19 +9,15 @@ machine the engine must have turned the kernels on by itself. Skipped where trit
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("triton", reason="triton is not installed")
 
-ROOT = Path(__file__).resolve().parents[1]
+from testkit import triton_interpreter  # noqa: E402
+
 ON_CUDA = torch.cuda.is_available()
 SCRIPT = textwrap.dedent(
     """
@@ -96,12 +92,7 @@ SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 def test_fused_kernels_match_the_torch_code_alone_and_in_the_engine() -> None:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"} | ({} if ON_CUDA else {"TRITON_INTERPRET": "1"})
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True, env=env, timeout=900
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = triton_interpreter.run_script(SCRIPT)
     assert result["device"] == ("cuda" if ON_CUDA else "cpu")
     failed = [name for name, ok in result["kernels"].items() if not ok]
     assert not failed, failed
