@@ -15,10 +15,20 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 DEADLINE=$((SECONDS + ${GPU_CHECK_SECONDS:-465}))
 STEPS=() # name|rc|seconds|log|limit|from|to: the bytes of its log that are the step's own
 
+# GPU_CHECK_ONLY="families decode-kv": only these steps (after install and versions), e.g. to recheck a
+# fix on a second loan; decode-kv (the KV cache formats' decode alone) runs only when named there.
+ONLY=${GPU_CHECK_ONLY:-}
+ALWAYS=" install nvidia-smi versions "
+
 # step NAME LIMIT_S LOG COMMAND...: the command under `timeout`, its output appended to $OUT/LOG
 step() {
     local name=$1 limit=$2 log=$3 t0=$SECONDS rc from
     shift 3
+    if [[ $ALWAYS != *" $name "* ]]; then
+        if [[ -n $ONLY && " $ONLY " != *" $name "* ]] || [[ -z $ONLY && $name == decode-kv ]]; then
+            return
+        fi
+    fi
     from=$(stat -c %s "$OUT/$log" 2>/dev/null || echo 0)
     ((limit > DEADLINE - SECONDS)) && limit=$((DEADLINE - SECONDS))
     if ((limit < 10)); then
@@ -89,6 +99,7 @@ step parity 150 parity.log "$PY" -m bench.gpu_parity --device cuda --out "$OUT/p
 # (c) Llama-3-8B-shaped decode against the bandwidth bound and HF generate (sizes cut to fit)
 step decode 220 decode.log "$PY" -m bench.gpu_decode --concurrency 32 64 --prompt-len 256 --new-tokens 128 \
     --batch1-tokens 128 --out "$OUT/decode.json"
+step decode-kv 150 decode.log "$PY" -m bench.gpu_decode --kv-only --concurrency 64 --out "$OUT/decode.json"
 
 "$PY" - "$OUT" "$SECONDS" "${STEPS[@]}" <<'PY' || echo '{"ok": false, "error": "the summary failed"}' >"$OUT/summary.json"
 import json, sys

@@ -18,6 +18,7 @@ Needs CUDA and triton; exits with a message and status 2 (and writes nothing) el
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import random
@@ -25,6 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -106,7 +108,13 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--batch1-tokens", type=int, default=256, help="tokens the batch-1 decode times")
-    ap.add_argument("--kv-dtypes", nargs="*", default=["int8", "fp8"], help="quantized caches to time")
+    ap.add_argument(
+        "--kv-dtypes",
+        nargs="*",
+        default=["int8", "int8-packed", "fp8"],
+        help="quantized caches to time (int8-packed: int8 rows not aligned, as before)",
+    )
+    ap.add_argument("--kv-only", action="store_true", help="time only the KV cache formats")
     ap.add_argument("--kv-batch", type=int, default=64)
     ap.add_argument("--kv-context", type=int, default=1024, help="prompt tokens of each sequence")
     ap.add_argument("--kv-tokens", type=int, default=64, help="decoded tokens timed")
@@ -116,6 +124,7 @@ def main() -> None:
         say("no CUDA device: this benchmark runs only on a GPU machine; nothing written")
         sys.exit(2)
     from cachegw.backend import LLM
+    from cachegw.backend.executor.layers import kv_quant
 
     tmp = Path(tempfile.mkdtemp(prefix="cachegw-llama3-8b-"))
     (tmp / "config.json").write_text(json.dumps(LLAMA3_8B))
@@ -131,24 +140,24 @@ def main() -> None:
     bandwidth = measured_bandwidth()
     say(f"weights {weight_bytes / 1e9:.2f} GB, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     bound = bandwidth / weight_bytes
-    rate1 = decode_rate(llm, 128, args.batch1_tokens, 1)
+    rate1 = 0.0 if args.kv_only else decode_rate(llm, 128, args.batch1_tokens, 1)
     kv_rates = (
         {"auto": decode_rate(llm, args.kv_context, args.kv_tokens, args.kv_batch)} if args.kv_dtypes else {}
     )
-    say(f"batch-1 decode {rate1:.1f} tok/s = {rate1 / bound:.0%} of the {bound:.0f} tok/s bound")
+    if rate1:
+        say(f"batch-1 decode {rate1:.1f} tok/s = {rate1 / bound:.0%} of the {bound:.0f} tok/s bound")
     rng = random.Random(0)
     prompts = {n: [[rng.randrange(1000, 100000) for _ in range(args.prompt_len)] for _ in range(n)]
                for n in args.concurrency}  # fmt: skip
-    ours = {n: end_to_end(llm, prompts[n], args.new_tokens) for n in args.concurrency}
+    ours = {} if args.kv_only else {n: end_to_end(llm, prompts[n], args.new_tokens) for n in args.concurrency}
     for n, rate in ours.items():
         say(f"ours at {n} concurrent: {rate:.0f} tok/s")
     del llm
     gc.collect()
     torch.cuda.empty_cache()
     unfused = None
-    if fused:  # the same engine with norms, rotary and SiLU in torch's kernels: what the fusion buys
-        from unittest import mock
-
+    # the same engine with norms, rotary and SiLU in torch's kernels: what the fusion buys
+    if fused and not args.kv_only:
         with mock.patch("cachegw.backend.executor.layers.triton_fused.enable", return_value=False):
             llm = engine()
         unfused = decode_rate(llm, 128, args.batch1_tokens, 1)
@@ -157,7 +166,9 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
     for kv in args.kv_dtypes:  # the same decode with each quantized cache, a fresh engine each
-        llm = engine(kv_cache_dtype=kv)
+        packed = mock.patch.object(kv_quant, "row_align", return_value=1)  # int8 rows 130 bytes apart
+        with packed if kv.endswith("-packed") else contextlib.nullcontext():
+            llm = engine(kv_cache_dtype=kv.removesuffix("-packed"))
         kv_rates[kv] = decode_rate(llm, args.kv_context, args.kv_tokens, args.kv_batch)
         say(
             f"{args.kv_batch} x {args.kv_context}-token contexts, {kv} KV cache: {kv_rates[kv]:.0f} tok/s "
@@ -167,9 +178,9 @@ def main() -> None:
         del llm
         gc.collect()
         torch.cuda.empty_cache()
-    model = hf_model(tmp)
+    model = None if args.kv_only else hf_model(tmp)
     runs = []
-    for n in args.concurrency:
+    for n in ours:
         hf = hf_end_to_end(model, prompts[n], args.new_tokens)
         say(f"HF generate, static batch {n}: {hf:.0f} tok/s")
         runs.append({"concurrency": n, "ours_tok_per_s": round(ours[n], 1), "hf_tok_per_s": round(hf, 1),

@@ -112,27 +112,34 @@ def test_the_same_byte_budget_holds_four_times_the_float32_tokens() -> None:
     assert 3.8 < blocks["int8"] / blocks["auto"] < 3.9  # 66 bytes a row against 256
 
 
+PROMPT = [5, 9, 2, 33, 17, 8, 40, 3, 11, 60, 21]
+
+
+def run_steps(runner: ModelRunner) -> tuple[torch.Tensor, Sequence]:
+    """Chunked prefill of PROMPT, then two greedy decodes: every step's logits, and the sequence."""
+    bm = BlockManager(runner.num_blocks, BS, enable_prefix_caching=False)
+    seq = Sequence("s", list(PROMPT), SamplingParams())
+    logits = []
+    for n in (6, 5, 1, 1):
+        if seq.block_table:
+            bm.append_slots(seq, n)
+        else:
+            bm.allocate(seq, [], n)
+        step = runner.execute(ScheduledBatch([seq], [n]))
+        seq.num_computed_tokens += n
+        if step.logits.numel():
+            logits.append(step.logits)
+            seq.token_ids.append(int(step.logits.argmax()))
+    return torch.cat(logits), seq
+
+
 def test_int8_runner_logits_follow_float32_and_blocks_move_with_their_scales() -> None:
     """Chunked prefill then decodes over the cache (the reads that dequantize): int8 KV stays close to
     float32 KV; a block read out (as the RAM/disk tier does) and written elsewhere reads back the same."""
-    prompt = [5, 9, 2, 33, 17, 8, 40, 3, 11, 60, 21]
     out = {}
     for kind in ("auto", "int8"):
         runner = tiny_runner(kind, kv_cache_tokens=64)
-        bm = BlockManager(runner.num_blocks, BS, enable_prefix_caching=False)
-        seq = Sequence(kind, list(prompt), SamplingParams())
-        logits = []
-        for n in (6, 5, 1, 1):
-            if seq.block_table:
-                bm.append_slots(seq, n)
-            else:
-                bm.allocate(seq, [], n)
-            step = runner.execute(ScheduledBatch([seq], [n]))
-            seq.num_computed_tokens += n
-            if step.logits.numel():
-                logits.append(step.logits)
-                seq.token_ids.append(int(step.logits.argmax()))
-        out[kind] = torch.cat(logits)
+        out[kind], seq = run_steps(runner)
         if kind == "int8":
             data = runner.read_block(seq.block_table[0])
             assert data.dtype == torch.int8 and data.shape == (2, 2, BS, 1, 66)
@@ -150,6 +157,25 @@ def test_int8_runner_logits_follow_float32_and_blocks_move_with_their_scales() -
             )
     assert (out["int8"] - out["auto"]).abs().max() < 0.05 * out["auto"].abs().max()
     assert not torch.equal(out["int8"], out["auto"])  # the int8 cache was really read
+
+
+def test_aligned_int8_rows_change_only_where_rows_start(monkeypatch) -> None:
+    """Rows padded to 16 bytes apart, as on CUDA (``kv_quant.row_align``): the same logits to the bit, the
+    same 66-byte rows for the tiers, the padding counted in the pool's bytes and never written."""
+    plain = tiny_runner("int8", kv_cache_tokens=64)
+    want, _ = run_steps(plain)
+    monkeypatch.setattr(kv_quant, "row_align", lambda kind, device: 16)
+    budget = 1 << 20
+    assert tiny_runner("int8", kv_cache_bytes=budget).num_blocks == budget // (2 * 2 * BS * 80)
+    runner = tiny_runner("int8", kv_cache_tokens=64)
+    k = runner.kv_caches[0][0]
+    assert k.shape[-1] == 66 and k.stride(-2) == 80 and runner.kv_bytes_per_token == 2 * 2 * 80
+    got, seq = run_steps(runner)
+    assert torch.equal(got, want)
+    assert runner.read_block(seq.block_table[0]).shape == (2, 2, BS, 1, 66)
+    assert torch.equal(runner.read_block(seq.block_table[0]), plain.read_block(seq.block_table[0]))
+    whole = k.as_strided((k.shape[0], BS, 1, 80), (BS * 80, 80, 80, 1))
+    assert whole[..., 66:].count_nonzero() == 0 and whole[..., :66].count_nonzero() > 0
 
 
 def test_kv_cache_dtype_is_checked() -> None:

@@ -105,7 +105,10 @@ def save_random(kind: str, folder) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(new_family_config(kind), dtype=torch.float32).eval()
+    # eager, whatever the default of the installed transformers: the attention that caps Gemma 2's scores
+    # (with its default, transformers 5.17 on the GPU image parted from us and 5.24 at the second token)
+    config = new_family_config(kind)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
             p.normal_(0, 0.3 if "norm" in name else 0.08)

@@ -74,9 +74,12 @@ def make_case(
     garbage: float = float("nan"),
     seed: int = 0,
     kv: str = "auto",
+    align: int = 1,
 ) -> Case:
     """Random step with shuffled, non-contiguous block tables; prefixes are already cached (as
-    ``kv_cache_dtype = kv`` stores them: an int8 cache's unused slots hold zeros, not ``garbage``)."""
+    ``kv_cache_dtype = kv`` stores them: an int8 cache's unused slots hold zeros, not ``garbage``).
+    ``align``: rows start that many elements apart, the padding between them filled with ``garbage``
+    (int8: 99), as the engine lays out an int8 pool on CUDA (``kv_quant.row_align``)."""
     gen = torch.Generator().manual_seed(seed)
     num_heads, kv_heads = heads
     nblocks = [(c + BLOCK_SIZE - 1) // BLOCK_SIZE for c in seq_lens]
@@ -86,11 +89,17 @@ def make_case(
     for s, n in enumerate(nblocks):
         tables[s, :n] = perm[used : used + n]
         used += n
-    fmt = kv_quant.KVCacheFormat(kv, dtype, head_dim)
-    shape = (len(perm), BLOCK_SIZE, kv_heads, fmt.row_width)
+    fmt = kv_quant.KVCacheFormat(kv, dtype, head_dim, align)
+    shape = (len(perm), BLOCK_SIZE, kv_heads, fmt.stored_width)
     fill = 0.0 if kv == "int8" else garbage
-    k_cache = torch.full(shape, fill, dtype=dtype).to(fmt.storage_dtype)
-    v_cache = torch.full(shape, fill, dtype=dtype).to(fmt.storage_dtype)
+
+    def pool() -> torch.Tensor:
+        rows = torch.full(shape, fill, dtype=dtype).to(fmt.storage_dtype)
+        rows[..., fmt.row_width :] = 99 if kv == "int8" else garbage
+        return rows
+
+    k_pool, v_pool = pool(), pool()
+    k_cache, v_cache = k_pool[..., : fmt.row_width], v_pool[..., : fmt.row_width]
 
     def rand(*size: int) -> torch.Tensor:
         return torch.randn(*size, generator=gen).to(dtype)
@@ -132,8 +141,8 @@ def make_case(
         q=rand(sum(query_lens), num_heads, head_dim).to(DEVICE),
         key=cat["new_k"].to(DEVICE),
         value=cat["new_v"].to(DEVICE),
-        k_cache=k_cache.to(DEVICE),
-        v_cache=v_cache.to(DEVICE),
+        k_cache=k_pool.to(DEVICE)[..., : fmt.row_width],  # (a view's .to() would close its gaps)
+        v_cache=v_pool.to(DEVICE)[..., : fmt.row_width],
         meta=meta,
         dense_k=dense_k,
         dense_v=dense_v,

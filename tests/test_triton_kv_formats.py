@@ -91,10 +91,11 @@ def test_triton_fp8_store_matches_torch() -> None:
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("scenario", ["decode", "prefix", "mixed", "long_decode"])
-def test_triton_int8_cache(scenario: str, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("align", [1, 16], ids=["packed", "aligned"])
+def test_triton_int8_cache(scenario: str, dtype: torch.dtype, align: int) -> None:
     """The kernels store into an int8 cache (values and each row's scale) and read it back: the torch
-    path's answer on the same rows, and near the dense one."""
-    case = make_case(*SCENARIOS[scenario], HEADS["gqa3"], dtype=dtype, kv="int8")
+    path's answer on the same rows, and near the dense one; rows packed or 16 bytes apart (CUDA's)."""
+    case = make_case(*SCENARIOS[scenario], HEADS["gqa3"], dtype=dtype, kv="int8", align=align)
     out = run_triton(case, 0.125)
     assert case.k_cache.dtype == torch.int8 and case.k_cache.shape[-1] == 64 + kv_quant.SCALE_BYTES
     # (a prefill reads its own quantized rows here, the torch path its unquantized ones: a little more error)

@@ -21,7 +21,6 @@ from cachegw.backend.executor import gpu_kernels
 from cachegw.backend.executor.compiled_decode import CompiledDecode, start_compiling, will_compile
 from cachegw.backend.executor.cuda_graphs import DecodeGraphs
 from cachegw.backend.executor.fused_decode import fused_decode_for
-from cachegw.backend.executor.host_memory import zeros_on_demand
 from cachegw.backend.executor.layers import kv_quant
 from cachegw.backend.executor.layers.attention import AttentionMetadata, PagedAttention
 from cachegw.backend.executor.lora_slots import LoRASlots, lora_slots_for
@@ -74,7 +73,10 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.spec = model_spec(hf_config, config, gguf_path)
         kv_quant.check_supported(config.kv_cache_dtype, device)
-        self.kv_format = kv_quant.KVCacheFormat(config.kv_cache_dtype, dtype, self.spec.head_dim)
+        kind = config.kv_cache_dtype
+        self.kv_format = kv_quant.KVCacheFormat(
+            kind, dtype, self.spec.head_dim, kv_quant.row_align(kind, device)
+        )
         self.max_blocks_per_seq = cdiv(max_model_len, self.block_size)
         # what the projections run: "none" (float), "int4", "int8" or "mixed" ([engine] quantization)
         self.model, self.quantization = build_model(
@@ -174,7 +176,7 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return self.spec.kv_bytes_per_token(self.dtype, self.kv_format.kind)
+        return self.spec.kv_bytes_per_token(self.dtype, self.kv_format.kind, self.kv_format.align)
 
     def _num_kv_blocks(self) -> int:
         cfg, per_block = self.config, self.kv_bytes_per_token * self.block_size
@@ -210,12 +212,11 @@ class ModelRunner:
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, ...]]:
         """Per layer ``spec.kv_parts`` tensors: K and V, or one latent cache (``layers/mla_attention.py``)."""
         s, fmt = self.spec, self.kv_format
-        shape = (num_blocks, self.block_size, s.num_kv_heads, fmt.row_width)
+        shape = (num_blocks, self.block_size, s.num_kv_heads)
         # zeros, not empty: attention multiplies masked-out slots by 0, and 0 x NaN would be NaN.
         # On CPU a page of the pool takes memory when first written (host_memory.py).
         caches = [
-            tuple(zeros_on_demand(shape, fmt.storage_dtype, self.device) for _ in range(s.kv_parts))
-            for _ in range(s.num_layers)
+            tuple(fmt.allocate(shape, self.device) for _ in range(s.kv_parts)) for _ in range(s.num_layers)
         ]
         for layer, parts in zip(self.model.layers, caches, strict=True):
             attn = layer.self_attn.attn

@@ -79,10 +79,14 @@ def self_check(
 
 
 def _cache(values: torch.Tensor, device: torch.device, kv_dtype: torch.dtype) -> torch.Tensor:
-    """A cache of ``values`` in the storage ``kv_dtype`` (int8 rows carry their scales, as stored)."""
-    if kv_dtype == torch.int8:
-        return kv_quant.encode(values, torch.int8).to(device)
-    return values.to(device, kv_dtype)
+    """A cache of ``values`` in the storage ``kv_dtype`` laid out as the engine's pool on ``device``
+    (int8 rows carry their scales, and start ``kv_quant.row_align`` bytes apart)."""
+    if kv_dtype != torch.int8:
+        return values.to(device, kv_dtype)
+    rows = kv_quant.encode(values, torch.int8)
+    fmt = kv_quant.KVCacheFormat("int8", values.dtype, values.shape[-1], kv_quant.row_align("int8", device))
+    cache = fmt.allocate(tuple(values.shape[:-1]), device)
+    return cache.copy_(rows)
 
 
 def _same_rows(got: torch.Tensor, ref: torch.Tensor, dim: int, exact: bool) -> bool:

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from cachegw.backend.executor.host_memory import zeros_on_demand
+
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 SCALE_DTYPE = torch.float16
 SCALE_BYTES = 2
@@ -36,6 +38,7 @@ class KVCacheFormat:
     kind: str  # auto | int8 | fp8
     compute_dtype: torch.dtype
     head_dim: int
+    align: int = 1  # elements: each stored row starts at a multiple of this (``row_align``)
 
     @property
     def storage_dtype(self) -> torch.dtype:
@@ -47,8 +50,26 @@ class KVCacheFormat:
         return self.head_dim + SCALE_BYTES if self.kind == "int8" else self.head_dim
 
     @property
+    def stored_width(self) -> int:
+        """Elements a row takes in the pool: ``row_width`` rounded up to ``align`` (the rest unused)."""
+        return -(-self.row_width // self.align) * self.align
+
+    @property
     def row_bytes(self) -> int:
-        return self.row_width * torch.empty((), dtype=self.storage_dtype).element_size()
+        return self.stored_width * torch.empty((), dtype=self.storage_dtype).element_size()
+
+    def allocate(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """A zeroed cache ``shape + (row_width,)``: a view of rows ``stored_width`` apart."""
+        pool = zeros_on_demand(shape + (self.stored_width,), self.storage_dtype, device)
+        return pool if self.stored_width == self.row_width else pool[..., : self.row_width]
+
+
+def row_align(kind: str, device: torch.device) -> int:
+    """CUDA: int8 rows (``head_dim + 2`` bytes) start 16 bytes apart, so the Triton kernels load them
+    128 bits at a time; at 130 bytes apart every load is a byte, and decode ran at half of bfloat16's
+    speed (H200, 64 x 1,024 tokens). The other formats' rows are aligned already; the CPU reads int8
+    rows with torch, where the padding would only cost memory."""
+    return 16 if kind == "int8" and device.type == "cuda" else 1
 
 
 def check_supported(kind: str, device: torch.device) -> None:

@@ -92,10 +92,11 @@ class ModelSpec:
         """Whether the compiled decode step can trace the model (``executor/compiled_decode.py``)."""
         return True
 
-    def kv_bytes_per_token(self, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    def kv_bytes_per_token(self, dtype: torch.dtype, kv_cache_dtype: str = "auto", align: int = 1) -> int:
         """K and V, every layer: 2 x layers x kv_heads x the bytes of one stored row (``head_dim``
-        elements of ``dtype``, or their int8/fp8 form and its scale: ``layers/kv_quant.py``)."""
-        row = KVCacheFormat(kv_cache_dtype, dtype, self.head_dim).row_bytes
+        elements of ``dtype``, or their int8/fp8 form and its scale, padded to ``align``:
+        ``layers/kv_quant.py``)."""
+        row = KVCacheFormat(kv_cache_dtype, dtype, self.head_dim, align).row_bytes
         return self.kv_parts * self.num_layers * self.num_kv_heads * row
 
 
