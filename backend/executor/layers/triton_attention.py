@@ -149,9 +149,12 @@ if triton is not None:
             if KV_FP8:  # an fp8 cache: read 1 byte a value, compute in the queries' dtype
                 k = k.to(q.dtype)
                 v = v.to(q.dtype)
-            if KV_INT8:  # int8 values times their row's float16 scale, rounded to the queries' dtype
-                k = (k.to(tl.float32) * _row_scale(k_cache_ptr, base, k_ok, HEAD_DIM)[:, None]).to(q.dtype)
-                v = (v.to(tl.float32) * _row_scale(v_cache_ptr, base, k_ok, HEAD_DIM)[:, None]).to(q.dtype)
+            if KV_INT8:  # int8 values are exact in the queries' dtype: each row's scale multiplies its
+                # score and its softmax weight instead of every value (fewer multiplies, no rounding of k * s)
+                k_scale = _row_scale(k_cache_ptr, base, k_ok, HEAD_DIM)
+                v_scale = _row_scale(v_cache_ptr, base, k_ok, HEAD_DIM)
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
@@ -159,6 +162,8 @@ if triton is not None:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k))
+            if KV_INT8:
+                s = s * k_scale[None, :]
             visible = k_ok[None, :] & (pos[None, :] <= q_pos[:, None])
             if WINDOW > 0:
                 visible = visible & (pos[None, :] > q_pos[:, None] - WINDOW)
@@ -167,6 +172,8 @@ if triton is not None:
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
+            if KV_INT8:
+                p = p * v_scale[None, :]
             if IEEE_DOT:
                 pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:
@@ -189,12 +196,10 @@ if triton is not None:
 
     @triton.jit
     def _row_scale(cache_ptr, base, ok, HEAD_DIM: tl.constexpr):
-        """Each int8 row's scale: the float16 whose two bytes (little-endian) follow its values."""
-        lo = tl.load(cache_ptr + base + HEAD_DIM, mask=ok, other=0).to(tl.uint8, bitcast=True).to(tl.int32)
-        hi = (
-            tl.load(cache_ptr + base + HEAD_DIM + 1, mask=ok, other=0).to(tl.uint8, bitcast=True).to(tl.int32)
-        )
-        return (lo | (hi << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        """Each int8 row's scale: the float16 whose two bytes follow its values (rows and head dims are
+        even, so it is one aligned 2-byte load)."""
+        scales = (cache_ptr + base + HEAD_DIM).to(tl.pointer_type(tl.float16))
+        return tl.load(scales, mask=ok, other=0.0).to(tl.float32)
 
     @triton.jit
     def _merge_splits_kernel(
