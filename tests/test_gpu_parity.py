@@ -5,7 +5,9 @@ engine's float32/bfloat16/fp8-KV/eager paths on a model made by transformers).""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 from bench import gpu_parity
@@ -42,3 +44,20 @@ def test_gpu_scripts_parse() -> None:
     for script in ("bench/gpu_prepare.sh", "bench/gpu_check.sh"):
         res = subprocess.run(["bash", "-n", script], cwd=root, capture_output=True, text=True)
         assert res.returncode == 0, res.stderr
+
+
+def test_gpu_check_only_runs_the_named_steps(tmp_path: Path) -> None:
+    """GPU_CHECK_ONLY: install, nvidia-smi and versions, then only the named steps. On this CPU machine
+    they fail (no wheels to carry, no nvidia-smi, no CUDA; the KV decode exits 2), and the summary
+    still reports each, as it would the first failure on a lent machine."""
+    root = Path(__file__).resolve().parents[1]
+    env = {
+        "PATH": os.environ["PATH"], "HOME": str(tmp_path), "OUT": str(tmp_path / "out"),
+        "PYTHON": sys.executable, "GPU_CHECK_ONLY": "decode-kv", "GPU_CHECK_SECONDS": "120",
+    }  # fmt: skip
+    res = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=root, env=env, capture_output=True, text=True)
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    steps = {s["step"]: s for s in summary["steps"]}
+    assert set(steps) - {"install"} == {"nvidia-smi", "versions", "decode-kv"}, res.stdout
+    assert steps["decode-kv"]["rc"] == "2" and not summary["ok"]
+    assert "no CUDA device" in (tmp_path / "out" / "decode.log").read_text()
