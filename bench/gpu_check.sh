@@ -3,10 +3,11 @@
 # bench/gpu_prepare.sh filled .whl/ here:   run(command="bash bench/gpu_check.sh", carry=[".whl"], timeout_s=600)
 # Installs the wheels into /tmp/site, then runs each step under its own time limit, never stopping at
 # a failure: the Triton attention tests and the engine's Triton test natively on CUDA, the engine's
-# features on CUDA (tests/test_engine_on_device.py), the parity check (bench/gpu_parity.py) and the
-# decode benchmark (bench/gpu_decode.py). Everything lands in $OUT
-# (default ./gpu-results): one log per step, parity.json, decode.json and summary.json, 8 files (what
-# the tool brings back). No step starts past the deadline: the whole run ends within 8 minutes.
+# features on CUDA (tests/test_engine_on_device.py), the parity check (bench/gpu_parity.py), the
+# decode benchmark (bench/gpu_decode.py) and a profile of a batch-1 decode step (bench/gpu_profile.py).
+# Everything lands in $OUT (default ./gpu-results): the steps' 6 logs, parity.json, decode.json,
+# profile.json and summary.json (what the tool brings back). No step starts past the deadline: the
+# whole run ends within 8 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=$(mkdir -p "${OUT:-./gpu-results}" && cd "${OUT:-./gpu-results}" && pwd)
@@ -99,6 +100,8 @@ step parity 150 parity.log "$PY" -m bench.gpu_parity --device cuda --out "$OUT/p
 # (c) Llama-3-8B-shaped decode against the bandwidth bound and HF generate (sizes cut to fit)
 step decode 220 decode.log "$PY" -m bench.gpu_decode --concurrency 32 64 --prompt-len 256 --new-tokens 128 \
     --batch1-tokens 128 --out "$OUT/decode.json"
+# (d) where a batch-1 decode step's time goes (kernel groups per step, graphs and eager)
+step profile 90 profile.log "$PY" -m bench.gpu_profile --out "$OUT/profile.json"
 step decode-kv 150 decode.log "$PY" -m bench.gpu_decode --kv-only --concurrency 64 --out "$OUT/decode.json"
 
 "$PY" - "$OUT" "$SECONDS" "${STEPS[@]}" <<'PY' || echo '{"ok": false, "error": "the summary failed"}' >"$OUT/summary.json"
@@ -118,7 +121,7 @@ for entry in sys.argv[3:]:
         record["log_tail"] = "\n".join(lines[-40:])
     steps.append(record)
 results = {}
-for name in ("parity", "decode"):
+for name in ("parity", "decode", "profile"):
     path = out / f"{name}.json"
     results[name] = json.loads(path.read_text()) if path.exists() else None
 parity = results["parity"] or {}
@@ -134,6 +137,9 @@ summary = {
     "decode": {k: decode.get(k) for k in ("bound_tok_per_s", "batch1_decode_tok_per_s", "fraction_of_bound",
                                           "fused_elementwise", "batch1_unfused_tok_per_s", "kv_dtype_decode",
                                           "runs")},
+    "profile": {mode: {k: (results["profile"] or {}).get(mode, {}).get(k)
+                       for k in ("step_ms", "kernel_ms_per_step", "groups_ms_per_step")}
+                for mode in ("graphs", "eager")} | {"bound_ms": (results["profile"] or {}).get("bound_ms")},
 }
 (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 PY
