@@ -42,6 +42,17 @@ LLAMA3_8B = {
 }  # fmt: skip
 
 
+def llama3_folder() -> Path:
+    """A fresh folder holding only LLAMA3_8B's config.json (the engine loads it with dummy weights);
+    exits with status 2 first where there is no CUDA device."""
+    if not torch.cuda.is_available():
+        say("no CUDA device: this benchmark runs only on a GPU machine; nothing written")
+        sys.exit(2)
+    folder = Path(tempfile.mkdtemp(prefix="cachegw-llama3-8b-"))
+    (folder / "config.json").write_text(json.dumps(LLAMA3_8B))
+    return folder
+
+
 def measured_bandwidth() -> float:
     """Bytes/s of a 4 GiB device-to-device copy (each byte read once and written once)."""
     src = torch.empty(2**30, dtype=torch.float32, device="cuda")
@@ -120,14 +131,10 @@ def main() -> None:
     ap.add_argument("--kv-tokens", type=int, default=64, help="decoded tokens timed")
     ap.add_argument("--out", type=Path, default=None, help="JSON file (default: bench/results/)")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        say("no CUDA device: this benchmark runs only on a GPU machine; nothing written")
-        sys.exit(2)
+    tmp = llama3_folder()
     from cachegw.backend import LLM
     from cachegw.backend.executor.layers import kv_quant
 
-    tmp = Path(tempfile.mkdtemp(prefix="cachegw-llama3-8b-"))
-    (tmp / "config.json").write_text(json.dumps(LLAMA3_8B))
     say("building a Llama-3-8B-shaped engine with dummy bf16 weights")
 
     def engine(**kw):

@@ -16,16 +16,14 @@ Needs CUDA; exits with a message and status 2 (and writes nothing) elsewhere.
 from __future__ import annotations
 
 import argparse
-import json
 import re
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from bench.common import save, say
+from bench.gpu_decode import llama3_folder, measured_bandwidth
 
 # kernel name pattern -> group, first match wins (cuBLAS/cutlass names vary by GPU and version)
 GROUPS: tuple[tuple[str, str], ...] = (
@@ -93,14 +91,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32, help="decode steps profiled")
     ap.add_argument("--out", type=Path, default=None, help="JSON file (default: bench/results/)")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        say("no CUDA device: this benchmark runs only on a GPU machine; nothing written")
-        sys.exit(2)
-    from bench.gpu_decode import LLAMA3_8B, measured_bandwidth
+    tmp = llama3_folder()
     from cachegw.backend import LLM
 
-    tmp = Path(tempfile.mkdtemp(prefix="cachegw-llama3-8b-"))
-    (tmp / "config.json").write_text(json.dumps(LLAMA3_8B))
     result: dict = {"model": "Llama-3-8B shape, dummy weights, bfloat16", "steps": args.steps}
     for mode, eager in (("graphs", False), ("eager", True)):
         t0 = time.perf_counter()
