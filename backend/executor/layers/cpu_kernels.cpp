@@ -133,8 +133,13 @@ at::Tensor block_linear_impl(const at::Tensor& x, const at::Tensor& w, const at:
     std::vector<uint8_t> padded;
     for (int64_t t = begin; t < end; ++t) {
       const int64_t j = t * L, count = std::min<int64_t>(L, n - j);
-      // d and m as [nb][L]: a block's values for the tile's rows in one vector (zeros past count)
+      // d and m as [nb][L]: a block's values for the tile's rows in one vector (zeros past count);
+      // gathered where rows follow the tile (a gather reads 2 bytes past its half), else one by one
       for (auto [src, dst] : {std::pair{dp, dt.data()}, std::pair{mp, mt.data()}}) {
+        if (j + L < n) {
+          tile_halves(src + j * nb, nb, dst);
+          continue;
+        }
         std::fill(rowwise.begin(), rowwise.end(), 0.0f);
         halves_to_floats(src + j * nb, count * nb, rowwise.data());
         for (int64_t r = 0; r < L; ++r)

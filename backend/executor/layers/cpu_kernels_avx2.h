@@ -35,6 +35,19 @@ void halves_to_floats(const at::Half* src, int64_t n, float* dst) {
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
+// A tile's float16 values as [nb][8] floats: dst[b * 8 + r] = src[r * nb + b]. One gather a block
+// (4 bytes read at each half: the caller guarantees the tile is not the tensor's last rows).
+void tile_halves(const at::Half* src, int64_t nb, float* dst) {
+  const __m256i rows = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(static_cast<int>(nb)));
+  const __m256i low = _mm256_set1_epi32(0xFFFF);
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i g = _mm256_and_si256(_mm256_i32gather_epi32(reinterpret_cast<const int*>(src + b), rows, 2), low);
+    // 8 int32 -> 8 uint16 (exact: each is under 0x10000), in order, in the low 128 bits
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(g, g), 0x08);
+    _mm256_storeu_ps(dst + b * 8, _mm256_cvtph_ps(_mm256_castsi256_si128(packed)));
+  }
+}
+
 // 32 weights times 32 activations: 8 int32 lanes, each the sum of 4 products.
 template <int Bits>
 inline __m256i dot4(__m256i w, __m256i x) {

@@ -21,6 +21,17 @@ void halves_to_floats(const at::Half* src, int64_t n, float* dst) {
   }
 }
 
+// A tile's float16 values as [nb][16] floats: dst[b * 16 + r] = src[r * nb + b]. One gather a block
+// (4 bytes read at each half: the caller guarantees the tile is not the tensor's last rows).
+void tile_halves(const at::Half* src, int64_t nb, float* dst) {
+  const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(static_cast<int>(nb)));
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m512i g = _mm512_i32gather_epi32(rows, reinterpret_cast<const int*>(src + b), 2);
+    _mm512_storeu_ps(dst + b * 16, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)));
+  }
+}
+
 // The 64 unsigned weights of block pair p, as bytes.
 template <int Bits>
 inline __m512i load_pair(const uint8_t* w, int64_t p) {
