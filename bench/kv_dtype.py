@@ -40,9 +40,14 @@ CHUNK = 64  # prefill chunk of the perplexity pass
 
 
 def _engine(weights: str, kv: str, **kw):
+    """``kv``: a kv_cache_dtype, or one with "-unfused" after it (the fused decode step off: every
+    decode on the eager modules and torch's attention, as an int8 cache ran before the step read it)."""
     from cachegw.backend import LLM
 
-    return LLM(compile="off", quantization=weights, dtype="float32", kv_cache_dtype=kv, **kw)
+    if kv.endswith("-unfused"):
+        kw["fused_decode"] = False
+    kind = kv.removesuffix("-unfused")
+    return LLM(compile="off", quantization=weights, dtype="float32", kv_cache_dtype=kind, **kw)
 
 
 def _perplexity(llm, texts: list[str], max_len: int) -> float:
@@ -164,7 +169,8 @@ def _save_speed(args: argparse.Namespace, rows: dict[str, dict], rounds: int) ->
     save(
         "kv_dtype",
         {
-            "command": f"python -m bench.kv_dtype speed --context {args.context} --new {args.new}",
+            "command": f"python -m bench.kv_dtype speed --context {args.context} --new {args.new} "
+            f"--rounds {args.rounds} --kv {args.kv}",
             "weights": args.quantization,
             "compute_dtype": "float32",
             "context_tokens": args.context,
@@ -186,7 +192,7 @@ def main() -> None:
     acc.add_argument("--texts", type=int, default=16)
     spd = sub.add_parser("speed")
     spd.add_argument("--quantization", default="auto")
-    spd.add_argument("--kv", default=",".join(KV_DTYPES))
+    spd.add_argument("--kv", default=",".join(KV_DTYPES), help='e.g. "auto,int8,int8-unfused,fp8"')
     spd.add_argument("--context", type=int, default=4096)
     spd.add_argument("--new", type=int, default=64)
     spd.add_argument("--rounds", type=int, default=3)

@@ -167,14 +167,19 @@ def test_auto_takes_the_best_build_and_a_build_the_cpu_lacks_is_refused(
 
 @pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("window", [None, 20])
-def test_paged_decode_attention_matches_the_torch_path(window: int | None, build: str) -> None:
+@pytest.mark.parametrize("kv", ["float32", "int8"])
+def test_paged_decode_attention_matches_the_torch_path(window: int | None, build: str, kv: str) -> None:
     """The compiled decode step's attention read straight from the paged cache: the same as the torch
     path's gather, mask and softmax, for grouped heads, a window, a context inside its first block
-    and tables padded past the context; every build gives the AVX-512 build's bits."""
+    and tables padded past the context; every build gives the AVX-512 build's bits. An int8 cache's
+    integers and scales are read as stored (the torch path dequantizes them first)."""
+    from cachegw.backend.executor.layers import kv_quant
     from cachegw.backend.executor.layers.attention import DecodeMetadata, decode_attention_torch
 
     g = torch.Generator().manual_seed(0)
     k_cache, v_cache = torch.randn(2, 40, 4, 3, 32, generator=g)  # 40 blocks of 4 tokens, 3 KV heads
+    if kv == "int8":
+        k_cache, v_cache = (kv_quant.encode(c, torch.int8) for c in (k_cache, v_cache))
     lens = torch.tensor([45, 3, 17], dtype=torch.int32)
     tables = torch.randperm(40, generator=g)[:36].view(3, 12).to(torch.int32).contiguous()
     q = torch.randn(3, 6, 32, generator=g)

@@ -59,10 +59,20 @@ def _attention_ref(q, k, v, window: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("window", [0, 20])
-def test_every_row_of_a_chunk_is_its_decode(build: str, window: int) -> None:
+@pytest.mark.parametrize("kv", ["float32", "int8"])
+def test_every_row_of_a_chunk_is_its_decode(build: str, window: int, kv: str) -> None:
     """Two sequences in paged blocks of 8 (shuffled): a 70-token prompt in one chunk, and a 50-token one
     whose last 13 rows come as a chunk after its cached first 37; every row equals the decode kernel's
-    result for that row alone, and the float64 reference to float32 rounding."""
+    result for that row alone, and the float64 reference to float32 rounding. int8: the cache holds
+    kv_quant's rows, the reference their dequantized values."""
+    from cachegw.backend.executor.layers import kv_quant
+
+    def stored(x: torch.Tensor) -> torch.Tensor:  # as the cache keeps x
+        return kv_quant.encode(x, torch.int8) if kv == "int8" else x
+
+    def exact(x: torch.Tensor) -> torch.Tensor:  # the values the cache gives back for x
+        return x if kv == "float32" else kv_quant.decode(stored(x), torch.int8, torch.empty_like(x))
+
     ops, g = _ops(build), torch.Generator().manual_seed(window)
     heads, kv_heads, d, bs = 6, 2, 64, 8
     lengths, chunks = (70, 50), (70, 13)
@@ -72,18 +82,19 @@ def test_every_row_of_a_chunk_is_its_decode(build: str, window: int) -> None:
     for s, n in enumerate(lengths):
         q, k, v = (
             torch.randn(n, heads, d, generator=g),
-            *(torch.randn(n, kv_heads, d, generator=g) for _ in "kv"),
+            *(exact(torch.randn(n, kv_heads, d, generator=g)) for _ in "kv"),
         )
         for p in range(n):
             block = int(tables[s, p // bs])
             k_cache[block, p % bs], v_cache[block, p % bs] = k[p], v[p]
         torch.testing.assert_close(
-            ops.paged_attention(q, k_cache, v_cache, tables[s : s + 1].contiguous(),
+            ops.paged_attention(q, stored(k_cache), stored(v_cache), tables[s : s + 1].contiguous(),
                                 torch.tensor([n], dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32),
                                 d**-0.5, window),
             _attention_ref(q, k, v, window), rtol=1e-4, atol=1e-5)  # fmt: skip
         qs.append(q[n - chunks[s] :])
         rows += [(s, p) for p in range(n - chunks[s], n)]
+    k_cache, v_cache = stored(k_cache), stored(v_cache)
     out = ops.paged_attention(
         torch.cat(qs), k_cache, v_cache, tables, torch.tensor(lengths, dtype=torch.int32),
         torch.tensor([0, chunks[0], sum(chunks)], dtype=torch.int32), d**-0.5, window,

@@ -69,6 +69,25 @@ def test_fused_decode_gives_the_eager_tokens(tmp_path, build, kind, quantization
     _fused_and_eager(llm, [prompt_of(n, seed=n) for n in (5, 12, 30)], tokens=12)
 
 
+@pytest.mark.parametrize("build", BUILDS)
+def test_fused_decode_with_an_int8_kv_cache_gives_the_eager_tokens(tmp_path, build):
+    """An int8 KV cache: the fused step quantizes each new row as kv_quant.encode does (byte for byte)
+    and reads the integers with their scales as the modules' row kernel does, so the same bits again;
+    and its tokens stay those of a float32 cache for the first steps."""
+    options = dict(model=_tiny("mistral", tmp_path), dtype="float32", device="cpu", quantization="int4",
+                   cpu_kernels=build, kv_cache_tokens=1024, block_size=8, enable_prefix_caching=False,
+                   compile="off")  # fmt: skip
+    llm = LLM(kv_cache_dtype="int8", **options)
+    assert llm.engine.runner.kv_caches[0][0].dtype == torch.int8
+    prompts = [prompt_of(n, seed=n) for n in (5, 12, 30)]
+    _fused_and_eager(llm, prompts, tokens=12)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    int8 = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    del llm
+    floats = [o.outputs[0].token_ids for o in LLM(**options).generate(prompts, params)]
+    assert int8 == floats
+
+
 def test_the_embedded_model_decodes_fused():
     """SmolLM2's Q4_1 file as `cachegw backend` runs it on float32: fused from the first decode, and no
     decode-step compile started (it would buy nothing: the fused step is as fast)."""
@@ -82,7 +101,8 @@ def test_the_embedded_model_decodes_fused():
 @pytest.mark.parametrize(
     ("options", "reason"),
     [
-        ({"dtype": "bfloat16", "quantization": "int4"}, "KV cache is not float32"),
+        ({"dtype": "bfloat16", "quantization": "int4"}, "KV cache is neither float32 nor int8"),
+        ({"dtype": "float32", "quantization": "int4", "kv_cache_dtype": "fp8"}, "neither float32 nor int8"),
         ({"dtype": "float32", "quantization": "none"}, "not on cachegw's block-quantized kernels"),
         ({"dtype": "float32", "quantization": "int4", "cpu_kernels": "torch"}, "kernels are not running"),
     ],

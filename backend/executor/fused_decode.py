@@ -47,8 +47,8 @@ def unfused_reason(model: LlamaForCausalLM, kv_dtype: torch.dtype, ops: str | No
     spec = model.spec
     if spec.kv_parts != 2 or spec.head_dim % 16 or spec.head_dim > 256 or spec.rotary_dim != spec.head_dim:
         return "the attention's shape"
-    if kv_dtype != torch.float32:
-        return "the KV cache is not float32"
+    if kv_dtype not in (torch.float32, torch.int8):
+        return "the KV cache is neither float32 nor int8"
     norm = model.norm
     if type(norm) is not RMSNorm or norm.weight.dtype != torch.float32:
         return "the model's norm"
@@ -172,7 +172,7 @@ def fused_decode_for(
         return None
     log.info("decode-only steps run fused in cachegw's CPU kernels (one call a step, nothing to compile)")
     assert ops is not None
-    share_arithmetic(model, ops)
+    share_arithmetic(model, ops, kv_dtype)
     return FusedDecode(model, ops)
 
 
@@ -181,17 +181,20 @@ def fused_decode_for(
 ROW_ATTENTION = ("cachegw_avx512",)
 
 
-def share_arithmetic(model: LlamaForCausalLM, ops: str) -> None:
+def share_arithmetic(model: LlamaForCausalLM, ops: str, kv_dtype: torch.dtype = torch.float32) -> None:
     """The modules' norms, SiLU and attention on the fused step's own ops (``cpu_kernels_modules.h``),
     so that a token gives the same bits decoded fused, decoded eagerly, or inside a prefill (any chunk,
     after any prefix-cache hit): the rest of a layer (projections, rotary, adds) has the same bits
     already. Steps of one row per sequence (decodes, a prefix hit's one-token tail) always run the row
     kernel; longer prefill chunks only on builds with the grouped one (``ROW_ATTENTION``): elsewhere it
     made a 2,000-token prompt 1.44x slower than torch's attention (AVX2, docs/benchmarks.md), so there a
-    prompt's logits may depend on the prefix cache by rounding."""
+    prompt's logits may depend on the prefix cache by rounding. The grouped kernel reads float32 rows
+    only: with an int8 cache a 4k prompt's chunks took 1.8x torch's time on the per-head one, so they
+    stay on torch's attention (which, as ever with a quantized cache, lets a first chunk see its own
+    unquantized K/V)."""
     cast(RMSNorm, model.norm).ops = ops
     for layer in cast(list[LlamaDecoderLayer], list(model.layers)):
         layer.input_layernorm.ops = layer.post_attention_layernorm.ops = ops
         cast(LlamaMLP, layer.mlp).ops = ops
         attn = cast(PagedAttention, layer.self_attn.attn)
-        attn.row_ops, attn.row_prefill = ops, ops in ROW_ATTENTION
+        attn.row_ops, attn.row_prefill = ops, ops in ROW_ATTENTION and kv_dtype == torch.float32

@@ -126,14 +126,15 @@ class ModelRunner:
         # compile's warm-up writes there while sequences may already be running.
         self.kv_caches = self._allocate_kv_cache(self.num_blocks + compiling)
         self.compiled: CompiledDecode | None = None
-        # the compiled decode step's attention on cachegw's kernel (float32 caches)
+        # the compiled decode step's attention on cachegw's kernel (float32 or int8 caches)
         self.native_decode: str | None = None  # its op namespace
         if compiling:
             head_dim = self.spec.head_dim
             fits = (
                 self.spec.kv_parts == 2  # cachegw's kernel reads per-head K and V
                 and not self.softcapped
-                and self.kv_caches[0][0].dtype == dtype == torch.float32
+                and dtype == torch.float32
+                and self.kv_caches[0][0].dtype in (torch.float32, torch.int8)
                 and head_dim % 16 == 0
                 and head_dim <= 256
             )

@@ -320,7 +320,7 @@ class PagedAttention(torch.nn.Module):
         self.sinks = 0  # StreamingLLM: the first ``sinks`` positions stay visible (torch path only)
         # the op namespace of cachegw's CPU kernel for the compiled decode step's attention (None:
         # torch's); the runner sets it where ``[engine] cpu_kernels``, the CPU, the head size and
-        # float32 caches allow
+        # float32 or int8 caches allow
         self.native_decode: str | None = None
         # every query row on cachegw's decode kernel (the op namespace), where the fused decode step runs:
         # a row's result then follows neither the step's row count nor what the prefix cache held

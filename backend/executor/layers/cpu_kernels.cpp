@@ -67,6 +67,39 @@ struct Columns {
   std::vector<int32_t> isums; // [tiles][nb][kLanes]: the block's sum of rounded values
 };
 
+// KV cache rows (layers/kv_quant.py): float32 rows of D values, or int8 rows of D values then their
+// float16 scale (absmax / 127). The attention kernels read int8 rows' integers and apply the scale
+// to the row's score and softmax weight (kv_scale: 1 for float32 rows).
+inline float kv_scale(const float*, int64_t) { return 1.0f; }
+inline float kv_scale(const int8_t* row, int64_t d) {
+  at::Half h;
+  std::memcpy(&h, row + d, sizeof h);
+  return static_cast<float>(h);
+}
+// A cache row's elements: D, or D + 2 for int8 (the scale's bytes).
+inline int64_t kv_width(const at::Tensor& cache, int64_t d) { return cache.scalar_type() == at::kChar ? d + 2 : d; }
+// Store one row of D floats as the cache keeps it: a copy, or as kv_quant.encode quantizes it (scale
+// = max(absmax / 127, 1e-8) in float32, each value divided by it and rounded half to even, the scale
+// stored as float16), byte for byte.
+inline void kv_store(const float* x, float* dst, int64_t d) { std::memcpy(dst, x, d * sizeof(float)); }
+inline void kv_store(const float* x, int8_t* dst, int64_t d) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float s = std::max(amax / 127.0f, 1e-8f);
+  for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<int8_t>(std::nearbyint(x[i] / s));
+  const at::Half h(s);
+  std::memcpy(dst + d, &h, sizeof h);
+}
+
+// The K and V caches an attention op reads for heads of `d` values: equal shapes, contiguous, float32
+// [blocks, block size, KV heads, D] or int8 [..., D + 2]; `d` a multiple of 16 up to 256.
+inline void check_kv_caches(const at::Tensor& k, const at::Tensor& v, int64_t d) {
+  TORCH_CHECK(k.dim() == 4 && (k.scalar_type() == at::kFloat || k.scalar_type() == at::kChar) && k.is_contiguous() &&
+                  v.sizes() == k.sizes() && v.scalar_type() == k.scalar_type() && v.is_contiguous(),
+              "caches must be contiguous float32 [blocks, block size, KV heads, D] or int8 [..., D + 2]");
+  TORCH_CHECK(k.size(3) == kv_width(k, d) && d % 16 == 0 && d <= 256, "head size must be a multiple of 16 up to 256");
+}
+
 }  // namespace
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -157,16 +190,17 @@ at::Tensor block_linear_impl(const at::Tensor& x, const at::Tensor& w, const at:
   return y;
 }
 
-at::Tensor paged_decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                       const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                                       int64_t window) {
+template <typename T>
+at::Tensor paged_decode_attention_typed(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                        int64_t window) {
   const int64_t n = q.size(0), heads = q.size(1), d = q.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2), width = block_tables.size(1);
-  const int64_t group = heads / kv_heads, row_stride = kv_heads * d;
+  const int64_t group = heads / kv_heads, kv_row = k_cache.size(3), row_stride = kv_heads * kv_row;
   at::Tensor out = at::empty_like(q);
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const T* kp = static_cast<const T*>(k_cache.data_ptr());
+  const T* vp = static_cast<const T*>(v_cache.data_ptr());
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
@@ -180,11 +214,19 @@ at::Tensor paged_decode_attention_impl(const at::Tensor& q, const at::Tensor& k_
         std::fill(op + task * d, op + (task + 1) * d, 0.0f);
         continue;
       }
-      attend_one(qp + task * d, kp + kvh * d, vp + kvh * d, tables + i * width, start, end, block_size, row_stride,
-                 static_cast<float>(scale), scores.data(), op + task * d, d);
+      attend_one<T>(qp + task * d, kp + kvh * kv_row, vp + kvh * kv_row, tables + i * width, start, end, block_size,
+                    row_stride, static_cast<float>(scale), scores.data(), op + task * d, d);
     }
   });
   return out;
+}
+
+at::Tensor paged_decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                       const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                       int64_t window) {
+  if (k_cache.scalar_type() == at::kChar)
+    return paged_decode_attention_typed<int8_t>(q, k_cache, v_cache, block_tables, seq_lens, scale, window);
+  return paged_decode_attention_typed<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, window);
 }
 }  // namespace
 #else
@@ -212,10 +254,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                                   int64_t window) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous float32 [n, H, D]");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
-                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
-              "caches must be contiguous float32 [blocks, block size, KV heads, D]");
-  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(2) % 16 == 0 && q.size(2) <= 256, "head size must be a multiple of 16 up to 256");
+  check_kv_caches(k_cache, v_cache, q.size(2));
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
                   block_tables.size(0) == q.size(0),
@@ -253,12 +292,14 @@ at::Tensor decode_step_op(const at::Tensor& x, const at::Tensor& positions, cons
                   block_tables.size(0) == rows && seq_lens.scalar_type() == at::kInt && seq_lens.numel() == rows,
               "block_tables must be contiguous int32 [B, W], seq_lens int32 [B]");
   TORCH_CHECK(!caches.empty() && caches.size() % 2 == 0, "caches: K and V of every layer");
-  for (const at::Tensor& c : caches)
-    TORCH_CHECK(c.dim() == 4 && c.scalar_type() == at::kFloat && c.is_contiguous() && c.size(2) == kv_heads &&
-                    c.sizes() == caches[0].sizes(),
-                "caches must be contiguous float32 [blocks, block size, KV heads, D]");
-  const int64_t d = caches[0].size(3);
-  TORCH_CHECK(d % 16 == 0 && d <= 256 && heads % kv_heads == 0, "head size must be a multiple of 16 up to 256");
+  const int64_t d = caches[0].size(3) - (caches[0].scalar_type() == at::kChar ? 2 : 0);
+  for (size_t i = 0; i < caches.size(); i += 2) {
+    check_kv_caches(caches[i], caches[i + 1], d);
+    TORCH_CHECK(caches[i].sizes() == caches[0].sizes() && caches[i].scalar_type() == caches[0].scalar_type() &&
+                    caches[i].size(2) == kv_heads,
+                "every layer's caches must be alike, with kv_heads KV heads");
+  }
+  TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(x.size(1) % 64 == 0 && heads * d % 64 == 0, "hidden and heads x head size must be multiples of 64");
   return decode_step(x, positions, slots, block_tables, seq_lens, weights, caches, final_norm, ints, heads, kv_heads,
                      eps, scale);

@@ -136,9 +136,16 @@ inline __m256 exp_ps(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+// 8 values of a cache row as floats (the AVX-512 build's kv16, in halves).
+inline __m256 kv8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 kv8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
 // One query row against its sequence's keys in the paged cache, as the AVX-512 one and in its
-// order (lo and hi: its lanes 0-7 and 8-15 of each 16 values), so both give the same bits.
-void attend_one(const float* q, const float* kc, const float* vc, const int32_t* table, int64_t start, int64_t end,
+// order (lo and hi: its lanes 0-7 and 8-15 of each 16 values), so both give the same bits; T as there.
+template <typename T>
+void attend_one(const float* q, const T* kc, const T* vc, const int32_t* table, int64_t start, int64_t end,
                 int64_t block_size, int64_t row_stride, float scale, float* scores, float* out, int64_t d) {
   const int64_t nv = d / 8;
   __m256 qv[32];
@@ -146,13 +153,13 @@ void attend_one(const float* q, const float* kc, const float* vc, const int32_t*
   float best = -INFINITY;
   for (int64_t t = start; t < end; ++t) {
     const int64_t row = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-    const float* k = kc + row * row_stride;
-    __m256 lo = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k)), hi = _mm256_mul_ps(qv[1], _mm256_loadu_ps(k + 8));
+    const T* k = kc + row * row_stride;
+    __m256 lo = _mm256_mul_ps(qv[0], kv8(k)), hi = _mm256_mul_ps(qv[1], kv8(k + 8));
     for (int64_t j = 2; j < nv; j += 2) {
-      lo = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k + j * 8), lo);
-      hi = _mm256_fmadd_ps(qv[j + 1], _mm256_loadu_ps(k + j * 8 + 8), hi);
+      lo = _mm256_fmadd_ps(qv[j], kv8(k + j * 8), lo);
+      hi = _mm256_fmadd_ps(qv[j + 1], kv8(k + j * 8 + 8), hi);
     }
-    const float sc = hsum(_mm256_add_ps(hi, lo));
+    const float sc = hsum(_mm256_add_ps(hi, lo)) * kv_scale(k, d);
     scores[t - start] = sc;
     best = std::max(best, sc);
   }
@@ -171,9 +178,9 @@ void attend_one(const float* q, const float* kc, const float* vc, const int32_t*
   for (int64_t j = 0; j < nv; ++j) o[j] = _mm256_setzero_ps();
   for (int64_t t = start; t < end; ++t) {
     const int64_t row = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-    const float* v = vc + row * row_stride;
-    const __m256 w = _mm256_set1_ps(scores[t - start]);
-    for (int64_t j = 0; j < nv; ++j) o[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + j * 8), o[j]);
+    const T* v = vc + row * row_stride;
+    const __m256 w = _mm256_set1_ps(scores[t - start] * kv_scale(v, d));
+    for (int64_t j = 0; j < nv; ++j) o[j] = _mm256_fmadd_ps(w, kv8(v + j * 8), o[j]);
   }
   for (int64_t j = 0; j < nv; ++j) _mm256_storeu_ps(out + j * 8, _mm256_mul_ps(o[j], _mm256_set1_ps(inv)));
 }

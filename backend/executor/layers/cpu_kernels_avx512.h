@@ -128,9 +128,19 @@ inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// 16 values of a cache row as floats: float32 rows as they are, int8 rows' integers (their scale is
+// applied to the row's score and weight instead: kv_scale).
+inline __m512 kv16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 kv16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
 // One query row against its sequence's keys in the paged cache: scores, softmax, weighted values.
-// D is a multiple of 16 and at most 256.
-void attend_one(const float* q, const float* kc, const float* vc, const int32_t* table, int64_t start, int64_t end,
+// D is a multiple of 16 and at most 256. T: float (float32 cache) or int8_t (int8 rows of D values then
+// their float16 scale, layers/kv_quant.py): a key's score is its integers' dot product times its scale,
+// a value's weight its probability times its scale.
+template <typename T>
+void attend_one(const float* q, const T* kc, const T* vc, const int32_t* table, int64_t start, int64_t end,
                 int64_t block_size, int64_t row_stride, float scale, float* scores, float* out, int64_t d) {
   const int64_t nv = d / 16;
   __m512 qv[16];
@@ -138,10 +148,10 @@ void attend_one(const float* q, const float* kc, const float* vc, const int32_t*
   float best = -INFINITY;
   for (int64_t t = start; t < end; ++t) {
     const int64_t row = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-    const float* k = kc + row * row_stride;
-    __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-    for (int64_t j = 1; j < nv; ++j) acc = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(k + j * 16), acc);
-    const float sc = _mm512_reduce_add_ps(acc);
+    const T* k = kc + row * row_stride;
+    __m512 acc = _mm512_mul_ps(qv[0], kv16(k));
+    for (int64_t j = 1; j < nv; ++j) acc = _mm512_fmadd_ps(qv[j], kv16(k + j * 16), acc);
+    const float sc = _mm512_reduce_add_ps(acc) * kv_scale(k, d);
     scores[t - start] = sc;
     best = std::max(best, sc);
   }
@@ -158,9 +168,9 @@ void attend_one(const float* q, const float* kc, const float* vc, const int32_t*
   for (int64_t j = 0; j < nv; ++j) o[j] = _mm512_setzero_ps();
   for (int64_t t = start; t < end; ++t) {
     const int64_t row = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-    const float* v = vc + row * row_stride;
-    const __m512 w = _mm512_set1_ps(scores[t - start]);
-    for (int64_t j = 0; j < nv; ++j) o[j] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + j * 16), o[j]);
+    const T* v = vc + row * row_stride;
+    const __m512 w = _mm512_set1_ps(scores[t - start] * kv_scale(v, d));
+    for (int64_t j = 0; j < nv; ++j) o[j] = _mm512_fmadd_ps(w, kv16(v + j * 16), o[j]);
   }
   for (int64_t j = 0; j < nv; ++j) _mm512_storeu_ps(out + j * 16, _mm512_mul_ps(o[j], _mm512_set1_ps(inv)));
 }

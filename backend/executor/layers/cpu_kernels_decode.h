@@ -117,7 +117,8 @@ at::Tensor decode_step(const at::Tensor& x_in, const at::Tensor& positions, cons
   const int64_t layers = static_cast<int64_t>(caches.size()) / 2;
   TORCH_CHECK(static_cast<int64_t>(t.size()) == layers * kLayerTensors && static_cast<int64_t>(ints.size()) == layers * kLayerInts,
               "decode_step: ", t.size(), " tensors and ", ints.size(), " ints for ", layers, " layers");
-  const int64_t rows = x_in.size(0), hidden = x_in.size(1), d = caches[0].size(3);
+  const bool int8 = caches[0].scalar_type() == at::kChar;
+  const int64_t rows = x_in.size(0), hidden = x_in.size(1), kv_row = caches[0].size(3), d = int8 ? kv_row - 2 : kv_row;
   const int64_t q_size = heads * d, kv_size = kv_heads * d, qkv_size = q_size + 2 * kv_size;
   const float eps = static_cast<float>(eps_d);
   const int64_t* pos = positions.data_ptr<int64_t>();
@@ -133,17 +134,23 @@ at::Tensor decode_step(const at::Tensor& x_in, const at::Tensor& positions, cons
     at::Tensor qkv = project(h, t, l * kLayerTensors + 4, bits[0]);
     const at::Tensor& kc = caches[2 * l];
     const at::Tensor& vc = caches[2 * l + 1];
-    float* kcp = kc.data_ptr<float>();
-    float* vcp = vc.data_ptr<float>();
     float* qp = q.data_ptr<float>();
     for (int64_t r = 0; r < rows; ++r) {
-      float* row = qkv.data_ptr<float>() + r * qkv_size;
+      float* qkv_r = qkv.data_ptr<float>() + r * qkv_size;
       const float* cos = w[2].data_ptr<float>() + pos[r] * half;
       const float* sin = w[3].data_ptr<float>() + pos[r] * half;
-      rotate(row, heads + kv_heads, d, cos, sin);  // q and k sit side by side
-      std::memcpy(qp + r * q_size, row, q_size * sizeof(float));
-      std::memcpy(kcp + slot[r] * kv_size, row + q_size, kv_size * sizeof(float));
-      std::memcpy(vcp + slot[r] * kv_size, row + q_size + kv_size, kv_size * sizeof(float));
+      rotate(qkv_r, heads + kv_heads, d, cos, sin);  // q and k sit side by side
+      std::memcpy(qp + r * q_size, qkv_r, q_size * sizeof(float));
+      for (int64_t h = 0; h < kv_heads; ++h) {  // each KV head's row as the cache stores it
+        const int64_t at = (slot[r] * kv_heads + h) * kv_row;
+        if (int8) {
+          kv_store(qkv_r + q_size + h * d, kc.data_ptr<int8_t>() + at, d);
+          kv_store(qkv_r + q_size + kv_size + h * d, vc.data_ptr<int8_t>() + at, d);
+        } else {
+          kv_store(qkv_r + q_size + h * d, kc.data_ptr<float>() + at, d);
+          kv_store(qkv_r + q_size + kv_size + h * d, vc.data_ptr<float>() + at, d);
+        }
+      }
     }
     at::Tensor o = paged_decode_attention_impl(q, kc, vc, block_tables, seq_lens, scale, bits[4]);
     at::Tensor a = project(o.view({rows, q_size}), t, l * kLayerTensors + 8, bits[1]);

@@ -69,11 +69,7 @@ at::Tensor paged_attention_op(const at::Tensor& q_in, const at::Tensor& k_cache,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
                               const at::Tensor& query_start_loc, double scale, int64_t window) {
   TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat, "q must be float32 [T, H, D]");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
-                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
-              "caches must be contiguous float32 [blocks, block size, KV heads, D]");
-  TORCH_CHECK(q_in.size(2) == k_cache.size(3) && q_in.size(2) % 16 == 0 && q_in.size(2) <= 256,
-              "head size must be a multiple of 16 up to 256");
+  check_kv_caches(k_cache, v_cache, q_in.size(2));
   TORCH_CHECK(q_in.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(),
               "block_tables must be contiguous int32 [S, W]");
@@ -83,7 +79,8 @@ at::Tensor paged_attention_op(const at::Tensor& q_in, const at::Tensor& k_cache,
   const at::Tensor q = q_in.contiguous();
   const int64_t heads = q.size(1), d = q.size(2), seqs = seq_lens.numel();
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2), width = block_tables.size(1);
-  const int64_t group = heads / kv_heads, row_stride = kv_heads * d;
+  const int64_t group = heads / kv_heads, kv_row = k_cache.size(3), row_stride = kv_heads * kv_row;
+  const bool int8 = k_cache.scalar_type() == at::kChar;
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   TORCH_CHECK(starts[seqs] == q.size(0), "query_start_loc must end at the step's row count");
@@ -97,12 +94,11 @@ at::Tensor paged_attention_op(const at::Tensor& q_in, const at::Tensor& k_cache,
     }
   at::Tensor out = at::empty_like(q);
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
-  // a row's query heads of one KV head together where this build has the grouped kernel (the same bits)
-  const AttendGroup grouped = attend_group_for(group, d);
+  // a row's query heads of one KV head together where this build has the grouped kernel (the same bits;
+  // float32 caches only)
+  const AttendGroup grouped = int8 ? nullptr : attend_group_for(group, d);
   const int64_t per_row = grouped != nullptr ? kv_heads : heads;
   const int64_t tasks = static_cast<int64_t>(order.size()) * per_row;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end_task) {
@@ -122,12 +118,16 @@ at::Tensor paged_attention_op(const at::Tensor& q_in, const at::Tensor& k_cache,
         std::fill(op + at * d, op + (at + count) * d, 0.0f);
         continue;
       }
-      if (grouped != nullptr)
-        grouped(qp + at * d, kp + kvh * d, vp + kvh * d, tables + s * width, start, end, block_size, row_stride,
-                static_cast<float>(scale), scores.data(), span, op + at * d);
+      const float sc = static_cast<float>(scale);
+      if (int8)
+        attend_one(qp + at * d, k_cache.data_ptr<int8_t>() + kvh * kv_row, v_cache.data_ptr<int8_t>() + kvh * kv_row,
+                   tables + s * width, start, end, block_size, row_stride, sc, scores.data(), op + at * d, d);
+      else if (grouped != nullptr)
+        grouped(qp + at * d, k_cache.data_ptr<float>() + kvh * d, v_cache.data_ptr<float>() + kvh * d,
+                tables + s * width, start, end, block_size, row_stride, sc, scores.data(), span, op + at * d);
       else
-        attend_one(qp + at * d, kp + kvh * d, vp + kvh * d, tables + s * width, start, end, block_size, row_stride,
-                   static_cast<float>(scale), scores.data(), op + at * d, d);
+        attend_one(qp + at * d, k_cache.data_ptr<float>() + kvh * d, v_cache.data_ptr<float>() + kvh * d,
+                   tables + s * width, start, end, block_size, row_stride, sc, scores.data(), op + at * d, d);
     }
   });
   return out;

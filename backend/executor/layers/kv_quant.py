@@ -12,8 +12,10 @@ blocks, scales included) stay valid without anything new. Float16 scales cost 2 
 saturate), 1 byte an element. Torch's CPU indexing kernels lack float8, so the torch path moves the
 bytes as uint8 and converts on the way in and out.
 
-Both are read back into the compute dtype (``decode``) before attention; a prefill with nothing
-cached before it attends to its own unquantized K/V, as vLLM's does.
+The torch path reads both back into the compute dtype (``decode``) before attention; cachegw's CPU
+decode kernels and the Triton kernels read int8 values as stored and apply each row's scale to its
+score and softmax weight. A prefill with nothing cached before it attends to its own unquantized K/V
+on the torch path, as vLLM's does.
 """
 
 from __future__ import annotations
