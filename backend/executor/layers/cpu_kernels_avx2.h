@@ -189,6 +189,10 @@ void attend_one(const float* q, const T* kc, const T* vc, const int32_t* table, 
 using AttendGroup = void (*)(const float*, const float*, const float*, const int32_t*, int64_t, int64_t, int64_t,
                              int64_t, float, float*, int64_t, float*);
 inline AttendGroup attend_group_for(int64_t, int64_t) { return nullptr; }
+constexpr int64_t kRowBlock = 1;
+using AttendRows = void (*)(const float*, float*, int64_t, int64_t, const int64_t*, const float*, const float*,
+                            const int32_t*, int64_t, int64_t, float, float*, int64_t, float*);
+inline AttendRows attend_rows_for(int64_t, int64_t) { return nullptr; }
 
 // --- prefill (cpu_kernels_prefill.h): 8 activation rows per vector, 4 x 1 accumulators ---
 constexpr int64_t kPrefillRows = 4, kPrefillTiles = 1;

@@ -261,6 +261,117 @@ void attend_group(const float* q, const float* kc, const float* vc, const int32_
     for (int j = 0; j < NV; ++j) _mm512_storeu_ps(out + g * d + j * 16, _mm512_mul_ps(o[g][j], _mm512_set1_ps(inv[g])));
 }
 
+// Up to kRowBlock consecutive rows of one causal chunk (row r sees keys [0, ends[r]), ends ascending; no
+// window), G query heads each that share a KV head: every row computed by attend_group's own operations
+// (a key's score does not depend on whether it was reduced in a tile of 16 or alone; the max is exact;
+// each row's exponentials, sums and value accumulation keep their order), so the same bits, with each
+// tile of 16 keys and values read once for all the rows instead of once a row. q and out: row r at
+// r * stride; scores: rows * G * span floats; o_buf: rows * G * D floats.
+constexpr int64_t kRowBlock = 8;
+template <int G, int NV>
+void attend_rows(const float* q, float* out, int64_t stride, int64_t rows, const int64_t* ends, const float* kc,
+                 const float* vc, const int32_t* table, int64_t block_size, int64_t row_stride, float scale,
+                 float* scores, int64_t span, float* o_buf) {
+  constexpr int64_t d = NV * 16;
+  const int64_t last = ends[rows - 1];
+  float best[kRowBlock][G];
+  for (int64_t r = 0; r < rows; ++r)
+    for (int g = 0; g < G; ++g) best[r][g] = -INFINITY;
+  auto row_of = [&](int64_t at) { return static_cast<int64_t>(table[at / block_size]) * block_size + at % block_size; };
+  for (int64_t t = 0; t + 16 <= last; t += 16) {  // tiles of 16 keys, each row's where the row has all 16
+    const float* k16[16];
+    for (int i = 0; i < 16; ++i) k16[i] = kc + row_of(t + 4 * (i % 4) + i / 4) * row_stride;  // reduce16's order
+    for (int64_t r = 0; r < rows; ++r) {
+      if (t + 16 > ends[r]) continue;
+      for (int g = 0; g < G; ++g) {
+        __m512 qv[NV], acc[16];
+        for (int j = 0; j < NV; ++j) qv[j] = _mm512_mul_ps(_mm512_loadu_ps(q + r * stride + g * d + j * 16), _mm512_set1_ps(scale));
+        for (int i = 0; i < 16; ++i) {
+          acc[i] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k16[i]));
+          for (int j = 1; j < NV; ++j) acc[i] = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(k16[i] + j * 16), acc[i]);
+        }
+        const __m512 sc = reduce16(acc);
+        _mm512_storeu_ps(scores + (r * G + g) * span + t, sc);
+        best[r][g] = std::max(best[r][g], _mm512_reduce_max_ps(sc));
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {  // each row's last keys, one by one, as attend_group's tail
+    for (int64_t t = ends[r] / 16 * 16; t < ends[r]; ++t) {
+      const float* k = kc + row_of(t) * row_stride;
+      for (int g = 0; g < G; ++g) {
+        __m512 acc = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(q + r * stride + g * d), _mm512_set1_ps(scale)),
+                                   _mm512_loadu_ps(k));
+        for (int j = 1; j < NV; ++j)
+          acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(q + r * stride + g * d + j * 16), _mm512_set1_ps(scale)),
+                                _mm512_loadu_ps(k + j * 16), acc);
+        const float sc = _mm512_reduce_add_ps(acc);
+        scores[(r * G + g) * span + t] = sc;
+        best[r][g] = std::max(best[r][g], sc);
+      }
+    }
+  }
+  float inv[kRowBlock][G];
+  for (int64_t r = 0; r < rows; ++r)
+    for (int g = 0; g < G; ++g) {
+      float* sg = scores + (r * G + g) * span;
+      const int64_t len = ends[r];
+      __m512 total = _mm512_setzero_ps();
+      for (int64_t i = 0; i < len; i += 16) {
+        const __mmask16 m = len - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (len - i)) - 1);
+        const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + i), _mm512_set1_ps(best[r][g])));
+        _mm512_mask_storeu_ps(sg + i, m, e);
+        total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
+      }
+      inv[r][g] = 1.0f / _mm512_reduce_add_ps(total);
+    }
+  std::fill(o_buf, o_buf + rows * G * d, 0.0f);
+  for (int64_t t0 = 0; t0 < last; t0 += 16) {  // values a tile at a time, each row's sums in key order
+    const float* v16[16];
+    const int64_t tile = std::min<int64_t>(16, last - t0);
+    for (int64_t i = 0; i < tile; ++i) v16[i] = vc + row_of(t0 + i) * row_stride;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t n = std::min<int64_t>(tile, ends[r] - t0);
+      if (n <= 0) continue;
+      __m512 o[G][NV];
+      float* ob = o_buf + r * G * d;
+      for (int g = 0; g < G; ++g)
+        for (int j = 0; j < NV; ++j) o[g][j] = _mm512_loadu_ps(ob + g * d + j * 16);
+      for (int64_t i = 0; i < n; ++i) {
+        __m512 vv[NV];
+        for (int j = 0; j < NV; ++j) vv[j] = _mm512_loadu_ps(v16[i] + j * 16);
+        for (int g = 0; g < G; ++g) {
+          const __m512 w = _mm512_set1_ps(scores[(r * G + g) * span + t0 + i]);
+          for (int j = 0; j < NV; ++j) o[g][j] = _mm512_fmadd_ps(w, vv[j], o[g][j]);
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        for (int j = 0; j < NV; ++j) _mm512_storeu_ps(ob + g * d + j * 16, o[g][j]);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < NV; ++j)
+        _mm512_storeu_ps(out + r * stride + g * d + j * 16,
+                         _mm512_mul_ps(_mm512_loadu_ps(o_buf + (r * G + g) * d + j * 16), _mm512_set1_ps(inv[r][g])));
+}
+
+using AttendRows = void (*)(const float*, float*, int64_t, int64_t, const int64_t*, const float*, const float*,
+                            const int32_t*, int64_t, int64_t, float, float*, int64_t, float*);
+template <int NV>
+AttendRows attend_rows_for(int64_t group) {
+  switch (group) {
+    case 1: return &attend_rows<1, NV>;
+    case 2: return &attend_rows<2, NV>;
+    case 3: return &attend_rows<3, NV>;
+    case 4: return &attend_rows<4, NV>;
+    default: return nullptr;
+  }
+}
+inline AttendRows attend_rows_for(int64_t group, int64_t d) {
+  return d == 64 ? attend_rows_for<4>(group) : d == 128 ? attend_rows_for<8>(group) : nullptr;
+}
+
 // attend_group for this shape, or nullptr (then attend_one per head).
 using AttendGroup = void (*)(const float*, const float*, const float*, const int32_t*, int64_t, int64_t, int64_t,
                              int64_t, float, float*, int64_t, float*);

@@ -63,7 +63,8 @@ at::Tensor silu_mul_op(const at::Tensor& gu_in) {
 // Every query row of a step against the paged cache, each as the decode kernel computes a decode
 // (attend_one over the keys at positions [start, its own position]): q [T, H, D]; sequence s holds rows
 // query_start_loc[s] .. [s + 1], the last of them at position seq_lens[s] - 1. The K/V of the step are
-// in the caches already. Rows are handed to threads in pairs from both ends of each sequence, so a
+// in the caches already. Rows (on AVX-512 without a window, blocks of kRowBlock consecutive rows that read
+// each key tile once: attend_rows) are handed to threads in pairs from both ends of each sequence, so a
 // causal prefill's short and long rows share the work evenly, one KV head after another.
 at::Tensor paged_attention_op(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
@@ -84,31 +85,50 @@ at::Tensor paged_attention_op(const at::Tensor& q_in, const at::Tensor& k_cache,
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   TORCH_CHECK(starts[seqs] == q.size(0), "query_start_loc must end at the step's row count");
-  // (row, sequence) in pairs: the first and last row of a sequence, then the second and the second last...
-  std::vector<std::pair<int64_t, int64_t>> order;
-  order.reserve(q.size(0));
-  for (int64_t s = 0; s < seqs; ++s)
-    for (int64_t lo = starts[s], hi = starts[s + 1] - 1; lo <= hi; ++lo, --hi) {
-      order.emplace_back(lo, s);
-      if (hi != lo) order.emplace_back(hi, s);
-    }
   at::Tensor out = at::empty_like(q);
   const float* qp = q.data_ptr<float>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
   // a row's query heads of one KV head together where this build has the grouped kernel (the same bits;
-  // float32 caches only)
+  // float32 caches only), and without a window kRowBlock consecutive rows together (attend_rows)
   const AttendGroup grouped = int8 ? nullptr : attend_group_for(group, d);
+  const AttendRows blocked = grouped != nullptr && window <= 0 ? attend_rows_for(group, d) : nullptr;
+  const int64_t block = blocked != nullptr ? kRowBlock : 1;
+  // (first row, rows, sequence): blocks of consecutive rows, the first and last of a sequence, then the
+  // second and the second last..., so a causal prefill's short and long rows share the work evenly
+  struct Unit {
+    int64_t row, rows, seq;
+  };
+  std::vector<Unit> order;
+  order.reserve(q.size(0));
+  for (int64_t s = 0; s < seqs; ++s) {
+    std::vector<Unit> units;
+    for (int64_t lo = starts[s]; lo < starts[s + 1]; lo += block) units.push_back({lo, std::min(block, starts[s + 1] - lo), s});
+    for (size_t a = 0, b = units.size(); a < b; ++a) {
+      order.push_back(units[a]);
+      if (--b != a) order.push_back(units[b]);
+    }
+  }
   const int64_t per_row = grouped != nullptr ? kv_heads : heads;
   const int64_t tasks = static_cast<int64_t>(order.size()) * per_row;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end_task) {
     const int64_t span = width * block_size;
-    std::vector<float> scores((grouped != nullptr ? group : 1) * span);
+    std::vector<float> scores(block * (grouped != nullptr ? group : 1) * span), o_buf(block * group * d);
     for (int64_t task = begin; task < end_task; ++task) {
       // one KV head's rows after another: a thread's keys and values stay in its cache
-      const int64_t rows_n = static_cast<int64_t>(order.size());
-      const auto [row, s] = order[task % rows_n];
-      const int64_t part = task / rows_n;
+      const int64_t units_n = static_cast<int64_t>(order.size());
+      const Unit unit = order[task % units_n];
+      const int64_t row = unit.row, s = unit.seq, part = task / units_n;
+      if (unit.rows > 1) {  // attend_rows (no window: every row's keys start at 0)
+        int64_t ends[kRowBlock];
+        for (int64_t r = 0; r < unit.rows; ++r)
+          ends[r] = std::min<int64_t>(lens[s] - (starts[s + 1] - 1 - (row + r)), span);
+        const int64_t at = row * heads + part * group;
+        blocked(qp + at * d, op + at * d, heads * d, unit.rows, ends, k_cache.data_ptr<float>() + part * d,
+                v_cache.data_ptr<float>() + part * d, tables + s * width, block_size, row_stride,
+                static_cast<float>(scale), scores.data(), span, o_buf.data());
+        continue;
+      }
       // this row's context: the sequence's, less the rows after it in the chunk
       const int64_t end = std::min<int64_t>(lens[s] - (starts[s + 1] - 1 - row), span);
       const int64_t start = window > 0 ? std::max<int64_t>(0, end - window) : 0;
