@@ -34,6 +34,7 @@ SOURCES = tuple(
     for n in (
         "cpu_kernels.cpp",
         "cpu_kernels_avx512.h",
+        "cpu_kernels_avx512_attention.h",
         "cpu_kernels_avx2.h",
         "cpu_kernels_prefill.h",
         "cpu_kernels_decode.h",
