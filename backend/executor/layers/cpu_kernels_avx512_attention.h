@@ -253,37 +253,33 @@ void attend_rows(const float* q, float* out, int64_t stride, int64_t rows, const
 
 using AttendRows = void (*)(const float*, float*, int64_t, int64_t, const int64_t*, const float*, const float*,
                             const int32_t*, int64_t, int64_t, float, float*, int64_t, float*);
-template <int NV>
-AttendRows attend_rows_for(int64_t group) {
-  switch (group) {
-    case 1: return &attend_rows<1, NV>;
-    case 2: return &attend_rows<2, NV>;
-    case 3: return &attend_rows<3, NV>;
-    case 4: return &attend_rows<4, NV>;
-    default: return nullptr;
-  }
-}
-inline AttendRows attend_rows_for(int64_t group, int64_t d) {
-  return d == 64 ? attend_rows_for<4>(group) : d == 128 ? attend_rows_for<8>(group) : nullptr;
-}
-
-// attend_group for this shape, or nullptr (then attend_one per head).
 using AttendGroup = void (*)(const float*, const float*, const float*, const int32_t*, int64_t, int64_t, int64_t,
                              int64_t, float, float*, int64_t, float*);
-template <int NV>
-AttendGroup attend_group_for(int64_t group) {
-  switch (group) {
-    case 1: return &attend_group<1, NV>;
-    case 2: return &attend_group<2, NV>;
-    case 3: return &attend_group<3, NV>;
-    case 4: return &attend_group<4, NV>;
-    case 5: return &attend_group<5, NV>;
-    case 6: return &attend_group<6, NV>;
-    case 7: return &attend_group<7, NV>;
-    case 8: return &attend_group<8, NV>;
-    default: return nullptr;
+template <int G, int NV>
+struct GroupKernel {
+  static constexpr AttendGroup fn = &attend_group<G, NV>;
+};
+template <int G, int NV>
+struct RowsKernel {
+  static constexpr AttendRows fn = &attend_rows<G, NV>;
+};
+
+// K<G, NV>::fn for `group` query heads of one KV head (up to MaxG) and head size 16 * NV, else nullptr.
+template <template <int, int> class K, int NV, int MaxG, int G = 1>
+auto kernel_for(int64_t group) {
+  using Fn = std::remove_const_t<decltype(K<1, NV>::fn)>;
+  if constexpr (G > MaxG) {
+    return Fn{nullptr};
+  } else {
+    return group == G ? K<G, NV>::fn : kernel_for<K, NV, MaxG, G + 1>(group);
   }
 }
-inline AttendGroup attend_group_for(int64_t group, int64_t d) {
-  return d == 64 ? attend_group_for<4>(group) : d == 128 ? attend_group_for<8>(group) : nullptr;
+template <template <int, int> class K, int MaxG>
+auto kernel_for(int64_t group, int64_t d) {
+  return d == 64 ? kernel_for<K, 4, MaxG>(group) : d == 128 ? kernel_for<K, 8, MaxG>(group) : nullptr;
 }
+
+// attend_group for this shape, or nullptr (then attend_one per head); attend_rows for it (its value
+// accumulators in registers: up to 4 heads a KV head), or nullptr (then a row at a time).
+inline AttendGroup attend_group_for(int64_t group, int64_t d) { return kernel_for<GroupKernel, 8>(group, d); }
+inline AttendRows attend_rows_for(int64_t group, int64_t d) { return kernel_for<RowsKernel, 4>(group, d); }
