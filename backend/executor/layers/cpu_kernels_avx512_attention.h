@@ -30,6 +30,23 @@ inline __m512 kv16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
+// The cache slot of position `at` of a sequence through its block table.
+inline int64_t slot_of(const int32_t* table, int64_t at, int64_t block_size) {
+  return static_cast<int64_t>(table[at / block_size]) * block_size + at % block_size;
+}
+
+// scores[0, len) <- exp(score - best) in place; returns 1 / their sum (summed 16 at a time, in order).
+inline float exp_in_place(float* scores, int64_t len, float best) {
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t i = 0; i < len; i += 16) {
+    const __mmask16 m = len - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (len - i)) - 1);
+    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + i), _mm512_set1_ps(best)));
+    _mm512_mask_storeu_ps(scores + i, m, e);
+    total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
+  }
+  return 1.0f / _mm512_reduce_add_ps(total);
+}
+
 // One query row against its sequence's keys in the paged cache: scores, softmax, weighted values.
 // D is a multiple of 16 and at most 256. T: float (float32 cache) or int8_t (int8 rows of D values then
 // their float16 scale, layers/kv_quant.py): a key's score is its integers' dot product times its scale,
@@ -42,28 +59,18 @@ void attend_one(const float* q, const T* kc, const T* vc, const int32_t* table, 
   for (int64_t j = 0; j < nv; ++j) qv[j] = _mm512_mul_ps(_mm512_loadu_ps(q + j * 16), _mm512_set1_ps(scale));
   float best = -INFINITY;
   for (int64_t t = start; t < end; ++t) {
-    const int64_t row = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-    const T* k = kc + row * row_stride;
+    const T* k = kc + slot_of(table, t, block_size) * row_stride;
     __m512 acc = _mm512_mul_ps(qv[0], kv16(k));
     for (int64_t j = 1; j < nv; ++j) acc = _mm512_fmadd_ps(qv[j], kv16(k + j * 16), acc);
     const float sc = _mm512_reduce_add_ps(acc) * kv_scale(k, d);
     scores[t - start] = sc;
     best = std::max(best, sc);
   }
-  const int64_t len = end - start;
-  __m512 total = _mm512_setzero_ps();
-  for (int64_t i = 0; i < len; i += 16) {
-    const __mmask16 m = len - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (len - i)) - 1);
-    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + i), _mm512_set1_ps(best)));
-    _mm512_mask_storeu_ps(scores + i, m, e);
-    total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
-  }
-  const float inv = 1.0f / _mm512_reduce_add_ps(total);
+  const float inv = exp_in_place(scores, end - start, best);
   __m512 o[16];
   for (int64_t j = 0; j < nv; ++j) o[j] = _mm512_setzero_ps();
   for (int64_t t = start; t < end; ++t) {
-    const int64_t row = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-    const T* v = vc + row * row_stride;
+    const T* v = vc + slot_of(table, t, block_size) * row_stride;
     const __m512 w = _mm512_set1_ps(scores[t - start] * kv_scale(v, d));
     for (int64_t j = 0; j < nv; ++j) o[j] = _mm512_fmadd_ps(w, kv16(v + j * 16), o[j]);
   }
@@ -83,6 +90,23 @@ inline __m512 reduce16(const __m512* a) {
   return _mm512_add_ps(_mm512_shuffle_ps(w0, w1, 0x88), _mm512_shuffle_ps(w0, w1, 0xDD));
 }
 
+// The scores of one query head (qv: its NV vectors, scaled) against 16 keys, in reduce16's lane order.
+template <int NV>
+inline __m512 score16(const __m512* qv, const float* const* k16) {
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) {
+    acc[i] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k16[i]));
+    for (int j = 1; j < NV; ++j) acc[i] = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(k16[i] + j * 16), acc[i]);
+  }
+  return reduce16(acc);
+}
+
+// The 16 keys from position t on, in reduce16's lane order.
+inline void keys16(const float* kc, const int32_t* table, int64_t t, int64_t block_size, int64_t row_stride,
+                   const float** k16) {
+  for (int i = 0; i < 16; ++i) k16[i] = kc + slot_of(table, t + 4 * (i % 4) + i / 4, block_size) * row_stride;
+}
+
 // G query heads of one row that share a KV head (NV * 16 = D), each computed by attend_one's own
 // sequence of operations (so the same bits), with each key and value read once for all G and G
 // independent chains in flight: a prefill chunk's rows (cpu_kernels_modules.h). scores: G * span.
@@ -98,24 +122,15 @@ void attend_group(const float* q, const float* kc, const float* vc, const int32_
   int64_t t = start;
   for (; t + 16 <= end; t += 16) {  // 16 keys at once: their sums reduced together
     const float* k16[16];
-    for (int i = 0; i < 16; ++i) {
-      const int64_t at = t + 4 * (i % 4) + i / 4;  // reduce16's lane order
-      k16[i] = kc + (static_cast<int64_t>(table[at / block_size]) * block_size + at % block_size) * row_stride;
-    }
+    keys16(kc, table, t, block_size, row_stride, k16);
     for (int g = 0; g < G; ++g) {
-      __m512 acc[16];
-      for (int i = 0; i < 16; ++i) {
-        acc[i] = _mm512_mul_ps(qv[g][0], _mm512_loadu_ps(k16[i]));
-        for (int j = 1; j < NV; ++j) acc[i] = _mm512_fmadd_ps(qv[g][j], _mm512_loadu_ps(k16[i] + j * 16), acc[i]);
-      }
-      const __m512 sc = reduce16(acc);
+      const __m512 sc = score16<NV>(qv[g], k16);
       _mm512_storeu_ps(scores + g * span + t - start, sc);
       best[g] = std::max(best[g], _mm512_reduce_max_ps(sc));
     }
   }
   for (; t < end; ++t) {
-    const int64_t row = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-    const float* k = kc + row * row_stride;
+    const float* k = kc + slot_of(table, t, block_size) * row_stride;
     __m512 kv[NV];
     for (int j = 0; j < NV; ++j) kv[j] = _mm512_loadu_ps(k + j * 16);
     for (int g = 0; g < G; ++g) {
@@ -126,25 +141,13 @@ void attend_group(const float* q, const float* kc, const float* vc, const int32_
       best[g] = std::max(best[g], sc);
     }
   }
-  const int64_t len = end - start;
   float inv[G];
-  for (int g = 0; g < G; ++g) {
-    float* sg = scores + g * span;
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t i = 0; i < len; i += 16) {
-      const __mmask16 m = len - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (len - i)) - 1);
-      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + i), _mm512_set1_ps(best[g])));
-      _mm512_mask_storeu_ps(sg + i, m, e);
-      total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
-    }
-    inv[g] = 1.0f / _mm512_reduce_add_ps(total);
-  }
+  for (int g = 0; g < G; ++g) inv[g] = exp_in_place(scores + g * span, end - start, best[g]);
   __m512 o[G][NV];
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < NV; ++j) o[g][j] = _mm512_setzero_ps();
   for (int64_t t = start; t < end; ++t) {
-    const int64_t row = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-    const float* v = vc + row * row_stride;
+    const float* v = vc + slot_of(table, t, block_size) * row_stride;
     __m512 vv[NV];
     for (int j = 0; j < NV; ++j) vv[j] = _mm512_loadu_ps(v + j * 16);
     for (int g = 0; g < G; ++g) {
@@ -172,20 +175,15 @@ void attend_rows(const float* q, float* out, int64_t stride, int64_t rows, const
   float best[kRowBlock][G];
   for (int64_t r = 0; r < rows; ++r)
     for (int g = 0; g < G; ++g) best[r][g] = -INFINITY;
-  auto row_of = [&](int64_t at) { return static_cast<int64_t>(table[at / block_size]) * block_size + at % block_size; };
   for (int64_t t = 0; t + 16 <= last; t += 16) {  // tiles of 16 keys, each row's where the row has all 16
     const float* k16[16];
-    for (int i = 0; i < 16; ++i) k16[i] = kc + row_of(t + 4 * (i % 4) + i / 4) * row_stride;  // reduce16's order
+    keys16(kc, table, t, block_size, row_stride, k16);
     for (int64_t r = 0; r < rows; ++r) {
       if (t + 16 > ends[r]) continue;
       for (int g = 0; g < G; ++g) {
-        __m512 qv[NV], acc[16];
+        __m512 qv[NV];
         for (int j = 0; j < NV; ++j) qv[j] = _mm512_mul_ps(_mm512_loadu_ps(q + r * stride + g * d + j * 16), _mm512_set1_ps(scale));
-        for (int i = 0; i < 16; ++i) {
-          acc[i] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k16[i]));
-          for (int j = 1; j < NV; ++j) acc[i] = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(k16[i] + j * 16), acc[i]);
-        }
-        const __m512 sc = reduce16(acc);
+        const __m512 sc = score16<NV>(qv, k16);
         _mm512_storeu_ps(scores + (r * G + g) * span + t, sc);
         best[r][g] = std::max(best[r][g], _mm512_reduce_max_ps(sc));
       }
@@ -193,7 +191,7 @@ void attend_rows(const float* q, float* out, int64_t stride, int64_t rows, const
   }
   for (int64_t r = 0; r < rows; ++r) {  // each row's last keys, one by one, as attend_group's tail
     for (int64_t t = ends[r] / 16 * 16; t < ends[r]; ++t) {
-      const float* k = kc + row_of(t) * row_stride;
+      const float* k = kc + slot_of(table, t, block_size) * row_stride;
       for (int g = 0; g < G; ++g) {
         __m512 acc = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(q + r * stride + g * d), _mm512_set1_ps(scale)),
                                    _mm512_loadu_ps(k));
@@ -208,23 +206,12 @@ void attend_rows(const float* q, float* out, int64_t stride, int64_t rows, const
   }
   float inv[kRowBlock][G];
   for (int64_t r = 0; r < rows; ++r)
-    for (int g = 0; g < G; ++g) {
-      float* sg = scores + (r * G + g) * span;
-      const int64_t len = ends[r];
-      __m512 total = _mm512_setzero_ps();
-      for (int64_t i = 0; i < len; i += 16) {
-        const __mmask16 m = len - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (len - i)) - 1);
-        const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + i), _mm512_set1_ps(best[r][g])));
-        _mm512_mask_storeu_ps(sg + i, m, e);
-        total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
-      }
-      inv[r][g] = 1.0f / _mm512_reduce_add_ps(total);
-    }
+    for (int g = 0; g < G; ++g) inv[r][g] = exp_in_place(scores + (r * G + g) * span, ends[r], best[r][g]);
   std::fill(o_buf, o_buf + rows * G * d, 0.0f);
   for (int64_t t0 = 0; t0 < last; t0 += 16) {  // values a tile at a time, each row's sums in key order
     const float* v16[16];
     const int64_t tile = std::min<int64_t>(16, last - t0);
-    for (int64_t i = 0; i < tile; ++i) v16[i] = vc + row_of(t0 + i) * row_stride;
+    for (int64_t i = 0; i < tile; ++i) v16[i] = vc + slot_of(table, t0 + i, block_size) * row_stride;
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t n = std::min<int64_t>(tile, ends[r] - t0);
       if (n <= 0) continue;
